@@ -1,0 +1,38 @@
+"""attnkit: exact attention for any mask, attention you can see into, and the
+tutorial's API on top.
+
+One mask convention everywhere: True means "may attend".
+"""
+
+from attnkit import masks
+from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError
+from attnkit.functional import (
+    attention,
+    attention_weights,
+    attention_with_weights,
+    create_causal_mask,
+    create_padding_mask,
+    explain,
+    scaled_dot_product_attention,
+)
+from attnkit.nn import MultiHeadAttention
+from attnkit.viz import visualize_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttnkitError",
+    "AttnkitTypeError",
+    "AttnkitValueError",
+    "MultiHeadAttention",
+    "attention",
+    "attention_weights",
+    "attention_with_weights",
+    "create_causal_mask",
+    "create_padding_mask",
+    "explain",
+    "masks",
+    "scaled_dot_product_attention",
+    "visualize_attention",
+]
+

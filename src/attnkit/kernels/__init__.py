@@ -1,0 +1,1 @@
+"""Attention kernels: ``reference`` (the plain formula) and ``dispatch`` (which runs)."""

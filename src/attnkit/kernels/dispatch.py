@@ -1,0 +1,125 @@
+"""Which kernel runs an attention call, and why.
+
+Kernels:
+
+- ``"sdpa"``: PyTorch's fused ``torch.nn.functional.scaled_dot_product_attention``.
+  Mask objects are handed to it as ``is_causal=True`` where that is exact, else as
+  a dense bool mask.
+- ``"reference"``: the plain formula of :mod:`attnkit.kernels.reference`, in
+  float32 for half-precision inputs. It runs whenever dropout is on, so the
+  dropout mask comes from :func:`~attnkit.kernels.reference.draw_dropout_mask`
+  and the global generator, reproducibly under ``torch.manual_seed``.
+
+Before any kernel runs, K/V rows that no query may attend to are zeroed, so NaN
+or Inf stored in padding never reaches the output or the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import masks as _masks
+from attnkit._validate import AttnkitValueError, Shapes
+from attnkit.kernels import reference
+
+KERNELS = ("auto", "sdpa", "reference")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The kernel chosen for one call and the reason, in words."""
+
+    kernel: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel}: {self.reason}"
+
+
+def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto") -> Plan:
+    """Pick the kernel for a validated call (see the module docstring for the rules)."""
+    if kernel not in KERNELS:
+        raise AttnkitValueError(f"kernel must be one of {KERNELS}, but got {kernel!r}.")
+    if kernel != "auto":
+        return Plan(kernel, "forced by kernel=")
+    if dropout_p > 0.0:
+        return Plan("reference", f"dropout_p={dropout_p} draws its mask from the global generator")
+    if shapes.lk == 0 or shapes.lq == 0:
+        return Plan("reference", f"empty attention matrix (Lq={shapes.lq}, Lk={shapes.lk})")
+    if mask is None:
+        return Plan("sdpa", "fused SDPA: no mask")
+    if _is_plain_causal(mask):
+        return Plan("sdpa", "fused SDPA: is_causal")
+    return Plan("sdpa", "fused SDPA: dense mask")
+
+
+def _is_plain_causal(mask) -> bool:
+    return isinstance(mask, _masks._Causal)
+
+
+def dense_mask(mask, shapes: Shapes, device) -> torch.Tensor | None:
+    """A bool or float mask tensor with at most the rank of the attention matrix."""
+    if not isinstance(mask, _masks.Mask):
+        return mask
+    dense = mask.materialize(shapes.lq, shapes.lk, device=device)  # (B or 1, H or 1, Lq, Lk)
+    rank = len(shapes.scores)
+    while dense.dim() > rank:
+        dense = dense.squeeze(0)
+    return dense
+
+
+def run(q, k, v, mask, *, scale: float, dropout_p: float, plan: Plan, shapes: Shapes):
+    """Run ``plan`` on validated inputs; returns ``(..., Hq, Lq, Dv)``."""
+    if plan.kernel == "reference":
+        return run_reference(q, k, v, mask, scale=scale, dropout_p=dropout_p, shapes=shapes)[0]
+    if _is_plain_causal(mask) and (mask.align == "top_left" or shapes.lq == shapes.lk):
+        return _sdpa(q, k, v, None, scale=scale, dropout_p=dropout_p, shapes=shapes, causal=True)
+    dense = dense_mask(mask, shapes, q.device)
+    k, v = reference.zero_unused_keys(k, v, dense)
+    return _sdpa(q, k, v, dense, scale=scale, dropout_p=dropout_p, shapes=shapes)
+
+
+def run_reference(q, k, v, mask, *, scale: float, dropout_p: float, shapes: Shapes):
+    """The reference kernel on validated inputs: ``(out, weights)`` in q's dtype.
+
+    Half-precision inputs are computed in float32.
+    """
+    dense = dense_mask(mask, shapes, q.device)
+    k, v = reference.zero_unused_keys(k, v, dense)
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
+        q, k, v = q.float(), k.float(), v.float()
+        if dense is not None and dense.is_floating_point():
+            dense = dense.float()
+    out, weights = reference.attention(q, k, v, dense, scale=scale, dropout_p=dropout_p)
+    return out.to(dtype), weights.to(dtype)
+
+
+def _sdpa(q, k, v, mask, *, scale, dropout_p, shapes: Shapes, causal: bool = False):
+    """PyTorch's fused kernel on 4-D views of the inputs."""
+    batch = shapes.batch
+    flat = (-1,) if batch else (1,)
+    q4 = q.reshape(*flat, shapes.hq, shapes.lq, shapes.d)  # (B*, Hq, Lq, D)
+    k4 = k.reshape(*flat, shapes.hkv, shapes.lk, shapes.d)  # (B*, Hkv, Lk, D)
+    v4 = v.reshape(*flat, shapes.hkv, shapes.lk, shapes.dv)  # (B*, Hkv, Lk, Dv)
+    m4 = None
+    if mask is not None:
+        rank = len(shapes.scores)
+        m = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+        if len(batch) > 1:
+            m = m.expand(*batch, *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+        m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (B* or 1, H or 1, Lq or 1, Lk)
+    out = F.scaled_dot_product_attention(
+        q4,
+        k4,
+        v4,
+        attn_mask=m4,
+        dropout_p=dropout_p,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=shapes.hq != shapes.hkv,
+    )
+    return out.reshape(shapes.out)

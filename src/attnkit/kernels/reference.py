@@ -1,0 +1,109 @@
+"""The plain attention formula: the float64 oracle of the test suite and the fallback kernel.
+
+Equivalent pytorch code::
+
+    scores = q @ k.transpose(-2, -1) * scale + bias      # (..., Hq, Lq, Lk)
+    out = torch.softmax(scores, dim=-1) @ v              # (..., Hq, Lq, Dv)
+
+with one difference: a query row whose every key is masked gets weights 0 and
+output 0 (``torch.softmax`` would give NaN). Inputs are computed in the dtype they
+come in; call it on float64 tensors to get the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """Repeat each of the Hkv heads of ``t: (..., Hkv, L, D)`` Hq/Hkv times (GQA)."""
+    if t.dim() < 3 or t.shape[-3] == hq:
+        return t
+    return t.repeat_interleave(hq // t.shape[-3], dim=-3)  # (..., Hq, L, D)
+
+
+def allowed_pairs(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The bool "may attend" pattern of a bool or additive float mask (-inf = hidden)."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask != float("-inf")
+
+
+def zero_unused_keys(
+    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero the K/V rows that no query may attend to, so NaN/Inf there cannot leak.
+
+    ``mask`` is a bool or float mask broadcastable to ``(..., Hq, Lq, Lk)`` whose head
+    dimension is 1, Hkv or Hq (a K/V head is kept if any query head of its group uses it).
+    """
+    allowed = allowed_pairs(mask)
+    if allowed is None:
+        return k, v
+    used = allowed.any(dim=-2).unsqueeze(-1)  # (..., H or 1, Lk, 1)
+    if used.dim() >= 3 and k.dim() >= 3 and used.shape[-3] not in (1, k.shape[-3]):
+        hkv, lk = k.shape[-3], used.shape[-2]
+        groups = used.reshape(*used.shape[:-3], hkv, -1, lk, 1)  # (..., Hkv, Hq/Hkv, Lk, 1)
+        used = groups.any(dim=-3)  # (..., Hkv, Lk, 1)
+    zero = k.new_zeros(())
+    return torch.where(used, k, zero), torch.where(used, v, zero)
+
+
+def softmax_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Attention probabilities ``(..., Hq, Lq, Lk)``; fully masked rows are 0.
+
+    q: (..., Hq, Lq, D), k: (..., Hkv, Lk, D); mask: None, bool (True = may attend)
+    or additive float, broadcastable to (..., Hq, Lq, Lk).
+    """
+    k = expand_kv_heads(k, q.shape[-3] if q.dim() >= 3 else 1)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (..., Hq, Lq, D) x (..., Hq, D, Lk) -> (..., Hq, Lq, Lk)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    if scores.shape[-1] == 0:
+        return scores
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # fully masked rows
+    p = torch.exp(scores - row_max)
+    total = p.sum(dim=-1, keepdim=True)
+    return p / torch.where(total == 0, 1.0, total)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(out, weights)``: out (..., Hq, Lq, Dv), weights (..., Hq, Lq, Lk) before dropout.
+
+    Dropout keeps each weight with probability ``1 - dropout_p`` and rescales by
+    ``1 / (1 - dropout_p)``; ``dropout_mask`` (bool, True = keep) fixes which, else it
+    is drawn by :func:`draw_dropout_mask` from the global generator.
+    """
+    weights = softmax_weights(q, k, mask, scale=scale)
+    v = expand_kv_heads(v, weights.shape[-3] if weights.dim() >= 3 else 1)
+    dropped = weights
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            dropout_mask = draw_dropout_mask(weights.shape, dropout_p, weights.device)
+        dropped = weights * dropout_mask / (1.0 - dropout_p)
+    out = dropped @ v  # (..., Hq, Lq, Lk) x (..., Hq, Lk, Dv) -> (..., Hq, Lq, Dv)
+    return out, weights
+
+
+def draw_dropout_mask(shape, p: float, device) -> torch.Tensor:
+    """Bool keep-mask of ``shape``, each entry True with probability ``1 - p``."""
+    return torch.rand(shape, device=device) >= p

@@ -1,0 +1,214 @@
+"""``MultiHeadAttention``: projections around :func:`attnkit.attention`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnkit import functional
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
+
+
+def _positive_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise AttnkitTypeError(f"{name} must be an int, but got {x!r}.")
+    if x <= 0:
+        raise AttnkitValueError(f"{name} must be positive, but got {name}={x}.")
+    return x
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over batch-first inputs; self, cross or bidirectional.
+
+    ``softmax(Q K^T / sqrt(d_k)) V`` per head, with ``Q = query W_q``,
+    ``K = key W_k``, ``V = value W_v``, the heads merged and projected by ``W_o``.
+
+    Args:
+        d_model: width of the queries and of the output.
+        num_heads: number of query heads; must divide ``d_model``.
+        dropout: dropout on the attention weights, applied in training mode only.
+        bias: whether the four projections have a bias.
+        kdim, vdim: widths of ``key`` and ``value`` (cross-attention from another
+            width); default ``d_model``.
+        num_kv_heads: number of K/V heads (grouped-query attention); must divide
+            ``num_heads``. Defaults to ``num_heads``.
+
+    Shapes: ``query: (B, Lq, d_model)``, ``key: (B, Lk, kdim)``, ``value: (B, Lk, vdim)``
+    (or unbatched ``(L, E)``); returns ``(out, weights)`` with ``out: (B, Lq, d_model)``
+    and ``weights: (B, num_heads, Lq, Lk)`` if ``need_weights`` else None.
+
+    >>> import torch, attnkit
+    >>> mha = attnkit.MultiHeadAttention(64, 8)
+    >>> x = torch.randn(2, 10, 64)
+    >>> out, w = mha(x, x, x, mask=attnkit.masks.causal(), need_weights=True)
+    >>> out.shape, w.shape
+    (torch.Size([2, 10, 64]), torch.Size([2, 8, 10, 10]))
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        *,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        num_kv_heads: int | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        d_model = _positive_int(d_model, "d_model")
+        num_heads = _positive_int(num_heads, "num_heads")
+        if d_model % num_heads != 0:
+            raise AttnkitValueError(
+                f"d_model must be divisible by num_heads, but got d_model={d_model} and "
+                f"num_heads={num_heads} (d_model % num_heads = {d_model % num_heads})."
+            )
+        num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
+        if num_heads % num_kv_heads != 0:
+            raise AttnkitValueError(
+                f"num_heads must be a multiple of num_kv_heads, but got num_heads={num_heads} "
+                f"and num_kv_heads={num_kv_heads}."
+            )
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = d_model // num_heads
+        self.kdim = d_model if kdim is None else _positive_int(kdim, "kdim")
+        self.vdim = d_model if vdim is None else _positive_int(vdim, "vdim")
+        self.dropout = check_dropout(dropout, "dropout")
+        kv_width = num_kv_heads * self.head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        extra = f"d_model={self.d_model}, num_heads={self.num_heads}"
+        if self.num_kv_heads != self.num_heads:
+            extra += f", num_kv_heads={self.num_kv_heads}"
+        if self.kdim != self.d_model or self.vdim != self.d_model:
+            extra += f", kdim={self.kdim}, vdim={self.vdim}"
+        return extra + f", dropout={self.dropout}"
+
+    @staticmethod
+    def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """``(B, L, H * d) -> (B, H, L, d)``."""
+        b, length, width = x.shape
+        return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
+
+    @staticmethod
+    def merge_heads(x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, L, d) -> (B, L, H * d)``, the inverse of :meth:`split_heads`."""
+        b, h, length, d = x.shape
+        return x.transpose(1, 2).reshape(b, length, h * d)
+
+    def _check_input(self, x, name: str, width: int) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise AttnkitTypeError(f"{name} must be a torch.Tensor, but got {type(x).__name__}.")
+        if x.dim() not in (2, 3) or x.shape[-1] != width:
+            raise AttnkitValueError(
+                f"{name} must have shape (B, L, {width}) or (L, {width}), but got "
+                f"{tuple(x.shape)}."
+            )
+
+    def project(self, query, key=None, value=None):
+        """The per-head queries, keys and values of :meth:`forward`.
+
+        Returns ``q: (B, num_heads, Lq, head_dim)``, ``k: (B, num_kv_heads, Lk, head_dim)``
+        and ``v: (B, num_kv_heads, Lk, head_dim)`` for batched 3-D inputs.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_input(query, "query", self.d_model)
+        self._check_input(key, "key", self.kdim)
+        self._check_input(value, "value", self.vdim)
+        if not query.dim() == key.dim() == value.dim():
+            raise AttnkitValueError(
+                "query, key and value must all be batched (B, L, E) or all unbatched (L, E), "
+                f"but got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+            )
+        if key.shape[:-1] != value.shape[:-1]:
+            raise AttnkitValueError(
+                f"key and value must have the same batch size and length, but got "
+                f"key: {tuple(key.shape)} and value: {tuple(value.shape)}."
+            )
+        if query.dim() == 3 and query.shape[0] != key.shape[0]:
+            raise AttnkitValueError(
+                f"query and key must have the same batch size, but got query: "
+                f"{tuple(query.shape)} and key: {tuple(key.shape)}."
+            )
+        if query.dim() == 2:
+            query, key, value = query[None], key[None], value[None]
+        q = self.split_heads(self.q_proj(query), self.num_heads)  # (B, Lq, d_model) -> (B, H, Lq, hd)
+        k = self.split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Lk, kdim) -> (B, Hkv, Lk, hd)
+        v = self.split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
+        return q, k, v
+
+    def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False):
+        """Attend from ``query`` to ``key``/``value`` (both default to ``query``).
+
+        ``mask`` is any mask :func:`attnkit.attention` takes (True = may attend),
+        broadcastable to ``(B, num_heads, Lq, Lk)``; the tutorial's
+        ``create_padding_mask`` ``(B, 1, 1, L)`` and ``create_causal_mask`` ``(L, L)``
+        fit as they are. ``weights`` are the probabilities before dropout.
+        """
+        unbatched = query.dim() == 2 if isinstance(query, torch.Tensor) else False
+        q, k, v = self.project(query, key, value)
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = functional.attention_with_weights(q, k, v, mask, dropout_p=p)
+        else:
+            out, weights = functional.attention(q, k, v, mask, dropout_p=p), None
+        out = self.out_proj(self.merge_heads(out))  # (B, H, Lq, hd) -> (B, Lq, d_model)
+        if unbatched:
+            out = out[0]
+            weights = None if weights is None else weights[0]
+        return out, weights
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """An attnkit module with the weights of a ``torch.nn.MultiheadAttention``.
+
+        Outputs and per-head weights match ``module(..., average_attn_weights=False)``.
+        attnkit takes batch-first inputs ``(B, L, E)``; transpose yours if the torch
+        module has ``batch_first=False``. Torch's bool ``attn_mask`` marks the
+        positions to *hide*; pass ``~attn_mask`` to attnkit.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise AttnkitTypeError(
+                f"from_torch expects a torch.nn.MultiheadAttention, but got {type(module).__name__}."
+            )
+        if module.bias_k is not None or module.add_zero_attn:
+            raise AttnkitValueError(
+                "from_torch does not support add_bias_kv=True or add_zero_attn=True: they "
+                "append extra keys that attnkit's MultiHeadAttention does not have."
+            )
+        ref = module.out_proj.weight
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            module.dropout,
+            bias=module.in_proj_bias is not None,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        if module._qkv_same_embed_dim:
+            weights = module.in_proj_weight.chunk(3)
+        else:
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        biases = module.in_proj_bias.chunk(3) if module.in_proj_bias is not None else (None,) * 3
+        with torch.no_grad():
+            for proj, w, b in zip((new.q_proj, new.k_proj, new.v_proj), weights, biases):
+                proj.weight.copy_(w)
+                if b is not None:
+                    proj.bias.copy_(b)
+            new.out_proj.weight.copy_(module.out_proj.weight)
+            if module.out_proj.bias is not None:
+                new.out_proj.bias.copy_(module.out_proj.bias)
+        return new.train(module.training)

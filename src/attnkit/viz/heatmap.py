@@ -1,0 +1,100 @@
+"""Heatmaps of attention weights, written to a file without opening a window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attnkit._validate import AttnkitTypeError, AttnkitValueError
+
+
+def _as_matrix(weights):
+    """A 2-D float numpy array from a tensor or array whose extra dims are all 1."""
+    import numpy as np
+    import torch
+
+    if isinstance(weights, torch.Tensor):
+        weights = weights.detach().to("cpu", torch.float32).numpy()
+    elif not isinstance(weights, np.ndarray):
+        raise AttnkitTypeError(
+            f"weights must be a torch.Tensor or numpy array, but got {type(weights).__name__}."
+        )
+    shape = weights.shape
+    while weights.ndim > 2 and weights.shape[0] == 1:
+        weights = weights[0]
+    if weights.ndim != 2:
+        raise AttnkitValueError(
+            f"weights must be one (Lq, Lk) matrix, but got shape {shape}. "
+            "Pick one sequence and head first, e.g. weights[0, head]."
+        )
+    return weights.astype(np.float32)
+
+
+def visualize_attention(
+    weights,
+    tokens,
+    save_path="attention.png",
+    *,
+    key_tokens=None,
+    title: str | None = None,
+    cmap: str = "viridis",
+    annotate: bool | None = None,
+):
+    """Draw one head's attention weights as a heatmap with token labels and a colour bar.
+
+    Args:
+        weights: ``(Lq, Lk)`` tensor or array (leading dims of size 1 are dropped).
+        tokens: the ``Lq`` query tokens; also the key tokens unless ``key_tokens``
+            is given (cross-attention).
+        save_path: file to write; the format follows the extension (``.png``,
+            ``.svg``, ``.pdf``). None writes nothing.
+        annotate: print each weight in its cell (default: when both sides have at
+            most 16 tokens).
+
+    Returns:
+        The ``matplotlib.figure.Figure``. No window is opened, so it works on
+        machines without a display.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "visualize_attention needs matplotlib: pip install 'attnkit[viz]'"
+        ) from err
+
+    from attnkit.viz._fonts import font_families
+
+    matrix = _as_matrix(weights)
+    tokens = [str(t) for t in tokens]
+    key_tokens = tokens if key_tokens is None else [str(t) for t in key_tokens]
+    if (len(tokens), len(key_tokens)) != matrix.shape:
+        raise AttnkitValueError(
+            f"weights of shape {matrix.shape} need {matrix.shape[0]} query tokens and "
+            f"{matrix.shape[1]} key tokens, but got {len(tokens)} and {len(key_tokens)}."
+        )
+    lq, lk = matrix.shape
+    if annotate is None:
+        annotate = lq <= 16 and lk <= 16
+    size = (max(4.0, 0.55 * lk + 2.5), max(3.5, 0.5 * lq + 1.5))
+    fig = Figure(figsize=size, layout="constrained")
+    ax = fig.add_subplot()
+    families = list(font_families())
+    image = ax.imshow(matrix, cmap=cmap, vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
+    ax.set_xticks(range(lk), key_tokens, rotation=45 if lk > 6 else 0, ha="right" if lk > 6 else "center", fontfamily=families)
+    ax.set_yticks(range(lq), tokens, fontfamily=families)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if title:
+        ax.set_title(title, fontfamily=families)
+    if annotate:
+        threshold = 0.5 * float(matrix.max(initial=0.0))
+        for i in range(lq):
+            for j in range(lk):
+                value = float(matrix[i, j])
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8,
+                        color="black" if value > threshold else "white")
+    fig.colorbar(image, ax=ax, label="attention weight")
+    if save_path is not None:
+        path = Path(save_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=150)
+    return fig
