@@ -16,6 +16,7 @@ or Inf stored in padding never reaches the output or the gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,7 @@ def dense_mask(mask, shapes: Shapes, device) -> torch.Tensor | None:
 
 def run(q, k, v, mask, *, scale: float, dropout_p: float, plan: Plan, shapes: Shapes):
     """Run ``plan`` on validated inputs; returns ``(..., Hq, Lq, Dv)``."""
-    if plan.kernel == "reference":
+    if plan.kernel == "reference" or shapes.lk == 0 or shapes.lq == 0:  # SDPA has no empty case
         return run_reference(q, k, v, mask, scale=scale, dropout_p=dropout_p, shapes=shapes)[0]
     if _is_plain_causal(mask) and (mask.align == "top_left" or shapes.lq == shapes.lk):
         return _sdpa(q, k, v, None, scale=scale, dropout_p=dropout_p, shapes=shapes, causal=True)
@@ -101,7 +102,7 @@ def run_reference(q, k, v, mask, *, scale: float, dropout_p: float, shapes: Shap
 def _sdpa(q, k, v, mask, *, scale, dropout_p, shapes: Shapes, causal: bool = False):
     """PyTorch's fused kernel on 4-D views of the inputs."""
     batch = shapes.batch
-    flat = (-1,) if batch else (1,)
+    flat = (math.prod(batch),)
     q4 = q.reshape(*flat, shapes.hq, shapes.lq, shapes.d)  # (B*, Hq, Lq, D)
     k4 = k.reshape(*flat, shapes.hkv, shapes.lk, shapes.d)  # (B*, Hkv, Lk, D)
     v4 = v.reshape(*flat, shapes.hkv, shapes.lk, shapes.dv)  # (B*, Hkv, Lk, Dv)

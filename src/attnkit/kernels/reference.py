@@ -42,8 +42,8 @@ def zero_unused_keys(
         return k, v
     used = allowed.any(dim=-2).unsqueeze(-1)  # (..., H or 1, Lk, 1)
     if used.dim() >= 3 and k.dim() >= 3 and used.shape[-3] not in (1, k.shape[-3]):
-        hkv, lk = k.shape[-3], used.shape[-2]
-        groups = used.reshape(*used.shape[:-3], hkv, -1, lk, 1)  # (..., Hkv, Hq/Hkv, Lk, 1)
+        hkv, group, lk = k.shape[-3], used.shape[-3] // k.shape[-3], used.shape[-2]
+        groups = used.reshape(*used.shape[:-3], hkv, group, lk, 1)  # (..., Hkv, Hq/Hkv, Lk, 1)
         used = groups.any(dim=-3)  # (..., Hkv, Lk, 1)
     zero = k.new_zeros(())
     return torch.where(used, k, zero), torch.where(used, v, zero)
@@ -107,3 +107,16 @@ def attention(
 def draw_dropout_mask(shape, p: float, device) -> torch.Tensor:
     """Bool keep-mask of ``shape``, each entry True with probability ``1 - p``."""
     return torch.rand(shape, device=device) >= p
+
+
+def log_sum_exp(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
+    """Row log-sum-exp of the masked scores, ``(..., Hq, Lq)``; -inf for fully masked rows.
+
+    Equivalent pytorch code: ``torch.logsumexp(q @ k.transpose(-2, -1) * scale + bias, dim=-1)``.
+    Two attention outputs over disjoint key sets merge exactly with these weights.
+    """
+    k = expand_kv_heads(k, q.shape[-3] if q.dim() >= 3 else 1)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (..., Hq, Lq, Lk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.logsumexp(scores, dim=-1)

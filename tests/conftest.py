@@ -1,0 +1,71 @@
+"""The oracle of TESTING.md: a float64 naive formula, written here independently of attnkit."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def naive_attention(q, k, v, mask=None, scale=None):
+    """softmax(q @ k^T * scale + bias) @ v in the inputs' dtype; fully masked rows give 0.
+
+    ``mask`` is None, bool (True = may attend) or additive float, broadcastable to
+    (..., Hq, Lq, Lk). Returns (out, weights).
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    scores = q @ k.transpose(-2, -1) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    weights = torch.nan_to_num(weights, nan=0.0)  # fully masked rows: softmax of all -inf
+    return weights @ v, weights
+
+
+def gold_and_naive(q, k, v, mask=None, scale=None):
+    """(gold, naive): the naive formula in float64 and in q's dtype (outputs only)."""
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    gold, _ = naive_attention(q.double(), k.double(), v.double(), m64, scale)
+    naive, _ = naive_attention(q, k, v, mask, scale)
+    return gold, naive
+
+
+def rounding_atol(gold: torch.Tensor, dtype: torch.dtype) -> float:
+    """2 * the rounding cost of one operation in ``dtype`` at the scale of ``gold``."""
+    g = gold.to(dtype)
+    return 2 * ((g + 0.3 - 0.3).double() - gold).abs().max().item() if gold.numel() else 0.0
+
+
+def assert_oracle(out, gold, naive, factor: float = 2.0, what: str = ""):
+    """TESTING.md's rule: max|out - gold| <= factor * max|naive - gold| + atol; no NaN/Inf."""
+    assert out.shape == gold.shape, (out.shape, gold.shape)
+    assert torch.isfinite(out).all(), f"output holds NaN or Inf {what}"
+    if gold.numel() == 0:
+        return
+    err = (out.double() - gold).abs().max().item()
+    if out.dtype == torch.float64:
+        bound = 1e-12 * max(1.0, gold.abs().max().item())
+    else:
+        bound = factor * (naive.double() - gold).abs().max().item() + rounding_atol(gold, out.dtype)
+    assert err <= bound, f"max error {err:.3e} exceeds bound {bound:.3e} ({out.dtype}) {what}"
+
+
+def randn(*shape, dtype=torch.float32, requires_grad=False):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    """A different seed per test, the same on every run."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

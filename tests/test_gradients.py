@@ -1,0 +1,76 @@
+"""Gradients: gradcheck in float64, and every kernel against the float64 oracle (3x rule)."""
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from conftest import DTYPES, naive_attention, randn, rounding_atol
+
+
+def small(lq=4, lk=5, hq=2, hkv=2, d=3, dv=2):
+    return (
+        randn(1, hq, lq, d, dtype=torch.float64, requires_grad=True),
+        randn(1, hkv, lk, d, dtype=torch.float64, requires_grad=True),
+        randn(1, hkv, lk, dv, dtype=torch.float64, requires_grad=True),
+    )
+
+
+def fully_masked_row_mask():
+    m = torch.rand(1, 2, 4, 5) > 0.4
+    m[..., 1, :] = False
+    return m
+
+
+@pytest.mark.parametrize("kernel", ["auto", "reference"])
+@pytest.mark.parametrize(
+    "make_mask",
+    [lambda: None, masks.causal, lambda: masks.sliding_window(1) | masks.prefix_lm(1), fully_masked_row_mask],
+    ids=["none", "causal", "window|prefix", "fully-masked-row"],
+)
+def test_gradcheck_attention(kernel, make_mask):
+    q, k, v = small()
+    mask = make_mask()
+    assert torch.autograd.gradcheck(lambda q, k, v: attnkit.attention(q, k, v, mask, kernel=kernel), (q, k, v))
+
+
+def test_gradcheck_gqa_and_weights():
+    q, k, v = small(hq=4, hkv=2)
+    assert torch.autograd.gradcheck(lambda q, k, v: attnkit.attention(q, k, v, masks.causal()), (q, k, v))
+    mask = fully_masked_row_mask()[:, :1]
+    assert torch.autograd.gradcheck(lambda q, k, v: attnkit.attention_weights(q, k, v, mask), (q, k, v))
+
+
+def test_gradcheck_module():
+    mha = attnkit.MultiHeadAttention(8, 2, num_kv_heads=1, kdim=6, vdim=6).double()
+    x = randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    mem = randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, m: mha(x, m, m)[0], (x, mem))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "reference"])
+def test_kernel_gradients_against_the_oracle(dtype, kernel):
+    q64 = randn(2, 4, 13, 16, dtype=torch.float64)
+    k64 = randn(2, 2, 17, 16, dtype=torch.float64)
+    v64 = randn(2, 2, 17, 16, dtype=torch.float64)
+    grad_out = randn(2, 4, 13, 16, dtype=torch.float64)
+    mask = masks.padding(torch.tensor([9, 17])) & masks.causal()
+    dense = mask.materialize(13, 17)
+
+    def grads(fn, dt):
+        q, k, v = (t.to(dt).detach().requires_grad_(True) for t in (q64, k64, v64))
+        fn(q, k, v).backward(grad_out.to(dt))
+        return [t.grad for t in (q, k, v)]
+
+    gold = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], torch.float64)
+    naive = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], dtype)
+    got = grads(lambda q, k, v: attnkit.attention(q, k, v, mask, kernel=kernel), dtype)
+    for name, g, n, o in zip("qkv", gold, naive, got):
+        assert torch.isfinite(o).all(), name
+        err = (o.double() - g).abs().max().item()
+        if dtype == torch.float64:
+            assert err <= 1e-12, name
+        else:
+            bound = 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
+            assert err <= bound, f"d{name}: {err:.3e} > {bound:.3e}"
