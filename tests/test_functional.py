@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import reference
+from attnkit.kernels import reference, tiled
 from conftest import DTYPES, assert_oracle, gold_and_naive, naive_attention, randn
 
-KERNELS = ["auto", "sdpa", "reference"]
+KERNELS = ["auto", "sdpa", "tiled", "reference"]
 
 
 def qkv(b=2, hq=4, hkv=None, lq=7, lk=None, d=16, dv=None, dtype=torch.float32, requires_grad=False):
@@ -194,7 +194,7 @@ def test_masks_of_every_broadcast_shape(shape, kernel):
     assert torch.allclose(attnkit.attention(q, k, v, mask, kernel=kernel), want, atol=1e-12)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_additive_float_mask(kernel, dtype):
     q, k, v = qkv(lq=5, lk=6, dtype=dtype)
@@ -252,6 +252,8 @@ def test_scale_is_honoured(kernel, scale):
 @pytest.mark.parametrize("rank", [2, 3, 5])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_other_ranks(rank, kernel):
+    if rank == 5 and kernel == "tiled":
+        pytest.skip("the tiled kernel takes ranks 2 to 4 (covered by test_tiled_refuses_what_it_cannot_run)")
     shape = {2: (), 3: (4,), 5: (2, 3, 4)}[rank]
     q, k, v = randn(*shape, 6, 8, dtype=torch.float64), randn(*shape, 5, 8, dtype=torch.float64), randn(*shape, 5, 3, dtype=torch.float64)
     mask = torch.rand(6, 5) > 0.3
@@ -313,18 +315,31 @@ def test_dropout_kept_fraction_is_binomial():
     assert torch.allclose(out[nonzero], (w / (1 - p))[nonzero], rtol=1e-5)
 
 
-def test_dropout_is_reproducible_and_equals_the_reference_with_its_mask():
-    q, k, v = qkv(lq=9, lk=11, dtype=torch.float64)
+@pytest.mark.parametrize("kernel", ["auto", "tiled", "reference"])
+def test_dropout_is_reproducible_and_equals_the_reference_with_its_mask(kernel):
+    q, k, v = qkv(hq=4, hkv=2, lq=9, lk=11, dtype=torch.float64, requires_grad=True)
+    mask = masks.causal()
     torch.manual_seed(123)
-    out = attnkit.attention(q, k, v, masks.causal(), dropout_p=0.25)
+    out = attnkit.attention(q, k, v, mask, dropout_p=0.25, kernel=kernel)
     torch.manual_seed(123)
-    again = attnkit.attention(q, k, v, masks.causal(), dropout_p=0.25)
+    again = attnkit.attention(q, k, v, mask, dropout_p=0.25, kernel=kernel)
     assert torch.equal(out, again)
     torch.manual_seed(123)
-    keep = reference.draw_dropout_mask((2, 4, 9, 11), 0.25, q.device)
-    _, w = naive_attention(q, k, v, masks.causal().materialize(9, 11))
-    want = (w * keep / 0.75) @ v
+    if kernel == "reference":
+        keep = reference.draw_dropout_mask((2, 4, 9, 11), 0.25, q.device)
+    else:
+        keep = tiled.dropout_keep_mask(q, k, mask, dropout_p=0.25, seed=tiled.draw_seed())
+    dense = mask.materialize(9, 11)
+    keep = keep | ~dense  # outside the mask the weight is 0 either way
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    _, w = naive_attention(q, kk, vv, dense)
+    want = (w * keep / 0.75) @ vv
     assert torch.allclose(out, want, atol=1e-12)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(want, (q, k, v), grad)
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-12)
 
 
 def test_dropout_zero_is_deterministic_and_does_not_touch_the_generator():
@@ -332,3 +347,12 @@ def test_dropout_zero_is_deterministic_and_does_not_touch_the_generator():
     state = torch.get_rng_state()
     attnkit.attention(q, k, v, dropout_p=0.0)
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_tiled_refuses_what_it_cannot_run():
+    q, k, v = qkv(lq=4, lk=4)
+    with pytest.raises(ValueError, match="kernel='tiled' takes .* but got an additive float mask"):
+        attnkit.attention(q, k, v, torch.zeros(4, 4), kernel="tiled")
+    q5 = q[None]
+    with pytest.raises(ValueError, match="but got rank 5"):
+        attnkit.attention(q5, k[None], v[None], kernel="tiled")

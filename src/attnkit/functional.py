@@ -76,7 +76,8 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto"):
         dropout_p: probability of zeroing each attention weight (the rest are scaled
             by ``1 / (1 - dropout_p)``). Applied whenever it is > 0; modules pass 0.0
             in eval mode.
-        kernel: ``"auto"`` (see :func:`explain`), ``"sdpa"`` or ``"reference"``.
+        kernel: ``"auto"`` (see :func:`explain`), ``"sdpa"``, ``"tiled"`` or
+            ``"reference"``; forcing one is for testing and benchmarking.
 
     Returns:
         ``(..., Hq, Lq, Dv)``. A query row with every key masked is 0.
@@ -95,7 +96,7 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto"):
     """
     shapes, mask, scale = _prepare(q, k, v, mask, scale)
     dropout_p = check_dropout(dropout_p)
-    plan = dispatch.choose(mask, dropout_p, shapes, kernel)
+    plan = dispatch.choose(mask, dropout_p, shapes, kernel, q.device)
     return dispatch.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, plan=plan, shapes=shapes)
 
 
@@ -132,10 +133,10 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto") -> 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 8, 16)
     >>> print(attnkit.explain(q, q, q))
-    sdpa: fused SDPA: no mask
+    fused SDPA: no mask
     """
     shapes, mask, _ = _prepare(q, k, v, mask, scale)
-    return dispatch.choose(mask, check_dropout(dropout_p), shapes, kernel)
+    return dispatch.choose(mask, check_dropout(dropout_p), shapes, kernel, q.device)
 
 
 # --- the tutorial's API -------------------------------------------------------------

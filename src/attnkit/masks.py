@@ -66,6 +66,43 @@ def _positions(q_idx: torch.Tensor, q_len: int, kv_len: int, align: str) -> torc
     return q_idx + (kv_len - q_len) if align == "bottom_right" else q_idx
 
 
+#: Block-map codes: no pair of the block may attend / some may / all may.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class _Blocks:
+    """Index ranges of every (query block, key block) pair, shape (nq, 1) and (1, nk).
+
+    ``q_lo/q_hi`` are the first and last query index of each query block, ``k_lo/k_hi``
+    the first and last key index of each key block (the last blocks may be short).
+    """
+
+    def __init__(self, q_len: int, kv_len: int, bq: int, bk: int, device=None):
+        self.q_len, self.kv_len, self.bq, self.bk = q_len, kv_len, bq, bk
+        nq, nk = -(-q_len // bq), -(-kv_len // bk)
+        q0 = torch.arange(nq, device=device) * bq
+        k0 = torch.arange(nk, device=device) * bk
+        self.q_lo, self.q_hi = q0[:, None], (q0 + bq).clamp(max=q_len)[:, None] - 1
+        self.k_lo, self.k_hi = k0[None, :], (k0 + bk).clamp(max=kv_len)[None, :] - 1
+
+    def code(self, full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+        """int8 codes (..., nq, nk) from bool "every pair allowed" / "no pair allowed"."""
+        full, empty = torch.broadcast_tensors(full, empty)
+        out = torch.full(full.shape, PARTIAL, dtype=torch.int8, device=full.device)
+        return out.masked_fill_(full, FULL).masked_fill_(empty, EMPTY)
+
+
+def _block_minmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block min and max over the last dim of ``x: (B, L)`` -> (B, ceil(L / block))."""
+    length = x.shape[-1]
+    pad = -length % block
+    lo = torch.nn.functional.pad(x, (0, pad), value=int(x.max()) if length else 0)
+    hi = torch.nn.functional.pad(x, (0, pad), value=int(x.min()) if length else 0)
+    lo = lo.view(*x.shape[:-1], -1, block).amin(-1)
+    hi = hi.view(*x.shape[:-1], -1, block).amax(-1)
+    return lo, hi
+
+
 class Mask:
     """A pattern of allowed (query, key) pairs; True means "may attend".
 
@@ -90,6 +127,14 @@ class Mask:
         """The device of the tensors the mask holds (None if it holds none)."""
         return None
 
+    def _held(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the mask was built from."""
+        return ()
+
+    def _versions(self) -> tuple:
+        """Identity and in-place version of each held tensor (a cache key)."""
+        return tuple((t.data_ptr(), t._version) for t in self._held())
+
     def lead_shape(self) -> tuple[int, int]:
         """``(B or 1, H or 1)``: the batch and head sizes of :meth:`materialize`'s result."""
         return (self.batch_size or 1, 1)
@@ -112,6 +157,33 @@ class Mask:
         kv_idx = torch.arange(kv_len, device=device)[None, :]
         out = self._elements(q_idx, kv_idx, q_len, kv_len)
         return out.expand(*out.shape[:2], q_len, kv_len)
+
+    def block_map(self, q_len: int, kv_len: int, bq: int, bk: int, device=None) -> torch.Tensor:
+        """Classify every ``bq x bk`` block: ``(B or 1, H or 1, ceil(Lq/bq), ceil(Lk/bk))`` int8.
+
+        Codes: ``EMPTY`` (0, no pair may attend), ``PARTIAL`` (1) and ``FULL`` (2, every
+        pair may attend). Computed from the blocks' index ranges, never from an
+        ``Lq x Lk`` tensor (dense masks are reduced block by block). EMPTY and FULL
+        are always exact; PARTIAL may be reported for a block that is in fact empty or
+        full where that cannot be known cheaply (combinations, unsorted document ids).
+
+        >>> causal().block_map(4, 4, 2, 2)[0, 0].tolist()
+        [[1, 0], [2, 1]]
+        """
+        q_len = check_nonnegative_int(q_len, "q_len")
+        kv_len = check_nonnegative_int(kv_len, "kv_len")
+        self.check(q_len, kv_len)
+        if device is None:
+            device = self._device()
+        blocks = _Blocks(q_len, kv_len, bq, bk, device)
+        codes = self._block_codes(blocks)
+        while codes.dim() < 4:
+            codes = codes[None]
+        return codes.expand(*codes.shape[:2], blocks.q_lo.shape[0], blocks.k_lo.shape[1])
+
+    def _block_codes(self, blocks: _Blocks) -> torch.Tensor:
+        """Codes ``(..., nq, nk)`` for the block ranges; see :meth:`block_map`."""
+        raise NotImplementedError
 
     def picture(self, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:
         """The mask as rows of ``1`` (may attend) and ``0`` (hidden), one row per query."""
@@ -139,6 +211,11 @@ class _Causal(Mask):
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         return _as4d(kv_idx <= _positions(q_idx, q_len, kv_len, self.align))
 
+    def _block_codes(self, b):
+        p_lo = _positions(b.q_lo, b.q_len, b.kv_len, self.align)
+        p_hi = _positions(b.q_hi, b.q_len, b.kv_len, self.align)
+        return b.code(full=b.k_hi <= p_lo, empty=b.k_lo > p_hi)
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -152,6 +229,13 @@ class _SlidingWindow(Mask):
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         p = _positions(q_idx, q_len, kv_len, self.align)
         return _as4d((kv_idx >= p - self.left) & (kv_idx <= p + self.right))
+
+    def _block_codes(self, b):
+        p_lo = _positions(b.q_lo, b.q_len, b.kv_len, self.align)
+        p_hi = _positions(b.q_hi, b.q_len, b.kv_len, self.align)
+        full = (b.k_lo >= p_hi - self.left) & (b.k_hi <= p_lo + self.right)
+        empty = (b.k_hi < p_lo - self.left) | (b.k_lo > p_hi + self.right)
+        return b.code(full, empty)
 
     def __repr__(self):
         return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r})"
@@ -174,12 +258,25 @@ class _PrefixLM(Mask):
     def _device(self):
         return self.prefix_len.device if isinstance(self.prefix_len, torch.Tensor) else None
 
+    def _held(self):
+        return (self.prefix_len,) if isinstance(self.prefix_len, torch.Tensor) else ()
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         prefix = self.prefix_len
         if isinstance(prefix, torch.Tensor):
             prefix = prefix.to(kv_idx.device)[:, None, None]  # (B, 1, 1)
         causal = kv_idx <= _positions(q_idx, q_len, kv_len, self.align)
         return _as4d((kv_idx < prefix) | causal)
+
+    def _block_codes(self, b):
+        prefix = self.prefix_len
+        if isinstance(prefix, torch.Tensor):
+            prefix = prefix.to(b.k_lo.device)[:, None, None, None]  # (B, 1, 1, 1)
+        p_lo = _positions(b.q_lo, b.q_len, b.kv_len, self.align)
+        p_hi = _positions(b.q_hi, b.q_len, b.kv_len, self.align)
+        full = (b.k_hi < prefix) | (b.k_hi <= p_lo)
+        empty = (b.k_lo >= prefix) & (b.k_lo > p_hi)
+        return b.code(full, empty)
 
     def __repr__(self):
         p = self.prefix_len
@@ -196,6 +293,9 @@ class _Document(Mask):
     def _device(self):
         return self.ids.device
 
+    def _held(self):
+        return (self.ids,)
+
     def check(self, q_len, kv_len):
         length = self.ids.shape[-1]
         if q_len != length or kv_len != length:
@@ -209,6 +309,16 @@ class _Document(Mask):
         ids = self.ids.to(q_idx.device)
         same = ids[:, q_idx[:, 0]][:, :, None] == ids[:, kv_idx[0]][:, None, :]  # (B, tq, tk)
         return _as4d(same)
+
+    def _block_codes(self, b):
+        ids = self.ids.to(b.k_lo.device)
+        q_min, q_max = _block_minmax(ids, b.bq)  # (B, nq)
+        k_min, k_max = _block_minmax(ids, b.bk)  # (B, nk)
+        q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]  # (B, 1, nq, 1)
+        k_min, k_max = k_min[:, None, None, :], k_max[:, None, None, :]  # (B, 1, 1, nk)
+        full = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+        empty = (q_max < k_min) | (k_max < q_min)  # id ranges that cannot meet
+        return b.code(full, empty)
 
     def __repr__(self):
         ids = self.ids if self.batch_size else self.ids[0]
@@ -226,6 +336,9 @@ class _Padding(Mask):
     def _device(self):
         return self.lengths.device
 
+    def _held(self):
+        return (self.lengths,)
+
     def check(self, q_len, kv_len):
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
         if longest > kv_len:
@@ -237,6 +350,10 @@ class _Padding(Mask):
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         lengths = self.lengths.to(kv_idx.device)[:, None, None]  # (B, 1, 1)
         return _as4d(kv_idx < lengths)  # (B, 1, 1, tk)
+
+    def _block_codes(self, b):
+        lengths = self.lengths.to(b.k_lo.device)[:, None, None, None]  # (B, 1, 1, 1)
+        return b.code(full=b.k_hi < lengths, empty=b.k_lo >= lengths)
 
     def __repr__(self):
         return f"padding(lengths={self.lengths.tolist()})"
@@ -262,6 +379,9 @@ class _Dense(Mask):
     def _device(self):
         return self.tensor.device
 
+    def _held(self):
+        return (self.tensor,)
+
     def lead_shape(self):
         return tuple(self.tensor.shape[:2])
 
@@ -278,6 +398,22 @@ class _Dense(Mask):
         rows = q_idx if t.shape[-2] != 1 else torch.zeros_like(q_idx)
         cols = kv_idx if t.shape[-1] != 1 else torch.zeros_like(kv_idx)
         return t[:, :, rows, cols]  # (B, H, tq, tk)
+
+    def _block_codes(self, b):
+        t = self.tensor.to(b.k_lo.device)  # (B, H, Lq or 1, Lk or 1)
+        pad_q = 0 if t.shape[-2] == 1 else -t.shape[-2] % b.bq
+        pad_k = 0 if t.shape[-1] == 1 else -t.shape[-1] % b.bk
+        bq = 1 if t.shape[-2] == 1 else b.bq
+        bk = 1 if t.shape[-1] == 1 else b.bk
+        # pad with True for "all" and False for "any" so the short last blocks are judged
+        # on their real elements only
+        def blocks(fill):
+            padded = torch.nn.functional.pad(t, (0, pad_k, 0, pad_q), value=fill)
+            return padded.view(*t.shape[:2], padded.shape[-2] // bq, bq, padded.shape[-1] // bk, bk)
+
+        full = blocks(True).all(dim=-1).all(dim=-2)  # (B, H, nq or 1, nk or 1)
+        empty = ~blocks(False).any(dim=-1).any(dim=-2)
+        return b.code(full, empty)
 
     def __repr__(self):
         return f"dense(bool tensor of shape {tuple(self.tensor.shape)})"
@@ -299,6 +435,9 @@ class _Combine(Mask):
     def _device(self):
         return self.left._device() or self.right._device()
 
+    def _held(self):
+        return self.left._held() + self.right._held()
+
     def lead_shape(self):
         return tuple(torch.broadcast_shapes(self.left.lead_shape(), self.right.lead_shape()))
 
@@ -310,6 +449,11 @@ class _Combine(Mask):
         a = self.left._elements(q_idx, kv_idx, q_len, kv_len)
         b = self.right._elements(q_idx, kv_idx, q_len, kv_len)
         return a & b if self.op == "&" else a | b
+
+    def _block_codes(self, b):
+        left, right = self.left._block_codes(b), self.right._block_codes(b)
+        # EMPTY < PARTIAL < FULL: "&" keeps the lower code, "|" the higher
+        return torch.minimum(left, right) if self.op == "&" else torch.maximum(left, right)
 
     def __repr__(self):
         def part(m):

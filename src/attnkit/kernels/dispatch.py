@@ -5,10 +5,17 @@ Kernels:
 - ``"sdpa"``: PyTorch's fused ``torch.nn.functional.scaled_dot_product_attention``.
   Mask objects are handed to it as ``is_causal=True`` where that is exact, else as
   a dense bool mask.
+- ``"tiled"``: the block-sparse kernel of :mod:`attnkit.kernels.tiled`, for masks
+  that remove enough blocks, and for dropout (its keep-mask is drawn per tile,
+  reproducibly under ``torch.manual_seed``, in O(L) memory).
 - ``"reference"``: the plain formula of :mod:`attnkit.kernels.reference`, in
-  float32 for half-precision inputs. It runs whenever dropout is on, so the
-  dropout mask comes from :func:`~attnkit.kernels.reference.draw_dropout_mask`
-  and the global generator, reproducibly under ``torch.manual_seed``.
+  float32 for half-precision inputs: empty inputs, and dropout with an additive
+  float mask.
+
+``auto`` picks SDPA when there is no mask or a causal mask it can express with
+``is_causal``, the tiled kernel when a mask keeps at most ``TILED_MAX_KEPT`` of
+the blocks, and SDPA with the dense mask otherwise (thresholds measured by
+``benchmarks/cpu.py``).
 
 Before any kernel runs, K/V rows that no query may attend to are zeroed, so NaN
 or Inf stored in padding never reaches the output or the gradients.
@@ -17,16 +24,22 @@ or Inf stored in padding never reaches the output or the gradients.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from attnkit import masks as _masks
 from attnkit._validate import AttnkitValueError, Shapes
-from attnkit.kernels import reference
+from attnkit.kernels import reference, tiled
 
-KERNELS = ("auto", "sdpa", "reference")
+KERNELS = ("auto", "sdpa", "tiled", "reference")
+_NAMES = {"sdpa": "fused SDPA", "tiled": "tiled", "reference": "reference"}
+
+#: Below this many (query, key) pairs one fused call beats tiling.
+TILED_MIN_PAIRS = 256 * 256
+#: The tiled kernel runs when at most this fraction of blocks is kept.
+TILED_MAX_KEPT = 0.85
 
 
 @dataclass(frozen=True)
@@ -35,26 +48,60 @@ class Plan:
 
     kernel: str
     reason: str
+    tiles: tiled.TilePlan | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
-        return f"{self.kernel}: {self.reason}"
+        return self.reason
 
 
-def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto") -> Plan:
+def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto", device=None) -> Plan:
     """Pick the kernel for a validated call (see the module docstring for the rules)."""
     if kernel not in KERNELS:
         raise AttnkitValueError(f"kernel must be one of {KERNELS}, but got {kernel!r}.")
+    empty = shapes.lk == 0 or shapes.lq == 0
+    tileable = shapes.rank <= 4 and not (isinstance(mask, torch.Tensor) and mask.is_floating_point())
+    if kernel == "tiled" and not tileable:
+        what = f"rank {shapes.rank}" if shapes.rank > 4 else "an additive float mask"
+        raise AttnkitValueError(
+            f"kernel='tiled' takes inputs of rank 2 to 4 with a bool or attnkit mask, but got "
+            f"{what}. Use kernel='auto' or 'sdpa'."
+        )
+    if kernel == "tiled" and not empty:
+        plan = _tile_plan(mask, shapes, device)
+        return Plan("tiled", f"tiled (forced by kernel=): {plan.kept:.0%} of blocks kept", plan)
     if kernel != "auto":
-        return Plan(kernel, "forced by kernel=")
+        return Plan(kernel, f"{_NAMES[kernel]} (forced by kernel=)")
+    if empty:
+        return Plan("reference", f"reference: empty attention matrix (Lq={shapes.lq}, Lk={shapes.lk})")
     if dropout_p > 0.0:
-        return Plan("reference", f"dropout_p={dropout_p} draws its mask from the global generator")
-    if shapes.lk == 0 or shapes.lq == 0:
-        return Plan("reference", f"empty attention matrix (Lq={shapes.lq}, Lk={shapes.lk})")
+        if not tileable:
+            return Plan("reference", f"reference: dropout_p={dropout_p} with an additive float mask")
+        plan = _tile_plan(mask, shapes, device)
+        return Plan("tiled", f"tiled: dropout_p={dropout_p}, {plan.kept:.0%} of blocks kept", plan)
     if mask is None:
         return Plan("sdpa", "fused SDPA: no mask")
-    if _is_plain_causal(mask):
+    if _is_plain_causal(mask) and (mask.align == "top_left" or shapes.lq == shapes.lk):
         return Plan("sdpa", "fused SDPA: is_causal")
-    return Plan("sdpa", "fused SDPA: dense mask")
+    if not tileable:
+        return Plan("sdpa", "fused SDPA: additive float mask" if shapes.rank <= 4 else "fused SDPA: rank > 4")
+    if shapes.lq * shapes.lk < TILED_MIN_PAIRS:
+        return Plan("sdpa", f"fused SDPA with a dense mask: Lq*Lk={shapes.lq * shapes.lk} is small")
+    plan = _tile_plan(mask, shapes, device)
+    if plan.kept <= TILED_MAX_KEPT:
+        return Plan("tiled", f"tiled: {plan.kept:.0%} of blocks kept", plan)
+    return Plan("sdpa", f"fused SDPA with a dense mask: {plan.kept:.0%} of blocks kept")
+
+
+def _as_mask_object(mask, shapes: Shapes):
+    """None, or the mask as an attnkit mask object of at most 4 dims."""
+    if mask is None or isinstance(mask, _masks.Mask):
+        return mask
+    # a tensor mask aligns with (..., H, Lq, Lk) from the right
+    return _masks.dense(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)))
+
+
+def _tile_plan(mask, shapes: Shapes, device) -> tiled.TilePlan:
+    return tiled.plan_for(_as_mask_object(mask, shapes), shapes.lq, shapes.lk, device)
 
 
 def _is_plain_causal(mask) -> bool:
@@ -76,6 +123,13 @@ def run(q, k, v, mask, *, scale: float, dropout_p: float, plan: Plan, shapes: Sh
     """Run ``plan`` on validated inputs; returns ``(..., Hq, Lq, Dv)``."""
     if plan.kernel == "reference" or shapes.lk == 0 or shapes.lq == 0:  # SDPA has no empty case
         return run_reference(q, k, v, mask, scale=scale, dropout_p=dropout_p, shapes=shapes)[0]
+    if plan.kernel == "tiled":
+        lead = (1,) * (4 - shapes.rank)
+        q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (q, k, v))  # (B, H, L, D)
+        out, _ = tiled.attention(
+            q4, k4, v4, _as_mask_object(mask, shapes), scale=scale, dropout_p=dropout_p, plan=plan.tiles
+        )
+        return out.reshape(shapes.out)
     if _is_plain_causal(mask) and (mask.align == "top_left" or shapes.lq == shapes.lk):
         return _sdpa(q, k, v, None, scale=scale, dropout_p=dropout_p, shapes=shapes, causal=True)
     dense = dense_mask(mask, shapes, q.device)

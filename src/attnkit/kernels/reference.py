@@ -29,6 +29,19 @@ def allowed_pairs(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask != float("-inf")
 
 
+def used_keys(allowed: torch.Tensor, hkv: int | None) -> torch.Tensor:
+    """Which keys some query may attend: ``(..., Hkv or 1, Lk, 1)`` bool.
+
+    ``allowed`` is a bool mask ``(..., H or 1, Lq, Lk)``; with H = Hq > Hkv, a K/V head
+    counts as used if any query head of its group uses it.
+    """
+    used = allowed.any(dim=-2).unsqueeze(-1)  # (..., H or 1, Lk, 1)
+    if hkv is not None and used.dim() >= 3 and used.shape[-3] not in (1, hkv):
+        group, lk = used.shape[-3] // hkv, used.shape[-2]
+        used = used.reshape(*used.shape[:-3], hkv, group, lk, 1).any(dim=-3)  # (..., Hkv, Lk, 1)
+    return used
+
+
 def zero_unused_keys(
     k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +53,7 @@ def zero_unused_keys(
     allowed = allowed_pairs(mask)
     if allowed is None:
         return k, v
-    used = allowed.any(dim=-2).unsqueeze(-1)  # (..., H or 1, Lk, 1)
-    if used.dim() >= 3 and k.dim() >= 3 and used.shape[-3] not in (1, k.shape[-3]):
-        hkv, group, lk = k.shape[-3], used.shape[-3] // k.shape[-3], used.shape[-2]
-        groups = used.reshape(*used.shape[:-3], hkv, group, lk, 1)  # (..., Hkv, Hq/Hkv, Lk, 1)
-        used = groups.any(dim=-3)  # (..., Hkv, Lk, 1)
+    used = used_keys(allowed, k.shape[-3] if k.dim() >= 3 else None)
     zero = k.new_zeros(())
     return torch.where(used, k, zero), torch.where(used, v, zero)
 

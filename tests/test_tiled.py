@@ -1,0 +1,263 @@
+"""The block-sparse kernel: block maps, the oracle around block boundaries, gradients,
+dropout, dispatch choices and O(L) memory."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnkit
+from attnkit import masks
+from attnkit.kernels import dispatch, tiled
+from conftest import assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
+
+# --- block maps --------------------------------------------------------------------------
+
+
+def check_block_map(mask, lq, lk, bq, bk, exact):
+    codes = mask.block_map(lq, lk, bq, bk)
+    dense = mask.materialize(lq, lk)
+    nq, nk = -(-lq // bq), -(-lk // bk)
+    assert codes.shape[-2:] == (nq, nk)
+    codes = codes.expand(*torch.broadcast_shapes(codes.shape[:2], dense.shape[:2]), nq, nk)
+    dense = dense.expand(*codes.shape[:2], lq, lk)
+    for i in range(nq):
+        for j in range(nk):
+            block = dense[..., i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            c = codes[..., i, j]
+            empty, full = ~block.flatten(-2).any(-1), block.flatten(-2).all(-1)
+            assert not (c == masks.EMPTY)[~empty].any(), f"block ({i}, {j}) called empty"
+            assert not (c == masks.FULL)[~full].any(), f"block ({i}, {j}) called full"
+            if exact:
+                assert torch.equal(c == masks.EMPTY, empty) and torch.equal(c == masks.FULL, full)
+
+
+def primitive_masks(draw, lq, lk, batch):
+    align = draw(st.sampled_from(["bottom_right", "top_left"]))
+    kind = draw(st.sampled_from(["causal", "window", "prefix", "padding", "document", "dense"]))
+    if kind == "causal":
+        return masks.causal(align)
+    if kind == "window":
+        return masks.sliding_window(draw(st.integers(0, 9)), draw(st.integers(0, 5)), align)
+    if kind == "prefix":
+        return masks.prefix_lm(draw(st.integers(0, lk)), align)
+    if kind == "padding":
+        return masks.padding(torch.tensor(draw(st.lists(st.integers(0, lk), min_size=batch, max_size=batch))))
+    if kind == "document" and lq == lk:
+        ids = draw(st.lists(st.integers(0, 3), min_size=lq, max_size=lq))
+        return masks.document(torch.tensor(sorted(ids)))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    return masks.dense(torch.rand(batch, 1, lq, lk, generator=g) > draw(st.sampled_from([0.0, 0.5, 1.0])))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_block_maps_match_materialized_masks(data):
+    lq, lk = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
+    bq, bk = data.draw(st.sampled_from([1, 3, 4, 8])), data.draw(st.sampled_from([1, 2, 5, 8]))
+    a = primitive_masks(data.draw, lq, lk, 2)
+    check_block_map(a, lq, lk, bq, bk, exact=not isinstance(a, masks._Document))
+    b = primitive_masks(data.draw, lq, lk, 2)
+    check_block_map(a & b, lq, lk, bq, bk, exact=False)
+    check_block_map(a | b, lq, lk, bq, bk, exact=False)
+
+
+def test_document_block_map_is_exact_for_packed_ids():
+    ids = torch.tensor([0] * 10 + [1] * 6 + [2] * 16)
+    check_block_map(masks.document(ids), 32, 32, 8, 8, exact=True)
+
+
+def test_block_map_never_materializes_a_matrix():
+    with MaxNumel() as seen:
+        masks.causal().block_map(100_000, 100_000, 256, 64)
+        (masks.document(torch.arange(100_000) // 5000) & masks.sliding_window(300)).block_map(100_000, 100_000, 256, 64)
+    assert seen.largest < 1_000_000
+
+
+# --- the kernel against the oracle ----------------------------------------------------------
+
+
+def mask_zoo(b, lq, lk):
+    ids = torch.sort(torch.randint(0, 4, (b, lq)), dim=-1).values
+    cases = [
+        None,
+        masks.causal(),
+        masks.causal(align="top_left"),
+        masks.sliding_window(5, 2),
+        masks.prefix_lm(max(1, lk // 3)) & masks.causal(),
+        masks.prefix_lm(3) | masks.sliding_window(2),  # rows with two runs
+        masks.padding(torch.randint(0, lk + 1, (b,))),
+        torch.rand(b, 1, lq, lk) > 0.6,
+    ]
+    if lq == lk:
+        cases.append(masks.document(ids) & masks.causal())
+        cases.append(masks.document(ids[0]))
+    return cases
+
+
+def dense_of(mask, lq, lk):
+    if mask is None or isinstance(mask, torch.Tensor):
+        return mask
+    return mask.materialize(lq, lk)
+
+
+SMALL_BLOCKS = [(16, 8), (64, 64), None]  # None: the default sizes
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 127, 1025])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_tiled_against_the_oracle_around_block_boundaries(length, dtype):
+    b, h = 2, 2
+    d = 8 if length > 500 else 16
+    q, k, v = randn(b, h, length, d, dtype=dtype), randn(b, 1, length, d, dtype=dtype), randn(b, 1, length, d, dtype=dtype)
+    for mask in mask_zoo(b, length, length):
+        dense = dense_of(mask, length, length)
+        gold, naive = gold_and_naive(q, k, v, dense)
+        for blocks in SMALL_BLOCKS if length <= 127 else [None]:
+            plan = None
+            if blocks is not None:
+                plan = tiled.plan_tiles(dispatch._as_mask_object(mask, None), length, length, *blocks)
+            m = dispatch._as_mask_object(mask, None)
+            out, lse = tiled.attention(q, k, v, m, scale=d**-0.5, plan=plan)
+            assert_oracle(out, gold, naive, what=f"{mask!r} blocks={blocks}")
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 130), (130, 1), (70, 200), (200, 70)])
+def test_tiled_with_lq_not_lk(lq, lk):
+    q, k, v = randn(2, 4, lq, 16), randn(2, 2, lk, 16), randn(2, 2, lk, 24)  # GQA and Dv != D
+    for mask in mask_zoo(2, lq, lk):
+        gold, naive = gold_and_naive(q, k, v, dense_of(mask, lq, lk))
+        assert_oracle(attnkit.attention(q, k, v, mask, kernel="tiled"), gold, naive, what=repr(mask))
+
+
+def test_log_sum_exp_and_fully_masked_rows_and_blocks():
+    q, k, v = randn(1, 2, 100, 8, dtype=torch.float64), randn(1, 2, 100, 8, dtype=torch.float64), randn(1, 2, 100, 8, dtype=torch.float64)
+    ids = torch.tensor([0] * 50 + [1] * 50)
+    mask = masks.document(ids) & masks.padding(torch.tensor([40]))  # queries 50.. see nothing
+    plan = tiled.plan_tiles(mask, 100, 100, 16, 8)
+    out, lse = tiled.attention(q, k, v, mask, scale=0.3, plan=plan)
+    dense = mask.materialize(100, 100)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~dense, float("-inf"))
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
+    assert (lse[..., 50:] == float("-inf")).all() and (out[..., 50:, :] == 0).all()
+    assert any(not row.runs for row in plan.rows)  # whole row blocks are skipped
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks", [(16, 8), None])
+def test_tiled_gradients_against_the_oracle(dtype, blocks):
+    lq = lk = 97
+    q64, k64, v64 = randn(2, 4, lq, 16, dtype=torch.float64), randn(2, 2, lk, 16, dtype=torch.float64), randn(2, 2, lk, 16, dtype=torch.float64)
+    grad = randn(2, 4, lq, 16, dtype=torch.float64)
+    ids = torch.sort(torch.randint(0, 3, (2, lq)), -1).values
+    for mask in [masks.document(ids) & masks.causal(), masks.prefix_lm(7) | masks.sliding_window(4), masks.padding(torch.tensor([50, 0]))]:
+        dense = mask.materialize(lq, lk)
+        plan = None if blocks is None else tiled.plan_tiles(mask, lq, lk, *blocks)
+
+        def grads(fn, dt):
+            ts = [t.to(dt).detach().requires_grad_(True) for t in (q64, k64, v64)]
+            fn(*ts).backward(grad.to(dt))
+            return [t.grad for t in ts]
+
+        gold = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], torch.float64)
+        naive = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], dtype)
+        got = grads(lambda q, k, v: tiled.attention(q, k, v, mask, scale=0.25, plan=plan)[0], dtype)
+        for name, g, n, o in zip("qkv", gold, naive, got):
+            assert torch.isfinite(o).all()
+            err = (o.double() - g).abs().max().item()
+            bound = 1e-12 if dtype == torch.float64 else 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
+            assert err <= bound, f"d{name} {mask!r}: {err:.3e} > {bound:.3e}"
+
+
+def test_tiled_gradcheck():
+    q, k, v = (randn(1, 2, 21, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = masks.prefix_lm(3) | masks.sliding_window(2)
+    plan = tiled.plan_tiles(mask, 21, 21, 4, 4)
+    assert torch.autograd.gradcheck(lambda q, k, v: tiled.attention(q, k, v, mask, scale=0.5, plan=plan)[0], (q, k, v))
+
+
+def test_poison_in_skipped_and_partial_blocks_does_not_leak():
+    q, k, v = randn(2, 2, 150, 16), randn(2, 2, 150, 16), randn(2, 2, 150, 16)
+    mask = masks.padding(torch.tensor([70, 150]))
+    clean = attnkit.attention(q, k, v, mask, kernel="tiled")
+    k[0, :, 70:] = float("nan")
+    v[0, :, 70:] = float("inf")
+    assert torch.equal(attnkit.attention(q, k, v, mask, kernel="tiled"), clean)
+
+
+# --- dropout ---------------------------------------------------------------------------------
+
+
+def test_tiled_dropout_kept_fraction_and_reproducibility():
+    p = 0.2
+    q, k = randn(2, 4, 300, 8), randn(2, 4, 300, 8)
+    v = torch.eye(300).expand(2, 4, 300, 300)
+    mask = masks.sliding_window(40)
+    torch.manual_seed(5)
+    out = attnkit.attention(q, k, v, mask, dropout_p=p, kernel="tiled")
+    torch.manual_seed(5)
+    assert torch.equal(out, attnkit.attention(q, k, v, mask, dropout_p=p, kernel="tiled"))
+    inside = mask.materialize(300, 300).expand_as(out)
+    kept = (out[inside] != 0).double().mean().item()
+    n = inside.sum().item()
+    assert abs(kept - (1 - p)) < 6 * (p * (1 - p) / n) ** 0.5
+    assert (out[~inside] == 0).all()
+
+
+# --- dispatch ----------------------------------------------------------------------------
+
+
+def test_dispatch_choices():
+    def plan(mask, length=2048, dropout_p=0.0, dtype=torch.float32):
+        q = torch.empty(1, 2, length, 16, dtype=dtype)
+        return attnkit.explain(q, q, q, mask, dropout_p=dropout_p)
+
+    assert str(plan(None)) == "fused SDPA: no mask"
+    assert str(plan(masks.causal())) == "fused SDPA: is_causal"
+    doc = plan(masks.document(torch.arange(2048) // 256))
+    assert doc.kernel == "tiled" and str(doc) == "tiled: 12% of blocks kept"
+    assert plan(masks.sliding_window(128)).kernel == "tiled"
+    assert plan(masks.padding(torch.tensor([1024]))).kernel == "tiled"
+    assert plan(torch.ones(2048, 2048, dtype=torch.bool)).reason == "fused SDPA with a dense mask: 100% of blocks kept"
+    assert plan(masks.causal(), length=64).reason == "fused SDPA: is_causal"
+    assert "is small" in plan(masks.sliding_window(4), length=64).reason
+    assert plan(torch.zeros(2048, 2048)).reason == "fused SDPA: additive float mask"
+    assert plan(None, dropout_p=0.1).kernel == "tiled"
+    assert plan(torch.zeros(64, 64), length=64, dropout_p=0.1).kernel == "reference"
+    q = torch.empty(1, 2, 0, 16)
+    assert attnkit.explain(q, q, q).kernel == "reference"
+
+
+# --- memory --------------------------------------------------------------------------------
+
+
+class MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any op creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_long_document_mask_never_allocates_lq_by_lk():
+    length = 16384
+    q, k, v = (randn(1, 1, length, 16, requires_grad=True) for _ in range(3))
+    mask = masks.document(torch.arange(length) // (length // 8))
+    assert attnkit.explain(q, k, v, mask).kernel == "tiled"
+    with MaxNumel() as seen:
+        out = attnkit.attention(q, k, v, mask)
+        out.sum().backward()
+    assert seen.largest <= length * 256, seen.largest  # one row block of 256 queries
+    assert torch.isfinite(q.grad).all()
+    # spot check one document against the oracle
+    sl = slice(2048, 4096)
+    want = naive_attention(q[..., sl, :].detach().double(), k[..., sl, :].detach().double(), v[..., sl, :].detach().double())[0]
+    assert (out[..., sl, :].detach().double() - want).abs().max() < 1e-5
