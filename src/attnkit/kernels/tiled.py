@@ -76,7 +76,7 @@ TILE_CACHE_BYTES = 256 * 2**20
 
 def block_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
     """Query and key block sizes, chosen from ``benchmarks/cpu.py`` measurements."""
-    return (256 if q_len >= 4096 else 128), 64
+    return 128, 64
 
 
 def plan_for(mask, q_len: int, kv_len: int, device=None) -> TilePlan:
@@ -110,11 +110,27 @@ def plan_tiles(mask, q_len: int, kv_len: int, bq: int, bk: int, device=None) -> 
         full = (codes == _masks.FULL).all(dim=0)
         state = torch.where(full, _masks.FULL, nonempty.to(torch.int8) * _masks.PARTIAL)
     kept = float((state != _masks.EMPTY).float().mean()) if state.numel() else 0.0
-    rows = [
-        RowBlock(i * bq, min((i + 1) * bq, q_len), _runs(row, bk, kv_len))
-        for i, row in enumerate(state.tolist())
-    ]
+    rows: list[RowBlock] = []
+    for i, row in enumerate(state.tolist()):
+        block = RowBlock(i * bq, min((i + 1) * bq, q_len), _runs(row, bk, kv_len))
+        if rows and rows[-1].runs == block.runs and _can_grow(rows[-1], block):
+            block = RowBlock(rows[-1].q0, block.q1, block.runs)  # one call for both
+            rows.pop()
+        rows.append(block)
     return TilePlan(tuple(rows), kept, bq, bk)
+
+
+#: Adjacent row blocks with the same runs are computed as one, up to this many
+#: (query, key) pairs per run when the run needs its element mask.
+MAX_MASKED_TILE = 2**20
+MAX_ROWS = 4096
+
+
+def _can_grow(prev: RowBlock, block: RowBlock) -> bool:
+    rows = block.q1 - prev.q0
+    if rows > MAX_ROWS:
+        return False
+    return all(run.full or rows * (run.k1 - run.k0) <= MAX_MASKED_TILE for run in block.runs)
 
 
 #: A stretch of FULL key blocks shorter than this is computed with its PARTIAL
@@ -270,10 +286,12 @@ def _forward(call: _Call, q, k, v):
     """Returns ``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` (-inf for fully masked rows)."""
     b, hq, lq, _ = q.shape
     dv = v.shape[-1]
-    out = q.new_zeros(b, hq, lq, dv)
-    lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
+    out = q.new_empty(b, hq, lq, dv)
+    lse = torch.empty((b, hq, lq), dtype=_compute_dtype(q.dtype), device=q.device)
     for row in call.plan.rows:
-        if not row.runs:
+        if not row.runs:  # every query of the block is fully masked
+            out[:, :, row.q0 : row.q1] = 0.0
+            lse[:, :, row.q0 : row.q1] = _NEG_INF
             continue
         parts = []
         for run in row.runs:

@@ -1,0 +1,234 @@
+"""attnkit against PyTorch's own kernels on the CPU, in one process.
+
+    python benchmarks/cpu.py [--lengths 1024 4096 16384] [--dtypes float32 bfloat16]
+                             [--modes fwd fwd+bwd] [--repeats 5] [--flex-max-len 4096]
+
+For every case (mask kind x length x dtype x mode) the implementations run
+interleaved, ``--repeats`` times each, and the median time is reported:
+
+- ``attnkit``: ``attnkit.attention`` with the mask object (auto dispatch);
+- ``sdpa``: ``F.scaled_dot_product_attention`` with no mask (dense), ``is_causal``
+  (causal) or the equivalent dense bool mask (every other case);
+- ``flex``: ``flex_attention`` compiled with ``torch.compile``, its block mask built
+  once; its compile time is reported apart, and a failure is recorded with its error;
+- ``ideal``: dense SDPA time x the fraction of 128 x 128 blocks the mask keeps.
+
+Peak memory is the largest rise of the process's resident memory during one call,
+sampled every 0.5 ms. Writes ``benchmarks/results/cpu.json`` and prints a table of
+ratios (attnkit / sdpa, attnkit / ideal, attnkit / flex).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks
+from attnkit.kernels import tiled
+
+B, H, D = 1, 8, 64
+RESULTS = Path(__file__).parent / "results"
+
+
+def cases(length: int):
+    """name -> (attnkit mask, flex mask_mod or None, what SDPA gets)."""
+    doc = length // 8
+    ids = torch.arange(length) // doc
+    half = length // 2
+    return {
+        "dense": (None, None, {}),
+        "causal": (masks.causal(), lambda b, h, i, j: j <= i, {"is_causal": True}),
+        "document": (masks.document(ids), lambda b, h, i, j: (i // doc) == (j // doc), "mask"),
+        "window": (masks.sliding_window(256), lambda b, h, i, j: (j <= i) & (i - j <= 256), "mask"),
+        "prefix": (
+            masks.prefix_lm(length // 4) & masks.causal(),
+            lambda b, h, i, j: (j < length // 4) | (j <= i),
+            "mask",
+        ),
+        "padding": (masks.padding(torch.tensor([half] * B)), lambda b, h, i, j: j < half, "mask"),
+    }
+
+
+class PeakRSS:
+    """Largest rise of resident memory while the block runs, sampled in a thread."""
+
+    def __init__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def mib(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def make_step(fn, inputs, backward: bool):
+    def step():
+        if backward:
+            for t in inputs:
+                t.grad = None
+            out = fn(*inputs)
+            out.backward(torch.ones_like(out))
+        else:
+            with torch.no_grad():
+                fn(*inputs)
+
+    return step
+
+
+def timed(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
+    mask, mask_mod, sdpa_arg = cases(length)[name]
+    backward = mode == "fwd+bwd"
+    torch.manual_seed(0)
+    inputs = [torch.randn(B, H, length, D, dtype=dtype, requires_grad=backward) for _ in range(3)]
+    row = {"case": name, "L": length, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
+
+    impls = {"attnkit": lambda q, k, v: attnkit.attention(q, k, v, mask)}
+    if sdpa_arg == "mask":
+        dense_mask = mask.materialize(length, length)
+        impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)
+    else:
+        impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **sdpa_arg)
+
+    if length <= flex_max_len:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            compiled = torch.compile(flex_attention)
+            block_mask = None
+            if mask_mod is not None:
+                block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+            flex = lambda q, k, v: compiled(q, k, v, block_mask=block_mask)  # noqa: E731
+            start = time.perf_counter()
+            make_step(flex, inputs, backward)()
+            row["flex_compile_s"] = time.perf_counter() - start
+            impls["flex"] = flex
+        except Exception as err:  # a failure is a result: record it, keep going
+            row["flex_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+    steps = {key: make_step(fn, inputs, backward) for key, fn in impls.items()}
+    for step in steps.values():  # warm up (plans, caches, one-time costs)
+        step()
+    times = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            times[key].append(timed(step))
+    for key, ts in times.items():
+        row[f"{key}_ms"] = 1e3 * statistics.median(ts)
+    for key in ("attnkit", "sdpa"):
+        with PeakRSS() as peak:
+            steps[key]()
+        row[f"{key}_peak_mib"] = peak.mib
+
+    q = inputs[0]
+    plan = attnkit.explain(q, q, q, mask)
+    row["kernel"] = str(plan)
+    row["kept_128"] = 1.0 if mask is None else tiled.plan_tiles(mask, length, length, 128, 128).kept
+    if name == "dense":
+        dense_times[(length, row["dtype"], mode)] = row["sdpa_ms"]
+    dense = dense_times.get((length, row["dtype"], mode))
+    if dense is not None:
+        row["ideal_ms"] = dense * row["kept_128"]
+    return row
+
+
+def fmt_ratio(a, b):
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def table(rows) -> str:
+    head = (
+        "| case | L | dtype | mode | attnkit ms | sdpa ms | attnkit/sdpa | ideal ms | attnkit/ideal "
+        "| flex ms | attnkit/flex | peak MiB attnkit / sdpa | kernel |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        flex = f"{r['flex_ms']:.1f}" if "flex_ms" in r else ("failed" if "flex_error" in r else "-")
+        lines.append(
+            f"| {r['case']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['attnkit_ms']:.1f} | "
+            f"{r['sdpa_ms']:.1f} | {fmt_ratio(r['attnkit_ms'], r['sdpa_ms'])} | "
+            f"{r.get('ideal_ms', 0):.1f} | {fmt_ratio(r['attnkit_ms'], r.get('ideal_ms'))} | {flex} | "
+            f"{fmt_ratio(r['attnkit_ms'], r.get('flex_ms'))} | "
+            f"{r['attnkit_peak_mib']:.0f} / {r['sdpa_peak_mib']:.0f} | {r['kernel']} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--cases", nargs="+", default=list(cases(1024)))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--flex-max-len", type=int, default=4096, help="skip FlexAttention above this L")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu.json")
+    args = parser.parse_args()
+
+    rows, dense_times = [], {}
+    names = ["dense"] + [c for c in args.cases if c != "dense"]  # dense first: the ideal needs it
+    total = len(args.lengths) * len(args.dtypes) * len(args.modes) * len(names)
+    done = 0
+    for length in args.lengths:
+        for dtype in args.dtypes:
+            for mode in args.modes:
+                for name in names:
+                    done += 1
+                    print(f"[{done}/{total}] {name} L={length} {dtype} {mode}", flush=True)
+                    row = run_case(name, length, getattr(torch, dtype), mode, args.repeats, args.flex_max_len, dense_times)
+                    if name in args.cases:
+                        rows.append(row)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "shape": {"B": B, "H": H, "D": D},
+        "repeats": args.repeats,
+    }
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print()
+    print(table(rows))
+    for r in rows:
+        if "flex_error" in r:
+            print(f"flex failed on {r['case']} L={r['L']} {r['dtype']} {r['mode']}: {r['flex_error']}")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
