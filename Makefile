@@ -1,31 +1,41 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   creates .venv, installs attnkit, runs the main job
+#   make demo   creates .venv, installs attnkit, runs the main job (attnkit show)
 #   make test   creates .venv, installs attnkit with its test extras, runs every test
+# and one more measures speed: make bench (benchmarks/cpu.py; long).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # constraints.txt pins torch to the CPU build 2.13.0; an unpinned torch pulls a CUDA build.
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test clean
+.PHONY: demo test bench tutorial clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[viz]'
+	$(PIP) -e '.[viz,models]'
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed
-	$(PIP) -e '.[viz,test]'
+	$(PIP) -e '.[viz,models,test]'
 	touch $@
 
 demo: $(VENV)/.demo-installed
+	$(BIN)/attnkit show "$(SENTENCE)" --out attention
+
+tutorial: $(VENV)/.demo-installed
 	$(BIN)/python examples/tutorial.py
 
 test: $(VENV)/.test-installed
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		echo "NOTE: no chromium/chromedriver on PATH: the browser tests will be skipped (apt-get install chromium chromium-driver)"
 	$(BIN)/python -m pytest
 
+bench: $(VENV)/.demo-installed
+	$(BIN)/python benchmarks/cpu.py
+
 clean:
-	rm -rf $(VENV) attention.png .pytest_cache .hypothesis
+	rm -rf $(VENV) attention attention.png .pytest_cache .hypothesis

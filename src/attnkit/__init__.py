@@ -15,6 +15,7 @@ from attnkit.functional import (
     explain,
     scaled_dot_product_attention,
 )
+from attnkit.inspect import capture
 from attnkit.nn import MultiHeadAttention
 from attnkit.viz import visualize_attention
 
@@ -28,6 +29,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "attention_with_weights",
+    "capture",
     "create_causal_mask",
     "create_padding_mask",
     "explain",

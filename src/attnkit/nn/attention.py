@@ -85,6 +85,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        # callables fed (q, k, v, mask) on every forward; attnkit.capture adds and removes them
+        self._observers: list = []
 
     def extra_repr(self) -> str:
         extra = f"d_model={self.d_model}, num_heads={self.num_heads}"
@@ -158,6 +160,8 @@ class MultiHeadAttention(nn.Module):
         """
         unbatched = query.dim() == 2 if isinstance(query, torch.Tensor) else False
         q, k, v = self.project(query, key, value)
+        for observe in self._observers:
+            observe(q, k, v, mask)
         p = self.dropout if self.training else 0.0
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, dropout_p=p)

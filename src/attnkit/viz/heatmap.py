@@ -7,17 +7,40 @@ from pathlib import Path
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
 
 
-def _as_matrix(weights):
-    """A 2-D float numpy array from a tensor or array whose extra dims are all 1."""
+def as_array(weights):
+    """A float32 numpy array from a tensor or array."""
     import numpy as np
     import torch
 
     if isinstance(weights, torch.Tensor):
-        weights = weights.detach().to("cpu", torch.float32).numpy()
-    elif not isinstance(weights, np.ndarray):
-        raise AttnkitTypeError(
-            f"weights must be a torch.Tensor or numpy array, but got {type(weights).__name__}."
-        )
+        return weights.detach().to("cpu", torch.float32).numpy()
+    if isinstance(weights, np.ndarray):
+        return weights.astype(np.float32)
+    raise AttnkitTypeError(
+        f"weights must be a torch.Tensor or numpy array, but got {type(weights).__name__}."
+    )
+
+
+def _figure():
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("attnkit's figures need matplotlib: pip install 'attnkit[viz]'") from err
+    return Figure
+
+
+def save(fig, save_path) -> None:
+    """Write ``fig`` to ``save_path`` (format from the extension), creating the folder."""
+    if save_path is None:
+        return
+    path = Path(save_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+
+
+def _as_matrix(weights):
+    """A 2-D float numpy array from a tensor or array whose extra dims are all 1."""
+    weights = as_array(weights)
     shape = weights.shape
     while weights.ndim > 2 and weights.shape[0] == 1:
         weights = weights[0]
@@ -26,7 +49,7 @@ def _as_matrix(weights):
             f"weights must be one (Lq, Lk) matrix, but got shape {shape}. "
             "Pick one sequence and head first, e.g. weights[0, head]."
         )
-    return weights.astype(np.float32)
+    return weights
 
 
 def visualize_attention(
@@ -54,13 +77,7 @@ def visualize_attention(
         The ``matplotlib.figure.Figure``. No window is opened, so it works on
         machines without a display.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            "visualize_attention needs matplotlib: pip install 'attnkit[viz]'"
-        ) from err
-
+    Figure = _figure()
     from attnkit.viz._fonts import font_families
 
     matrix = _as_matrix(weights)
@@ -93,8 +110,5 @@ def visualize_attention(
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8,
                         color="black" if value > threshold else "white")
     fig.colorbar(image, ax=ax, label="attention weight")
-    if save_path is not None:
-        path = Path(save_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=150)
+    save(fig, save_path)
     return fig

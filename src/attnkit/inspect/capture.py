@@ -1,0 +1,78 @@
+"""``attnkit.capture``: record the attention weights of every attnkit layer in a model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnkit import functional
+from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit.nn import MultiHeadAttention
+
+
+class Capture:
+    """Attention weights recorded while the ``with`` block runs, in call order.
+
+    ``weights[i]`` is ``(B, H, Lq, Lk)`` (detached) from the layer ``names[i]``.
+    The model keeps its own kernel and its outputs do not change: each weight
+    tensor is recomputed from the layer's projected queries and keys with the
+    same mask, by :func:`attnkit.attention_weights`.
+
+    >>> import torch, attnkit
+    >>> model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 4))
+    >>> x = torch.randn(1, 5, 16)
+    >>> with attnkit.capture(model) as cap:
+    ...     _ = model[0](x)
+    >>> cap.names, cap.weights[0].shape
+    (['0'], torch.Size([1, 4, 5, 5]))
+    """
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module):
+            raise AttnkitTypeError(f"capture expects a torch.nn.Module, but got {type(model).__name__}.")
+        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+        if not self.layers:
+            raise AttnkitValueError(
+                f"{type(model).__name__} has no attnkit.MultiHeadAttention layer to capture."
+            )
+        self.weights: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self._installed: list[tuple[MultiHeadAttention, object]] = []
+
+    def _observer(self, name: str):
+        def observe(q, k, v, mask):
+            with torch.no_grad():
+                self.weights.append(functional.attention_weights(q, k, v, mask).detach())
+            self.names.append(name)
+
+        return observe
+
+    def __enter__(self) -> Capture:
+        for name, layer in self.layers:
+            observer = self._observer(name or type(layer).__name__)
+            layer._observers.append(observer)
+            self._installed.append((layer, observer))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer, observer in self._installed:
+            layer._observers.remove(observer)
+        self._installed.clear()
+
+    def stack(self, batch: int = 0) -> torch.Tensor:
+        """The weights of one sequence as ``(layers, H, Lq, Lk)`` (every call must agree in shape)."""
+        if not self.weights:
+            raise AttnkitValueError("nothing was captured: run the model inside the with block.")
+        shapes = {tuple(w.shape[1:]) for w in self.weights}
+        if len(shapes) != 1:
+            raise AttnkitValueError(f"captured weights differ in shape {sorted(shapes)}; index cap.weights instead.")
+        return torch.stack([w[batch] for w in self.weights])
+
+
+def capture(model: nn.Module) -> Capture:
+    """Record attention weights from every attnkit attention layer inside ``model``.
+
+    ``with attnkit.capture(model) as cap: model(...)``; then ``cap.weights`` and
+    ``cap.names``. Outside the block nothing is recorded and no hook remains.
+    """
+    return Capture(model)

@@ -1,0 +1,40 @@
+"""What the heads of each layer do, in numbers."""
+
+from __future__ import annotations
+
+import torch
+
+SPECIAL = ("[CLS]", "[SEP]")
+
+
+def layer_statistics(weights: torch.Tensor, tokens: list[str]) -> list[dict]:
+    """Per layer of ``weights: (layers, heads, L, L)``: the mean share of attention on
+    ``[CLS]``/``[SEP]``, on the previous token and on the token itself, and the mean
+    entropy of a row in bits."""
+    weights = weights.double()
+    length = weights.shape[-1]
+    special = torch.tensor([t in SPECIAL for t in tokens])
+    rows = []
+    for layer, w in enumerate(weights):  # (heads, L, L)
+        entropy = -(w * torch.log2(w.clamp_min(1e-30))).sum(-1)  # (heads, L)
+        previous = w.diagonal(offset=-1, dim1=-2, dim2=-1).mean().item() if length > 1 else 0.0
+        rows.append({
+            "layer": layer,
+            "special": w[..., special].sum(-1).mean().item(),
+            "previous": previous,
+            "self": w.diagonal(dim1=-2, dim2=-1).mean().item(),
+            "entropy_bits": entropy.mean().item(),
+            "max_entropy_bits": float(torch.log2(torch.tensor(float(length)))),
+        })
+    return rows
+
+
+def summarize(weights: torch.Tensor, tokens: list[str]) -> str:
+    """A short table of :func:`layer_statistics`."""
+    lines = ["layer  on [CLS]/[SEP]  on previous  on itself  entropy (bits)"]
+    for r in layer_statistics(weights, tokens):
+        lines.append(
+            f"{r['layer']:>5}  {r['special']:>13.0%}  {r['previous']:>11.0%}  {r['self']:>9.0%}  "
+            f"{r['entropy_bits']:>5.2f} of {r['max_entropy_bits']:.2f}"
+        )
+    return "\n".join(lines)

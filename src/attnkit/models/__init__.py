@@ -1,0 +1,5 @@
+"""Real models built only from attnkit parts."""
+
+from attnkit.models.minilm import MiniLM
+
+__all__ = ["MiniLM"]

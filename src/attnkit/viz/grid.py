@@ -1,0 +1,50 @@
+"""Every head of every layer at a glance: a grid of small heatmaps."""
+
+from __future__ import annotations
+
+from attnkit._validate import AttnkitValueError
+from attnkit.viz.heatmap import _figure, as_array, save
+
+
+def attention_grid(weights, save_path="attention_grid.png", *, tokens=None, title: str | None = None, cmap: str = "viridis"):
+    """Draw ``weights: (layers, heads, Lq, Lk)`` as a layers x heads grid of heatmaps.
+
+    ``tokens`` (optional) label the first column's rows and the last row's columns
+    when there are at most 24 of them. Returns the figure; writes ``save_path``
+    (PNG, SVG or PDF by extension) unless it is None.
+    """
+    array = as_array(weights)
+    if array.ndim != 4:
+        raise AttnkitValueError(
+            f"weights must have shape (layers, heads, Lq, Lk), but got {array.shape}. "
+            "Use cap.stack() to stack captured weights."
+        )
+    layers, heads, lq, lk = array.shape
+    Figure = _figure()
+    from attnkit.viz._fonts import font_families
+
+    families = list(font_families())
+    cell = 1.15
+    fig = Figure(figsize=(0.9 + cell * heads, 0.7 + cell * layers), layout="constrained")
+    axes = fig.subplots(layers, heads, squeeze=False)
+    label = tokens is not None and len(tokens) <= 24 and len(tokens) == lq == lk
+    for layer in range(layers):
+        for head in range(heads):
+            ax = axes[layer][head]
+            ax.imshow(array[layer, head], cmap=cmap, vmin=0.0, vmax=max(float(array[layer, head].max(initial=0.0)), 1e-9))
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if layer == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if head == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+    if label:
+        for head in range(heads):
+            ax = axes[-1][head]
+            ax.set_xticks(range(lk), [str(t) for t in tokens], rotation=90, fontsize=4, fontfamily=families)
+        for layer in range(layers):
+            axes[layer][0].set_yticks(range(lq), [str(t) for t in tokens], fontsize=4, fontfamily=families)
+    if title:
+        fig.suptitle(title, fontfamily=families)
+    save(fig, save_path)
+    return fig

@@ -1,0 +1,158 @@
+"""The HTML view in headless Chromium (Debian's chromium and chromium-driver), from file://."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from attnkit.viz import attention_html, save_html
+
+FLAGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+    "--window-size=1300,1000",
+]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        if os.environ.get("ATTNKIT_REQUIRE_BROWSER"):
+            pytest.fail("ATTNKIT_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
+        pytest.skip("browser test skipped: no chromium/chromedriver on PATH "
+                    "(apt-get install chromium chromium-driver; .ci/run installs them)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"]:
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def fake_weights(layers, heads, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(3 * torch.randn(layers, heads, length, length, generator=g), dim=-1)
+
+
+def open_page(browser, path):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(path.as_uri())
+    WebDriverWait(browser, 20).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+
+
+def severe_logs(browser):
+    return [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+CANVAS_SPREAD = """
+const c = arguments[0], d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+let lo = 255, hi = 0, sum = 0;
+for (let i = 0; i < d.length; i += 4) { const v = d[i] + d[i+1] + d[i+2]; lo = Math.min(lo, v); hi = Math.max(hi, v); sum += v; }
+return [hi - lo, sum];
+"""
+
+
+def test_model_view_renders_and_a_click_opens_the_head(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    tokens = ["[CLS]", "the", "cat", "sat", "今天", "[SEP]"]
+    path = save_html(tmp_path / "a.html", fake_weights(3, 4, 6), tokens, title="a test")
+    open_page(browser, path)
+    thumbs = browser.find_elements(By.CSS_SELECTOR, "canvas.thumb")
+    assert len(thumbs) == 12
+    assert browser.execute_script(CANVAS_SPREAD, thumbs[0])[0] > 50  # not blank
+    target = browser.find_element(By.CSS_SELECTOR, "canvas.thumb[data-layer='2'][data-head='3']")
+    target.click()
+    assert browser.find_element(By.ID, "heatmap-view").is_displayed()
+    assert not browser.find_element(By.ID, "model-view").is_displayed()
+    assert browser.find_element(By.ID, "hm-title").text == "layer 2 · head 3"
+    heatmap = browser.find_element(By.ID, "hm-canvas")
+    assert browser.execute_script(CANVAS_SPREAD, heatmap)[0] > 50
+    assert severe_logs(browser) == []
+
+
+def test_head_view_draws_lines_and_hover_keeps_one_tokens_lines(browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    path = save_html(tmp_path / "b.html", fake_weights(2, 3, 8), [f"tok{i}" for i in range(8)])
+    open_page(browser, path)
+    browser.find_element(By.CSS_SELECTOR, "nav button[data-view='head']").click()
+    canvas = browser.find_element(By.ID, "head-canvas")
+    spread, everything = browser.execute_script(CANVAS_SPREAD, canvas)
+    assert spread > 50
+    # hover the first query token (left column, first row): only its lines stay
+    ActionChains(browser).move_to_element_with_offset(canvas, -canvas.size["width"] // 2 + 100, -canvas.size["height"] // 2 + 20).perform()
+    _, hovered = browser.execute_script(CANVAS_SPREAD, canvas)
+    assert hovered != everything
+    # toggle every head off: only the tokens remain
+    for square in browser.find_elements(By.CSS_SELECTOR, "#head-toggles .swatch"):
+        square.click()
+    ActionChains(browser).move_to_element(browser.find_element(By.ID, "title")).perform()
+    _, none = browser.execute_script(CANVAS_SPREAD, canvas)
+    assert none != everything
+    assert severe_logs(browser) == []
+
+
+def test_user_text_is_escaped_everywhere(browser, tmp_path):
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    evil = ["<img src=x onerror=\"window.__pwned=1;alert(1)\">", "</script><script>window.__pwned=2</script>", "&amp;"]
+    title = "</title><script>window.__pwned=3</script>"
+    path = save_html(tmp_path / "c.html", fake_weights(1, 2, 3), evil, title=title, layer_names=["<b>x</b>"])
+    open_page(browser, path)
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert.text  # noqa: B018
+    assert browser.execute_script("return window.__pwned === undefined")
+    assert browser.find_element(By.ID, "title").text == title
+    assert browser.title == title
+    assert browser.execute_script("return document.querySelectorAll('img, b').length") == 0
+    assert browser.find_elements(By.CSS_SELECTOR, "canvas.thumb")[0].get_attribute("title") == "<b>x</b>, head 0"
+    assert severe_logs(browser) == []
+
+
+def test_too_many_tokens_for_lines_shows_a_message(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    path = save_html(tmp_path / "d.html", fake_weights(1, 1, 300), [str(i) for i in range(300)])
+    open_page(browser, path)
+    browser.find_element(By.CSS_SELECTOR, "nav button[data-view='head']").click()
+    message = browser.find_element(By.ID, "head-message")
+    assert message.is_displayed() and "at most 256 tokens" in message.text
+    browser.find_element(By.CSS_SELECTOR, "nav button[data-view='heatmap']").click()
+    assert browser.execute_script(CANVAS_SPREAD, browser.find_element(By.ID, "hm-canvas"))[0] > 50
+    assert severe_logs(browser) == []
+
+
+# --- the file itself (no browser needed) -----------------------------------------------------
+
+
+def test_page_is_self_contained_and_compact():
+    page = attention_html(fake_weights(6, 12, 128), [f"t{i}" for i in range(128)])
+    assert "http://" not in page and "https://" not in page
+    assert "<link" not in page and "src=" not in page
+    assert len(page.encode()) < 5 * 2**20
+
+
+def test_page_escapes_script_breakers_in_the_data():
+    page = attention_html(fake_weights(1, 1, 2), ["</script>", "<!--"], title="<x>")
+    assert page.count("</script>") == 2  # the data block's and the code's own
+    assert "<!--" not in page and "<x>" not in page
+
+
+def test_page_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match=r"more than one page holds"):
+        attention_html(torch.zeros(64, 64, 512, 512), ["t"] * 512)
+    with pytest.raises(ValueError, match=r"need 3 query tokens and 3 key tokens, but got 2 and 2"):
+        attention_html(torch.zeros(1, 1, 3, 3), ["a", "b"])
