@@ -117,8 +117,8 @@ def test_tiled_against_the_oracle_around_block_boundaries(length, dtype):
         for blocks in SMALL_BLOCKS if length <= 127 else [None]:
             plan = None
             if blocks is not None:
-                plan = tiled.plan_tiles(dispatch._as_mask_object(mask, None), length, length, *blocks)
-            m = dispatch._as_mask_object(mask, None)
+                plan = tiled.plan_tiles(dispatch._as_mask_object(mask), length, length, *blocks)
+            m = dispatch._as_mask_object(mask)
             out, lse = tiled.attention(q, k, v, m, scale=d**-0.5, plan=plan)
             assert_oracle(out, gold, naive, what=f"{mask!r} blocks={blocks}")
 

@@ -62,6 +62,49 @@ def show(args) -> int:
     return 0
 
 
+def train(args) -> int:
+    from attnkit.models.translator import WEIGHTS, train as train_translator
+
+    _say(f"training DateTranslator: {args.steps} steps, seed {args.seed}, batch {args.batch_size}")
+    model, record = train_translator(args.steps, seed=args.seed, batch_size=args.batch_size)
+    record["command"] = f"attnkit train translator --steps {args.steps} --seed {args.seed} --batch-size {args.batch_size}"
+    path = model.save(Path(args.out) / WEIGHTS, training=record)
+    print(f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
+          f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)")
+    print(f"wrote {path}")
+    return 0
+
+
+def _shown(chars):
+    """Characters as figure labels: a visible mark for the space."""
+    return ["\u2423" if ch == " " else ch for ch in chars]
+
+
+def translate(args) -> int:
+    from attnkit.models.translator import DateTranslator
+    from attnkit.viz import attention_grid, save_html, visualize_attention
+
+    model = DateTranslator.load(args.weights) if args.weights else DateTranslator.from_package()
+    result = model.translate_with_attention(args.text)
+    print(result["output"])
+    weights = result["weights"]  # (layers, heads, L_out, L_in)
+    inputs, outputs = _shown(result["input_tokens"]), result["output_tokens"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    last = weights[-1].mean(dim=0)
+    written = [out / "alignment.png", out / "alignment_grid.png", out / "alignment.html"]
+    visualize_attention(last, outputs, written[0], key_tokens=inputs, xlabel="input character",
+                        ylabel="output character",
+                        title=f"{args.text} \u2192 {result['output']} (last layer, mean of heads)")
+    attention_grid(weights, written[1], title=f"cross-attention: {args.text}")
+    save_html(written[2], weights, outputs, key_tokens=inputs,
+              layer_names=[f"decoder layer {i} (cross)" for i in range(len(weights))],
+              title=f"{args.text} \u2192 {result['output']}")
+    for path in written:
+        _say(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Exact attention you can see into.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, help="draw the heads of this layer as PNGs (0-based)")
     p.add_argument("--head", type=int, help="draw this head (of --layer, or of every layer) as PNG")
     p.set_defaults(run=show)
+
+    p = sub.add_parser("train", help="train a model (translator: the date normalizer)")
+    p.add_argument("model", choices=["translator"])
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--out", default="translator", help="output folder (default: ./translator)")
+    p.set_defaults(run=train)
+
+    p = sub.add_parser(
+        "translate",
+        help="write a date as ISO YYYY-MM-DD and draw the cross-attention alignment",
+        description="Print TEXT as an ISO date and write alignment.png (input x output characters, "
+        "last layer, mean of heads), alignment_grid.png (every layer and head) and alignment.html.",
+    )
+    p.add_argument("text", help='a date, e.g. "25th of March 2019"')
+    p.add_argument("--out", default="translation", help="output folder (default: ./translation)")
+    p.add_argument("--weights", help="a .safetensors file from attnkit train (default: the shipped weights)")
+    p.set_defaults(run=translate)
     return parser
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "document",
     "padding",
     "dense",
+    "cached",
     "as_mask",
 ]
 
@@ -61,8 +62,12 @@ def _check_align(align: str) -> str:
     return align
 
 
-def _positions(q_idx: torch.Tensor, q_len: int, kv_len: int, align: str) -> torch.Tensor:
-    """Key-axis position p(i) of each query index (bottom-right: i + Lk - Lq)."""
+def _positions(q_idx: torch.Tensor, q_len: int, kv_len, align: str) -> torch.Tensor:
+    """Key-axis position p(i) of each query index (bottom-right: i + Lk - Lq).
+
+    ``kv_len`` is an int, or a ``(B, 1, 1)`` tensor when each sequence ends elsewhere
+    (see :func:`cached`).
+    """
     return q_idx + (kv_len - q_len) if align == "bottom_right" else q_idx
 
 
@@ -460,6 +465,64 @@ class _Combine(Mask):
             return f"({m!r})" if isinstance(m, _Combine) and m.op != self.op else repr(m)
 
         return f"{part(self.left)} {self.op} {part(self.right)}"
+
+
+class _Cached(Mask):
+    def __init__(self, mask, start, lengths):
+        self.mask = None if mask is None else as_mask(mask)
+        self.start = check_int_tensor(start, "start", (1,))
+        self.lengths = check_int_tensor(lengths, "lengths", (1,))
+        if self.start.shape != self.lengths.shape:
+            raise AttnkitValueError(
+                f"start and lengths must have one entry per sequence, but got shapes "
+                f"{tuple(self.start.shape)} and {tuple(self.lengths.shape)}."
+            )
+        self.batch_size = self.start.shape[0]
+
+    def _device(self):
+        return self.lengths.device
+
+    def _held(self):
+        return (self.start, self.lengths) + (self.mask._held() if self.mask else ())
+
+    def lead_shape(self):
+        own = (self.batch_size, 1)
+        return own if self.mask is None else tuple(torch.broadcast_shapes(own, self.mask.lead_shape()))
+
+    def check(self, q_len, kv_len):
+        longest = int(self.lengths.max()) if self.lengths.numel() else 0
+        if longest > kv_len:
+            raise AttnkitValueError(f"cached mask has a sequence of length {longest} but only Lk={kv_len} keys.")
+
+    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+        device = kv_idx.device
+        valid = _as4d(kv_idx < self.lengths.to(device)[:, None, None])  # (B, 1, 1, tk)
+        if self.mask is None:
+            return valid
+        ends = (self.start.to(device) + q_len)[:, None, None]  # where each sequence's queries end
+        return self.mask._elements(q_idx, kv_idx, q_len, ends) & valid
+
+    def _block_codes(self, b):
+        lengths = self.lengths.to(b.k_lo.device)[:, None, None, None]  # (B, 1, 1, 1)
+        empty = b.k_lo >= lengths
+        return b.code(full=torch.zeros_like(empty), empty=empty)  # PARTIAL where not empty
+
+    def __repr__(self):
+        return f"cached({self.mask!r}, start={self.start.tolist()}, lengths={self.lengths.tolist()})"
+
+
+def cached(mask, start, lengths) -> Mask:
+    """``mask`` for sequences stored left-aligned in a KV cache of varying fill.
+
+    Query i of sequence b sits at key position ``start[b] + i`` (so a bottom-right
+    aligned mask is aligned with each sequence's own end) and keys ``j >= lengths[b]``
+    are empty slots. :class:`attnkit.nn.KVCache` builds this for you.
+
+    >>> print(cached(causal(), start=torch.tensor([1, 3]), lengths=torch.tensor([3, 5])).picture(2, 5, batch=0))
+    1 1 0 0 0
+    1 1 1 0 0
+    """
+    return _Cached(mask, start, lengths)
 
 
 def causal(align: str = "bottom_right") -> Mask:

@@ -80,7 +80,7 @@ def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto", device=
         return Plan("tiled", f"tiled: dropout_p={dropout_p}, {plan.kept:.0%} of blocks kept", plan)
     if mask is None:
         return Plan("sdpa", "fused SDPA: no mask")
-    if _is_plain_causal(mask) and (mask.align == "top_left" or shapes.lq == shapes.lk):
+    if _sdpa_causal(mask, shapes):
         return Plan("sdpa", "fused SDPA: is_causal")
     if not tileable:
         return Plan("sdpa", "fused SDPA: additive float mask" if shapes.rank <= 4 else "fused SDPA: rank > 4")
@@ -92,7 +92,7 @@ def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto", device=
     return Plan("sdpa", f"fused SDPA with a dense mask: {plan.kept:.0%} of blocks kept")
 
 
-def _as_mask_object(mask, shapes: Shapes):
+def _as_mask_object(mask):
     """None, or the mask as an attnkit mask object of at most 4 dims."""
     if mask is None or isinstance(mask, _masks.Mask):
         return mask
@@ -101,11 +101,12 @@ def _as_mask_object(mask, shapes: Shapes):
 
 
 def _tile_plan(mask, shapes: Shapes, device) -> tiled.TilePlan:
-    return tiled.plan_for(_as_mask_object(mask, shapes), shapes.lq, shapes.lk, device)
+    return tiled.plan_for(_as_mask_object(mask), shapes.lq, shapes.lk, device)
 
 
-def _is_plain_causal(mask) -> bool:
-    return isinstance(mask, _masks._Causal)
+def _sdpa_causal(mask, shapes: Shapes) -> bool:
+    """Whether ``mask`` is exactly SDPA's ``is_causal=True`` (top-left aligned) here."""
+    return isinstance(mask, _masks._Causal) and (mask.align == "top_left" or shapes.lq == shapes.lk)
 
 
 def dense_mask(mask, shapes: Shapes, device) -> torch.Tensor | None:
@@ -127,10 +128,10 @@ def run(q, k, v, mask, *, scale: float, dropout_p: float, plan: Plan, shapes: Sh
         lead = (1,) * (4 - shapes.rank)
         q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (q, k, v))  # (B, H, L, D)
         out, _ = tiled.attention(
-            q4, k4, v4, _as_mask_object(mask, shapes), scale=scale, dropout_p=dropout_p, plan=plan.tiles
+            q4, k4, v4, _as_mask_object(mask), scale=scale, dropout_p=dropout_p, plan=plan.tiles
         )
         return out.reshape(shapes.out)
-    if _is_plain_causal(mask) and (mask.align == "top_left" or shapes.lq == shapes.lk):
+    if _sdpa_causal(mask, shapes):
         return _sdpa(q, k, v, None, scale=scale, dropout_p=dropout_p, shapes=shapes, causal=True)
     dense = dense_mask(mask, shapes, q.device)
     k, v = reference.zero_unused_keys(k, v, dense)

@@ -297,22 +297,22 @@ def _forward(call: _Call, q, k, v):
         for run in row.runs:
             qf, kr, vr, tile = _run_inputs(call, q, k, v, row, run)
             if call.fused:
-                o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                o, lse_r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     qf, kr, vr, attn_mask=None if tile is None else tile.additive, scale=call.scale
                 )
             else:
                 s = _math_scores(call, qf, kr, tile)
-                l = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - torch.where(l == _NEG_INF, 0.0, l)[..., None])
+                lse_r = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - torch.where(lse_r == _NEG_INF, 0.0, lse_r)[..., None])
                 if call.dropout_p > 0.0:
                     p = p * _keep_mask(call, row, run, p.shape, q.device) / (1.0 - call.dropout_p)
                 o = p @ vr.to(p.dtype)  # (B, Hkv, g*n, S) x (B, Hkv, S, Dv)
             if tile is not None and tile.hidden_rows is not None:
-                l = l.masked_fill(tile.hidden_rows, _NEG_INF)  # rows this run hides entirely
-            parts.append((o, l))
-        o, l = _merge(parts)
+                lse_r = lse_r.masked_fill(tile.hidden_rows, _NEG_INF)  # rows this run hides entirely
+            parts.append((o, lse_r))
+        o, lse_r = _merge(parts)
         out[:, :, row.q0 : row.q1] = _unfold(o, hq).to(q.dtype)
-        lse[:, :, row.q0 : row.q1] = _unfold(l, hq)
+        lse[:, :, row.q0 : row.q1] = _unfold(lse_r, hq)
     return out, lse
 
 
@@ -323,9 +323,9 @@ def _merge(parts):
     """
     if len(parts) == 1:
         return parts[0]
-    total = torch.logsumexp(torch.stack([l for _, l in parts]), dim=0)
+    total = torch.logsumexp(torch.stack([lse_r for _, lse_r in parts]), dim=0)
     safe = torch.where(total == _NEG_INF, 0.0, total)
-    out = sum(torch.exp(l - safe)[..., None] * o.to(l.dtype) for o, l in parts)
+    out = sum(torch.exp(lse_r - safe)[..., None] * o.to(lse_r.dtype) for o, lse_r in parts)
     return out, total
 
 

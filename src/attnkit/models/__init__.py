@@ -1,5 +1,6 @@
 """Real models built only from attnkit parts."""
 
 from attnkit.models.minilm import MiniLM
+from attnkit.models.translator import DateTranslator
 
-__all__ = ["MiniLM"]
+__all__ = ["DateTranslator", "MiniLM"]

@@ -1,5 +1,6 @@
 """Modules built on :mod:`attnkit.functional`."""
 
 from attnkit.nn.attention import MultiHeadAttention
+from attnkit.nn.cache import KVCache
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["KVCache", "MultiHeadAttention"]

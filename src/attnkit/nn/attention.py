@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit import functional
+from attnkit import functional, masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
 
 
@@ -150,16 +150,54 @@ class MultiHeadAttention(nn.Module):
         v = self.split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
         return q, k, v
 
-    def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False):
+    def project_kv(self, key, value=None):
+        """Per-head keys and values ``(B, num_kv_heads, Lk, head_dim)`` of a fixed memory.
+
+        Compute them once and pass ``kv=`` to :meth:`forward` on every decoding step
+        (cross-attention over an encoder's output).
+        """
+        value = key if value is None else value
+        self._check_input(key, "key", self.kdim)
+        self._check_input(value, "value", self.vdim)
+        if key.dim() == 2:
+            key, value = key[None], value[None]
+        k = self.split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Lk, kdim) -> (B, Hkv, Lk, hd)
+        v = self.split_heads(self.v_proj(value), self.num_kv_heads)
+        return k, v
+
+    def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *,
+                cache=None, counts=None, kv=None):
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``).
 
         ``mask`` is any mask :func:`attnkit.attention` takes (True = may attend),
         broadcastable to ``(B, num_heads, Lq, Lk)``; the tutorial's
         ``create_padding_mask`` ``(B, 1, 1, L)`` and ``create_causal_mask`` ``(L, L)``
         fit as they are. ``weights`` are the probabilities before dropout.
+
+        Decoding:
+
+        - ``cache``: a :class:`~attnkit.nn.KVCache`. The keys and values of ``query``'s
+          tokens are appended (``counts: (B,)`` real tokens per sequence, default all)
+          and the queries attend over everything stored; a mask object (e.g.
+          ``masks.causal()``) is aligned with each sequence's own end.
+        - ``kv``: keys and values from :meth:`project_kv`, reused across calls.
         """
         unbatched = query.dim() == 2 if isinstance(query, torch.Tensor) else False
-        q, k, v = self.project(query, key, value)
+        if cache is not None or kv is not None:
+            if key is not None or value is not None:
+                raise AttnkitValueError("pass key/value, or cache= / kv=, not both.")
+            self._check_input(query, "query", self.d_model)
+            q = self.split_heads(self.q_proj(query if query.dim() == 3 else query[None]), self.num_heads)
+            if kv is not None:
+                k, v = kv
+            else:
+                new_k, new_v = self.project_kv(query)
+                cache.append(new_k, new_v, counts)
+                k, v = cache.stored()
+                if mask is None or isinstance(mask, masks.Mask):
+                    mask = cache.mask(mask)
+        else:
+            q, k, v = self.project(query, key, value)
         for observe in self._observers:
             observe(q, k, v, mask)
         p = self.dropout if self.training else 0.0

@@ -61,6 +61,8 @@ def visualize_attention(
     title: str | None = None,
     cmap: str = "viridis",
     annotate: bool | None = None,
+    xlabel: str = "key",
+    ylabel: str = "query",
 ):
     """Draw one head's attention weights as a heatmap with token labels and a colour bar.
 
@@ -98,8 +100,8 @@ def visualize_attention(
     image = ax.imshow(matrix, cmap=cmap, vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
     ax.set_xticks(range(lk), key_tokens, rotation=45 if lk > 6 else 0, ha="right" if lk > 6 else "center", fontfamily=families)
     ax.set_yticks(range(lq), tokens, fontfamily=families)
-    ax.set_xlabel("key")
-    ax.set_ylabel("query")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontfamily=families)
     if annotate:

@@ -1,0 +1,321 @@
+"""``DateTranslator``: a small encoder-decoder Transformer that writes dates as ISO ``YYYY-MM-DD``.
+
+All three kinds of attention of the tutorial, in one model built from attnkit parts:
+
+- the encoder's **bidirectional self-attention**: every input character sees every
+  other real character (a padding mask hides the padding);
+- the decoder's **causal self-attention**: each output character sees the ones
+  before it (``masks.causal()``, with a :class:`~attnkit.nn.KVCache` when decoding);
+- the decoder's **cross-attention**: each output character looks at the input
+  characters; its weights are the alignment between input and output.
+
+>>> model = DateTranslator.from_package()
+>>> model.translate(["25th of March 2019", "2019年3月25日"])
+['2019-03-25', '2019-03-25']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnkit import masks
+from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit.models import dates
+from attnkit.nn import KVCache, MultiHeadAttention
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+SOURCE_CHARS = [chr(c) for c in range(32, 127)] + ["年", "月", "日"]
+TARGET_CHARS = list("0123456789-")
+WEIGHTS = "date_translator.safetensors"
+
+
+@dataclass(frozen=True)
+class Config:
+    d_model: int = 128
+    num_heads: int = 4
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    d_ff: int = 256
+    max_source_len: int = 48
+    max_target_len: int = 12  # 10 characters, </s>, and room to spare
+
+
+class FeedForward(nn.Sequential):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm: bidirectional self-attention over the real characters, then a feed-forward."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(c.d_model), nn.LayerNorm(c.d_model)
+        self.self_attn = MultiHeadAttention(c.d_model, c.num_heads)
+        self.ff = FeedForward(c.d_model, c.d_ff)
+
+    def forward(self, x, padding):
+        x = x + self.self_attn(self.norm1(x), mask=padding)[0]
+        return x + self.ff(self.norm2(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: causal self-attention, cross-attention to the encoder, a feed-forward."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(c.d_model) for _ in range(3))
+        self.self_attn = MultiHeadAttention(c.d_model, c.num_heads)
+        self.cross_attn = MultiHeadAttention(c.d_model, c.num_heads)
+        self.ff = FeedForward(c.d_model, c.d_ff)
+
+    def forward(self, y, memory_kv, source_padding, cache: KVCache | None = None):
+        """``y: (B, T, d)``; ``memory_kv`` from ``cross_attn.project_kv(memory)``."""
+        y = y + self.self_attn(self.norm1(y), mask=masks.causal(), cache=cache)[0]
+        y = y + self.cross_attn(self.norm2(y), mask=source_padding, kv=memory_kv)[0]
+        return y + self.ff(self.norm3(y))
+
+
+class DateTranslator(nn.Module):
+    """Characters of a date in, ``YYYY-MM-DD`` out."""
+
+    def __init__(self, config: Config = Config()):
+        super().__init__()
+        c = self.config = config
+        self.source_vocab = {ch: i for i, ch in enumerate(SPECIALS + SOURCE_CHARS)}
+        self.target_vocab = SPECIALS + TARGET_CHARS
+        self.source_embed = nn.Embedding(len(self.source_vocab), c.d_model)
+        self.source_pos = nn.Embedding(c.max_source_len, c.d_model)
+        self.target_embed = nn.Embedding(len(self.target_vocab), c.d_model)
+        self.target_pos = nn.Embedding(c.max_target_len, c.d_model)
+        self.encoder = nn.ModuleList(EncoderLayer(c) for _ in range(c.encoder_layers))
+        self.encoder_norm = nn.LayerNorm(c.d_model)
+        self.decoder = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
+        self.decoder_norm = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, len(self.target_vocab))
+
+    # --- weights ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_package(cls) -> DateTranslator:
+        """The model with the weights shipped inside attnkit (see the README for how they were made)."""
+        path = resources.files("attnkit.models") / "weights" / WEIGHTS
+        with resources.as_file(path) as file:
+            return cls.load(file)
+
+    @classmethod
+    def load(cls, path) -> DateTranslator:
+        """Load weights written by :meth:`save` (a ``.safetensors`` file with its config)."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+        model = cls(Config(**json.loads(metadata.get("config", "{}"))))
+        model.load_state_dict(load_file(str(path)))
+        model.training_info = json.loads(metadata.get("training", "{}"))
+        return model.eval()
+
+    def save(self, path, training: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path), metadata={"config": json.dumps(asdict(self.config)), "training": json.dumps(training or {})})
+        return path
+
+    # --- characters ------------------------------------------------------------------------
+
+    def source_tokens(self, text: str) -> list[str]:
+        return list(text)
+
+    def encode_source(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids: (B, L)`` padded with PAD and ``lengths: (B,)``."""
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise AttnkitTypeError("texts must be a list of str.")
+        limit = self.config.max_source_len
+        too_long = [t for t in texts if len(t) > limit]
+        if too_long:
+            raise AttnkitValueError(f"inputs hold at most {limit} characters, but got {len(too_long[0])}: {too_long[0]!r}.")
+        lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
+        width = max((len(t) for t in texts), default=0)
+        ids = torch.full((len(texts), max(1, width)), PAD, dtype=torch.long)
+        for row, text in enumerate(texts):
+            ids[row, : len(text)] = torch.tensor([self.source_vocab.get(ch, UNK) for ch in text], dtype=torch.long)
+        return ids, lengths
+
+    def encode_target(self, isos: list[str]) -> torch.Tensor:
+        """``(B, 11)``: the characters of each ISO date and EOS."""
+        index = {ch: i for i, ch in enumerate(self.target_vocab)}
+        return torch.tensor([[index[ch] for ch in iso] + [EOS] for iso in isos], dtype=torch.long)
+
+    def decode_target(self, ids) -> str:
+        chars = []
+        for i in ids:
+            if i == EOS:
+                break
+            if i >= len(SPECIALS):
+                chars.append(self.target_vocab[i])
+        return "".join(chars)
+
+    # --- the network -----------------------------------------------------------------------
+
+    def encode(self, source: torch.Tensor, lengths: torch.Tensor):
+        """Encoder states ``(B, Ls, d)`` and the source padding mask."""
+        padding = masks.padding(lengths)
+        x = self.source_embed(source) + self.source_pos(torch.arange(source.shape[1]))[None]
+        for layer in self.encoder:
+            x = layer(x, padding)
+        return self.encoder_norm(x), padding
+
+    def decode(self, target_in, memory, padding):
+        """Teacher-forced logits ``(B, T, vocab)`` for decoder inputs ``target_in: (B, T)``."""
+        y = self.target_embed(target_in) + self.target_pos(torch.arange(target_in.shape[1]))[None]
+        for layer in self.decoder:
+            y = layer(y, layer.cross_attn.project_kv(memory), padding)
+        return self.head(self.decoder_norm(y))
+
+    def forward(self, source, lengths, target_in):
+        memory, padding = self.encode(source, lengths)
+        return self.decode(target_in, memory, padding)
+
+    @torch.no_grad()
+    def generate(self, source, lengths) -> torch.Tensor:
+        """Greedy decoding with a KV cache per decoder layer; ``(B, T)`` token ids after BOS."""
+        b = source.shape[0]
+        memory, padding = self.encode(source, lengths)
+        memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]  # once per source
+        c = self.config
+        caches = KVCache.for_layers(len(self.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads)
+        token = torch.full((b, 1), BOS, dtype=torch.long)
+        out = []
+        done = torch.zeros(b, dtype=torch.bool)
+        for step in range(c.max_target_len - 1):
+            y = self.target_embed(token) + self.target_pos.weight[step]
+            for layer, cache, kv in zip(self.decoder, caches, memory_kv):
+                y = layer(y, kv, padding, cache=cache)
+            token = self.head(self.decoder_norm(y)).argmax(-1)  # (B, 1)
+            out.append(token)
+            done |= token[:, 0] == EOS
+            if done.all():
+                break
+        return torch.cat(out, dim=1)
+
+    def translate(self, texts: list[str], batch_size: int = 256) -> list[str]:
+        """ISO dates for ``texts``, decoded greedily in batches."""
+        if isinstance(texts, str):
+            raise AttnkitTypeError("translate takes a list of texts; wrap a single text in a list.")
+        results = []
+        for start in range(0, len(texts), batch_size):
+            source, lengths = self.encode_source(texts[start : start + batch_size])
+            results += [self.decode_target(row.tolist()) for row in self.generate(source, lengths)]
+        return results
+
+    @torch.no_grad()
+    def translate_with_attention(self, text: str) -> dict:
+        """The ISO output and the cross-attention weights that produced it.
+
+        Returns ``{"output": str, "weights": (layers, heads, L_out, L_in), "output_tokens":
+        [...], "input_tokens": [...]}``; output token i is the character predicted by
+        decoder query i (the last one is ``</s>``).
+        """
+        import attnkit
+
+        source, lengths = self.encode_source([text])
+        ids = self.generate(source, lengths)[0].tolist()
+        if EOS in ids:
+            ids = ids[: ids.index(EOS) + 1]
+        target_in = torch.tensor([[BOS] + ids[:-1]])
+        with attnkit.capture(self) as cap:
+            self(source, lengths, target_in)
+        cross = [w[0] for w, name in zip(cap.weights, cap.names) if name.endswith("cross_attn")]
+        return {
+            "output": self.decode_target(ids),
+            "weights": torch.stack(cross),
+            "output_tokens": [self.target_vocab[i] for i in ids],
+            "input_tokens": self.source_tokens(text),
+        }
+
+
+# --- training ------------------------------------------------------------------------------
+
+
+def batch(model: DateTranslator, rng: random.Random, size: int):
+    pairs = [dates.sample(rng) for _ in range(size)]
+    source, lengths = model.encode_source([t for t, _ in pairs])
+    target = model.encode_target([iso for _, iso in pairs])
+    target_in = torch.cat([torch.full((size, 1), BOS), target[:, :-1]], dim=1)
+    return source, lengths, target_in, target
+
+
+def exact_match(model: DateTranslator, pairs: list[tuple[str, str]]) -> float:
+    predictions = model.translate([t for t, _ in pairs])
+    return sum(p == iso for p, (_, iso) in zip(predictions, pairs)) / max(1, len(pairs))
+
+
+def train(steps: int = 1500, *, seed: int = 0, batch_size: int = 128, lr: float = 2e-3,
+          config: Config = Config(), progress: bool | None = True, log=None) -> tuple[DateTranslator, dict]:
+    """Train a DateTranslator on freshly generated dates; reproducible from ``seed``.
+
+    Returns the model (in eval mode) and a record of the run (steps, seed, final loss,
+    exact match on 1000 fresh dates, seconds).
+    """
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = DateTranslator(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+
+    def schedule(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
+    losses = []
+    for step in bar:
+        model.train()
+        source, lengths, target_in, target = batch(model, rng, batch_size)
+        logits = model(source, lengths, target_in)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if step % 25 == 0 or step == steps - 1:
+            accuracy = (logits.argmax(-1) == target).all(dim=1).float().mean().item()
+            bar.set_postfix(loss=f"{loss.item():.4f}", acc=f"{accuracy:.1%}")
+            if log is not None:
+                log(step, loss.item(), accuracy)
+    model.eval()
+    record = {
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "exact_match_1000": exact_match(model, dates.dataset(1000, seed + 1)),
+        "seconds": round(time.perf_counter() - start, 1),
+        "torch": torch.__version__,
+    }
+    return model, record
