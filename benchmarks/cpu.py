@@ -129,6 +129,7 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+            torch._dynamo.reset()  # a fresh compile per case: past the recompile limit it would run eagerly
             compiled = torch.compile(flex_attention)
             block_mask = None
             if mask_mod is not None:

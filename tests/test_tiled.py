@@ -229,6 +229,22 @@ def test_dispatch_choices():
     assert attnkit.explain(q, q, q).kernel == "reference"
 
 
+def test_dispatch_weighs_dtype_and_backward():
+    def kernel(mask, dtype, grad):
+        q = torch.empty(1, 2, 2048, 16, dtype=dtype, requires_grad=grad)
+        return attnkit.explain(q, q, q, mask).kernel
+
+    prefix = masks.prefix_lm(512) & masks.causal()  # about half the blocks, masked diagonal tiles
+    assert kernel(prefix, torch.float32, False) == "tiled"
+    assert kernel(prefix, torch.float32, True) == "tiled"
+    assert kernel(prefix, torch.bfloat16, True) == "sdpa"  # masked tiles are slow in bf16 backward
+    padding = masks.padding(torch.tensor([1024]))  # full blocks only
+    assert kernel(padding, torch.bfloat16, True) == "tiled"
+    with torch.no_grad():
+        q = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
+        assert attnkit.explain(q, q, q, prefix).kernel == "tiled"  # no backward under no_grad
+
+
 # --- memory --------------------------------------------------------------------------------
 
 

@@ -96,7 +96,7 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto"):
     """
     shapes, mask, scale = _prepare(q, k, v, mask, scale)
     dropout_p = check_dropout(dropout_p)
-    plan = dispatch.choose(mask, dropout_p, shapes, kernel, q.device)
+    plan = _choose(q, k, v, mask, dropout_p, shapes, kernel)
     return dispatch.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, plan=plan, shapes=shapes)
 
 
@@ -136,7 +136,13 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto") -> 
     fused SDPA: no mask
     """
     shapes, mask, _ = _prepare(q, k, v, mask, scale)
-    return dispatch.choose(mask, check_dropout(dropout_p), shapes, kernel, q.device)
+    return _choose(q, k, v, mask, check_dropout(dropout_p), shapes, kernel)
+
+
+def _choose(q, k, v, mask, dropout_p, shapes, kernel) -> dispatch.Plan:
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return dispatch.choose(mask, dropout_p, shapes, kernel, q.device, half=half, backward=backward)
 
 
 # --- the tutorial's API -------------------------------------------------------------

@@ -13,9 +13,9 @@ Kernels:
   float mask.
 
 ``auto`` picks SDPA when there is no mask or a causal mask it can express with
-``is_causal``, the tiled kernel when a mask keeps at most ``TILED_MAX_KEPT`` of
-the blocks, and SDPA with the dense mask otherwise (thresholds measured by
-``benchmarks/cpu.py``).
+``is_causal``, the tiled kernel when a mask keeps few enough blocks
+(``TILED_MAX_KEPT``, by dtype and by whether a backward pass follows), and SDPA
+with the dense mask otherwise (thresholds measured by ``benchmarks/cpu.py``).
 
 Before any kernel runs, K/V rows that no query may attend to are zeroed, so NaN
 or Inf stored in padding never reaches the output or the gradients.
@@ -38,8 +38,13 @@ _NAMES = {"sdpa": "fused SDPA", "tiled": "tiled", "reference": "reference"}
 
 #: Below this many (query, key) pairs one fused call beats tiling.
 TILED_MIN_PAIRS = 256 * 256
-#: The tiled kernel runs when at most this fraction of blocks is kept.
-TILED_MAX_KEPT = 0.85
+#: The tiled kernel runs when at most this fraction of blocks is kept, by
+#: (half precision, with backward). Masked tiles cost more than full ones, most in
+#: half precision with backward, so plans with masked tiles get the lower limit;
+#: plans of full blocks only (aligned documents, padding) get ``TILED_MAX_KEPT_FULL``.
+#: Measured with benchmarks/cpu.py (see the README's table).
+TILED_MAX_KEPT = {(False, False): 0.85, (False, True): 0.6, (True, False): 0.6, (True, True): 0.3}
+TILED_MAX_KEPT_FULL = 0.85
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,12 @@ class Plan:
         return self.reason
 
 
-def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto", device=None) -> Plan:
-    """Pick the kernel for a validated call (see the module docstring for the rules)."""
+def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto", device=None, *,
+           half: bool = False, backward: bool = False) -> Plan:
+    """Pick the kernel for a validated call (see the module docstring for the rules).
+
+    ``half``: the inputs are float16/bfloat16; ``backward``: a gradient will be taken.
+    """
     if kernel not in KERNELS:
         raise AttnkitValueError(f"kernel must be one of {KERNELS}, but got {kernel!r}.")
     empty = shapes.lk == 0 or shapes.lq == 0
@@ -87,7 +96,8 @@ def choose(mask, dropout_p: float, shapes: Shapes, kernel: str = "auto", device=
     if shapes.lq * shapes.lk < TILED_MIN_PAIRS:
         return Plan("sdpa", f"fused SDPA with a dense mask: Lq*Lk={shapes.lq * shapes.lk} is small")
     plan = _tile_plan(mask, shapes, device)
-    if plan.kept <= TILED_MAX_KEPT:
+    limit = TILED_MAX_KEPT[(half, backward)] if plan.masked else TILED_MAX_KEPT_FULL
+    if plan.kept <= limit:
         return Plan("tiled", f"tiled: {plan.kept:.0%} of blocks kept", plan)
     return Plan("sdpa", f"fused SDPA with a dense mask: {plan.kept:.0%} of blocks kept")
 
@@ -109,14 +119,29 @@ def _sdpa_causal(mask, shapes: Shapes) -> bool:
     return isinstance(mask, _masks._Causal) and (mask.align == "top_left" or shapes.lq == shapes.lk)
 
 
+#: Dense masks of mask objects up to this many elements are kept for reuse.
+DENSE_CACHE_ELEMENTS = 2**26
+
+
 def dense_mask(mask, shapes: Shapes, device) -> torch.Tensor | None:
-    """A bool or float mask tensor with at most the rank of the attention matrix."""
+    """A bool or float mask tensor with at most the rank of the attention matrix.
+
+    A mask object's dense form is remembered by the object (rebuilt when the tensors
+    it holds change in place), so repeated calls do not materialize it again.
+    """
     if not isinstance(mask, _masks.Mask):
         return mask
+    key = (shapes.lq, shapes.lk, str(device), mask._versions())
+    cache = mask.__dict__.setdefault("_dense", {})
+    if key in cache:
+        return cache[key]
     dense = mask.materialize(shapes.lq, shapes.lk, device=device)  # (B or 1, H or 1, Lq, Lk)
     rank = len(shapes.scores)
     while dense.dim() > rank:
         dense = dense.squeeze(0)
+    if dense.numel() <= DENSE_CACHE_ELEMENTS:
+        cache.clear()
+        cache[key] = dense
     return dense
 
 

@@ -54,6 +54,8 @@ def zero_unused_keys(
     if allowed is None:
         return k, v
     used = used_keys(allowed, k.shape[-3] if k.dim() >= 3 else None)
+    if bool(used.all()):  # the common case: nothing to zero
+        return k, v
     zero = k.new_zeros(())
     return torch.where(used, k, zero), torch.where(used, v, zero)
 

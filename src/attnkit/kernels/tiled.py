@@ -69,6 +69,11 @@ class TilePlan:
     tiles: dict = field(default_factory=dict, repr=False)
     tile_bytes: int = 0
 
+    @property
+    def masked(self) -> bool:
+        """Whether any run applies an element mask (else every visited block is full)."""
+        return any(not run.full for row in self.rows for run in row.runs)
+
 
 #: Memory a plan may spend on evaluated mask tiles.
 TILE_CACHE_BYTES = 256 * 2**20
