@@ -16,7 +16,7 @@ from attnkit.functional import (
     scaled_dot_product_attention,
 )
 from attnkit.inspect import capture
-from attnkit.nn import MultiHeadAttention
+from attnkit.nn import KVCache, MultiHeadAttention
 from attnkit.viz import visualize_attention
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "AttnkitError",
     "AttnkitTypeError",
     "AttnkitValueError",
+    "KVCache",
     "MultiHeadAttention",
     "attention",
     "attention_weights",
