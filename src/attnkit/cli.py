@@ -41,11 +41,11 @@ def show(args) -> int:
     _say("drawing the figures ...")
     attention_grid(weights, out / "attention.png", tokens=tokens, title=args.text)
     written.append(out / "attention.png")
-    picked = [
-        (layer, head)
-        for layer in ([args.layer] if args.layer is not None else range(layers))
-        for head in ([args.head] if args.head is not None else range(heads))
-    ] if args.layer is not None or args.head is not None else []
+    picked = []
+    if args.layer is not None or args.head is not None:
+        wanted_layers = [args.layer] if args.layer is not None else range(layers)
+        wanted_heads = [args.head] if args.head is not None else range(heads)
+        picked = [(layer, head) for layer in wanted_layers for head in wanted_heads]
     for layer, head in picked:
         path = out / f"attention_layer{layer}_head{head}.png"
         visualize_attention(weights[layer, head], tokens, path, title=f"layer {layer}, head {head}")

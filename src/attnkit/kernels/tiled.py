@@ -158,15 +158,17 @@ def _runs(row: list[int], bk: int, kv_len: int) -> tuple[Run, ...]:
             segments[-1][1] = k1
         else:
             segments.append([k0, k1, full])
+    def touches_partial(i: int) -> bool:
+        before = i > 0 and segments[i - 1][1] == segments[i][0] and not segments[i - 1][2]
+        after = i + 1 < len(segments) and segments[i + 1][0] == segments[i][1] and not segments[i + 1][2]
+        return before or after
+
+    # a full stretch too short to be worth a call of its own joins its partial neighbours
+    flags = [full and (k1 - k0 >= MIN_FULL_RUN or not touches_partial(i)) for i, (k0, k1, full) in enumerate(segments)]
     runs: list[list] = []
-    for k0, k1, full in segments:
-        touches_prev = bool(runs) and runs[-1][1] == k0
-        if full and k1 - k0 < MIN_FULL_RUN and touches_prev:
-            full = False  # too short to be worth a call of its own
-        if touches_prev and not full and not runs[-1][2]:
+    for (k0, k1, _), full in zip(segments, flags):
+        if runs and runs[-1][1] == k0 and runs[-1][2] == full:
             runs[-1][1] = k1
-        elif touches_prev and full is False and runs[-1][2] and runs[-1][1] - runs[-1][0] < MIN_FULL_RUN:
-            runs[-1][1], runs[-1][2] = k1, False  # a short full run before a partial one
         else:
             runs.append([k0, k1, full])
     return tuple(Run(k0, k1, full) for k0, k1, full in runs)

@@ -117,6 +117,13 @@ class MultiHeadAttention(nn.Module):
                 f"{tuple(x.shape)}."
             )
 
+    def _project_q(self, query):
+        """``(B, Lq, d_model)`` or ``(Lq, d_model)`` -> ``(B, num_heads, Lq, head_dim)``."""
+        self._check_input(query, "query", self.d_model)
+        if query.dim() == 2:
+            query = query[None]
+        return self.split_heads(self.q_proj(query), self.num_heads)  # (B, Lq, d_model) -> (B, H, Lq, hd)
+
     def project(self, query, key=None, value=None):
         """The per-head queries, keys and values of :meth:`forward`.
 
@@ -125,29 +132,18 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        self._check_input(query, "query", self.d_model)
-        self._check_input(key, "key", self.kdim)
-        self._check_input(value, "value", self.vdim)
-        if not query.dim() == key.dim() == value.dim():
+        q = self._project_q(query)
+        k, v = self.project_kv(key, value)
+        if query.dim() != key.dim():
             raise AttnkitValueError(
                 "query, key and value must all be batched (B, L, E) or all unbatched (L, E), "
                 f"but got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
             )
-        if key.shape[:-1] != value.shape[:-1]:
-            raise AttnkitValueError(
-                f"key and value must have the same batch size and length, but got "
-                f"key: {tuple(key.shape)} and value: {tuple(value.shape)}."
-            )
-        if query.dim() == 3 and query.shape[0] != key.shape[0]:
+        if q.shape[0] != k.shape[0]:
             raise AttnkitValueError(
                 f"query and key must have the same batch size, but got query: "
                 f"{tuple(query.shape)} and key: {tuple(key.shape)}."
             )
-        if query.dim() == 2:
-            query, key, value = query[None], key[None], value[None]
-        q = self.split_heads(self.q_proj(query), self.num_heads)  # (B, Lq, d_model) -> (B, H, Lq, hd)
-        k = self.split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Lk, kdim) -> (B, Hkv, Lk, hd)
-        v = self.split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
         return q, k, v
 
     def project_kv(self, key, value=None):
@@ -159,10 +155,15 @@ class MultiHeadAttention(nn.Module):
         value = key if value is None else value
         self._check_input(key, "key", self.kdim)
         self._check_input(value, "value", self.vdim)
+        if key.shape[:-1] != value.shape[:-1]:
+            raise AttnkitValueError(
+                f"key and value must have the same batch size and length, but got "
+                f"key: {tuple(key.shape)} and value: {tuple(value.shape)}."
+            )
         if key.dim() == 2:
             key, value = key[None], value[None]
         k = self.split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Lk, kdim) -> (B, Hkv, Lk, hd)
-        v = self.split_heads(self.v_proj(value), self.num_kv_heads)
+        v = self.split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
         return k, v
 
     def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *,
@@ -182,12 +183,11 @@ class MultiHeadAttention(nn.Module):
           ``masks.causal()``) is aligned with each sequence's own end.
         - ``kv``: keys and values from :meth:`project_kv`, reused across calls.
         """
-        unbatched = query.dim() == 2 if isinstance(query, torch.Tensor) else False
+        unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if cache is not None or kv is not None:
             if key is not None or value is not None:
                 raise AttnkitValueError("pass key/value, or cache= / kv=, not both.")
-            self._check_input(query, "query", self.d_model)
-            q = self.split_heads(self.q_proj(query if query.dim() == 3 else query[None]), self.num_heads)
+            q = self._project_q(query)
             if kv is not None:
                 k, v = kv
             else:
