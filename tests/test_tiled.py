@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import dispatch, tiled
+from attnkit.kernels import tiled
 from conftest import assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
 
 # --- block maps --------------------------------------------------------------------------
@@ -115,11 +115,8 @@ def test_tiled_against_the_oracle_around_block_boundaries(length, dtype):
         dense = dense_of(mask, length, length)
         gold, naive = gold_and_naive(q, k, v, dense)
         for blocks in SMALL_BLOCKS if length <= 127 else [None]:
-            plan = None
-            if blocks is not None:
-                plan = tiled.plan_tiles(dispatch._as_mask_object(mask), length, length, *blocks)
-            m = dispatch._as_mask_object(mask)
-            out, lse = tiled.attention(q, k, v, m, scale=d**-0.5, plan=plan)
+            prepared = attnkit.prepare(mask, length, length, block_size=blocks)
+            out, lse = tiled.attention(q, k, v, prepared, scale=d**-0.5)
             assert_oracle(out, gold, naive, what=f"{mask!r} blocks={blocks}")
 
 
@@ -135,13 +132,13 @@ def test_log_sum_exp_and_fully_masked_rows_and_blocks():
     q, k, v = randn(1, 2, 100, 8, dtype=torch.float64), randn(1, 2, 100, 8, dtype=torch.float64), randn(1, 2, 100, 8, dtype=torch.float64)
     ids = torch.tensor([0] * 50 + [1] * 50)
     mask = masks.document(ids) & masks.padding(torch.tensor([40]))  # queries 50.. see nothing
-    plan = tiled.plan_tiles(mask, 100, 100, 16, 8)
-    out, lse = tiled.attention(q, k, v, mask, scale=0.3, plan=plan)
+    prepared = attnkit.prepare(mask, 100, 100, block_size=(16, 8))
+    out, lse = tiled.attention(q, k, v, prepared, scale=0.3)
     dense = mask.materialize(100, 100)
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~dense, float("-inf"))
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
     assert (lse[..., 50:] == float("-inf")).all() and (out[..., 50:, :] == 0).all()
-    assert any(not row.runs for row in plan.rows)  # whole row blocks are skipped
+    assert any(not row.runs for row in prepared.groups[0].rows)  # whole row blocks are skipped
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -153,7 +150,7 @@ def test_tiled_gradients_against_the_oracle(dtype, blocks):
     ids = torch.sort(torch.randint(0, 3, (2, lq)), -1).values
     for mask in [masks.document(ids) & masks.causal(), masks.prefix_lm(7) | masks.sliding_window(4), masks.padding(torch.tensor([50, 0]))]:
         dense = mask.materialize(lq, lk)
-        plan = None if blocks is None else tiled.plan_tiles(mask, lq, lk, *blocks)
+        prepared = attnkit.prepare(mask, lq, lk, block_size=blocks)
 
         def grads(fn, dt):
             ts = [t.to(dt).detach().requires_grad_(True) for t in (q64, k64, v64)]
@@ -162,7 +159,7 @@ def test_tiled_gradients_against_the_oracle(dtype, blocks):
 
         gold = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], torch.float64)
         naive = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], dtype)
-        got = grads(lambda q, k, v: tiled.attention(q, k, v, mask, scale=0.25, plan=plan)[0], dtype)
+        got = grads(lambda q, k, v: tiled.attention(q, k, v, prepared, scale=0.25)[0], dtype)
         for name, g, n, o in zip("qkv", gold, naive, got):
             assert torch.isfinite(o).all()
             err = (o.double() - g).abs().max().item()
@@ -173,8 +170,8 @@ def test_tiled_gradients_against_the_oracle(dtype, blocks):
 def test_tiled_gradcheck():
     q, k, v = (randn(1, 2, 21, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = masks.prefix_lm(3) | masks.sliding_window(2)
-    plan = tiled.plan_tiles(mask, 21, 21, 4, 4)
-    assert torch.autograd.gradcheck(lambda q, k, v: tiled.attention(q, k, v, mask, scale=0.5, plan=plan)[0], (q, k, v))
+    prepared = attnkit.prepare(mask, 21, 21, block_size=(4, 4))
+    assert torch.autograd.gradcheck(lambda q, k, v: tiled.attention(q, k, v, prepared, scale=0.5)[0], (q, k, v))
 
 
 def test_poison_in_skipped_and_partial_blocks_does_not_leak():
@@ -213,16 +210,17 @@ def test_dispatch_choices():
         q = torch.empty(1, 2, length, 16, dtype=dtype)
         return attnkit.explain(q, q, q, mask, dropout_p=dropout_p)
 
-    assert str(plan(None)) == "fused SDPA: no mask"
-    assert str(plan(masks.causal())) == "fused SDPA: is_causal"
+    assert str(plan(None)) == "sdpa: no mask"
+    assert str(plan(masks.causal())) == "sdpa: is_causal"
     doc = plan(masks.document(torch.arange(2048) // 256))
-    assert doc.kernel == "tiled" and str(doc) == "tiled: 12% of blocks kept"
+    assert doc.kernel == "tiled" and str(doc) == "tiled: 12% of blocks kept, all full"
     assert plan(masks.sliding_window(128)).kernel == "tiled"
     assert plan(masks.padding(torch.tensor([1024]))).kernel == "tiled"
-    assert plan(torch.ones(2048, 2048, dtype=torch.bool)).reason == "fused SDPA with a dense mask: 100% of blocks kept"
-    assert plan(masks.causal(), length=64).reason == "fused SDPA: is_causal"
+    assert plan(torch.ones(2048, 2048, dtype=torch.bool)).reason == "sdpa: the mask hides nothing here"
+    assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask: 100% of blocks kept"
+    assert plan(masks.causal(), length=64).reason == "sdpa: is_causal"
     assert "is small" in plan(masks.sliding_window(4), length=64).reason
-    assert plan(torch.zeros(2048, 2048)).reason == "fused SDPA: additive float mask"
+    assert plan(torch.zeros(2048, 2048)).reason == "sdpa: dense mask (additive float mask)"
     assert plan(None, dropout_p=0.1).kernel == "tiled"
     assert plan(torch.zeros(64, 64), length=64, dropout_p=0.1).kernel == "reference"
     q = torch.empty(1, 2, 0, 16)

@@ -17,6 +17,7 @@ from attnkit.functional import (
 )
 from attnkit.inspect import capture
 from attnkit.nn import KVCache, MultiHeadAttention
+from attnkit.prepare import PreparedMask, prepare
 from attnkit.viz import visualize_attention
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "AttnkitValueError",
     "KVCache",
     "MultiHeadAttention",
+    "PreparedMask",
     "attention",
     "attention_weights",
     "attention_with_weights",
@@ -35,6 +37,7 @@ __all__ = [
     "create_padding_mask",
     "explain",
     "masks",
+    "prepare",
     "scaled_dot_product_attention",
     "visualize_attention",
 ]

@@ -177,10 +177,26 @@ def check_broadcast(mask_shape: tuple[int, ...], shapes: Shapes, what: str) -> N
         )
 
 
+def short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for quoting user input in errors."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + "...'" [: 4 if text[:1] in "'\"" else 3]
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the current call (checks that read values are skipped)."""
+    return torch.compiler.is_compiling()
+
+
 def check_int_tensor(t, name: str, ndims: tuple[int, ...]) -> torch.Tensor:
     """Check an integer tensor argument of a mask constructor (ids, lengths)."""
     if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)
+        if isinstance(t, (str, bytes)) or t is None:
+            raise AttnkitTypeError(f"{name} must be integers (a list or an integer tensor), but got {short(t)}.")
+        try:
+            t = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError):
+            raise AttnkitTypeError(f"{name} must be integers (a list or an integer tensor), but got {short(t)}.") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise AttnkitTypeError(f"{name} must be an integer tensor, but got {t.dtype}.")
     if t.dim() not in ndims:

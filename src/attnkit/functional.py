@@ -21,8 +21,11 @@ from attnkit._validate import (
     check_qkv,
     check_scale,
     check_tensor_mask,
+    compiling,
 )
-from attnkit.kernels import dispatch
+from attnkit.kernels import Call, Plan, choose, run
+from attnkit.kernels.reference import run_with_weights
+from attnkit.prepare import PreparedMask
 
 __all__ = [
     "attention",
@@ -35,33 +38,65 @@ __all__ = [
 ]
 
 
+def _lead_fits(lead: tuple[int, ...], shapes: Shapes) -> bool:
+    """Whether a mask's ``(B or 1, H or 1)`` broadcasts to the call's batch and heads."""
+    rank = len(shapes.scores)
+    while len(lead) + 2 > rank and lead and lead[0] == 1:
+        lead = lead[1:]
+    full = (*lead, shapes.lq, shapes.lk)
+    try:
+        return len(full) <= rank and torch.broadcast_shapes(full, shapes.scores) == torch.Size(shapes.scores)
+    except RuntimeError:
+        return False
+
+
 def _check_mask(mask, q: torch.Tensor, shapes: Shapes):
-    """Validate ``mask`` for this call; returns it unchanged."""
+    """Validate ``mask`` for this call (shapes only: no host sync); returns it unchanged."""
     if mask is None:
         return None
+    if isinstance(mask, PreparedMask):
+        if (mask.q_len, mask.kv_len) != (shapes.lq, shapes.lk):
+            raise AttnkitValueError(
+                f"the prepared mask was prepared for Lq={mask.q_len}, Lk={mask.kv_len} but is used "
+                f"with Lq={shapes.lq}, Lk={shapes.lk}. Prepare it for these lengths."
+            )
+        if mask.device != q.device:
+            raise AttnkitValueError(
+                f"the prepared mask is on {mask.device} but q is on {q.device}: use prepared.to({str(q.device)!r})."
+            )
+        if not _lead_fits(mask.lead_shape, shapes):
+            check_broadcast((*mask.lead_shape, shapes.lq, shapes.lk), shapes, "the prepared mask")
+        return mask
     if isinstance(mask, _masks.Mask):
         mask.check(shapes.lq, shapes.lk)
-        lead = mask.lead_shape()
-        rank = len(shapes.scores)
-        while len(lead) + 2 > rank and lead and lead[0] == 1:
-            lead = lead[1:]
-        check_broadcast((*lead, shapes.lq, shapes.lk), shapes, repr(mask))
+        if not _lead_fits(mask.lead_shape(), shapes):
+            check_broadcast((*mask.lead_shape(), shapes.lq, shapes.lk), shapes, repr(mask))
         return mask
     if isinstance(mask, torch.Tensor):
         check_tensor_mask(mask, q, shapes)
         return mask
     raise AttnkitTypeError(
         "mask must be None, a bool tensor (True = may attend), a float tensor added to the "
-        f"scores, or an attnkit.masks object, but got {type(mask).__name__}."
+        "scores, an attnkit.masks object or a PreparedMask, but got "
+        f"{type(mask).__name__}."
     )
 
 
-def _prepare(q, k, v, mask, scale):
+def _call(q, k, v, mask, scale, dropout_p, return_lse) -> Call:
+    """Validate the arguments of one call."""
     shapes = check_qkv(q, k, v)
-    return shapes, _check_mask(mask, q, shapes), check_scale(scale, shapes.d)
+    mask = _check_mask(mask, q, shapes)
+    tracing = compiling()
+    if not tracing and isinstance(mask, _masks.Mask):
+        mask.check_values(shapes.lq, shapes.lk)
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return Call(
+        q, k, v, mask, shapes, check_scale(scale, shapes.d), check_dropout(dropout_p),
+        bool(return_lse), backward, tracing,
+    )
 
 
-def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto"):
+def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", return_lse=False):
     """Scaled dot-product attention, exact, for any mask.
 
     Args:
@@ -69,35 +104,44 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto"):
         k: ``(..., Hkv, Lk, D)`` keys; Hq must be a multiple of Hkv (GQA/MQA).
         v: ``(..., Hkv, Lk, Dv)`` values.
         mask: None; a bool tensor broadcastable to ``(..., Hq, Lq, Lk)``, True = may
-            attend; a float tensor of q's dtype added to the scores; or a mask object
-            from :mod:`attnkit.masks`.
+            attend; a float tensor of q's dtype added to the scores; a mask object
+            from :mod:`attnkit.masks`; or a :class:`~attnkit.PreparedMask` from
+            :func:`attnkit.prepare` (the fast path when one mask serves many calls).
         scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``. 0.0 and negative
             values are used as given.
         dropout_p: probability of zeroing each attention weight (the rest are scaled
             by ``1 / (1 - dropout_p)``). Applied whenever it is > 0; modules pass 0.0
             in eval mode.
-        kernel: ``"auto"`` (see :func:`explain`), ``"sdpa"``, ``"tiled"`` or
-            ``"reference"``; forcing one is for testing and benchmarking.
+        kernel: ``"auto"`` (see :func:`explain`) or a registered kernel's name
+            (``"sdpa"``, ``"tiled"``, ``"reference"``); forcing one is for testing and
+            benchmarking.
+        return_lse: also return the row log-sum-exp of the masked, scaled scores.
 
     Returns:
-        ``(..., Hq, Lq, Dv)``. A query row with every key masked is 0.
+        ``out: (..., Hq, Lq, Dv)``, or ``(out, lse)`` with ``return_lse=True``:
+        ``lse: (..., Hq, Lq)`` in float32 (float64 for float64 inputs), ``-inf`` for a
+        query row with every key masked (whose output is 0). Both are differentiable;
+        attention over disjoint key sets merges exactly by their lse.
 
     Equivalent pytorch code (up to fully masked rows, which give 0 here, not NaN)::
 
         scores = q @ k.transpose(-2, -1) * scale
         scores = scores.masked_fill(~mask, float("-inf"))   # bool mask
         out = torch.softmax(scores, dim=-1) @ v
+        lse = torch.logsumexp(scores, dim=-1)
 
     >>> import torch, attnkit
     >>> from attnkit import masks
     >>> q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 8, 5, 16)
     >>> attnkit.attention(q, k, v, masks.causal()).shape
     torch.Size([2, 8, 5, 16])
+    >>> out, lse = attnkit.attention(q, k, v, masks.causal(), return_lse=True)
+    >>> lse.shape, lse.dtype
+    (torch.Size([2, 8, 5]), torch.float32)
     """
-    shapes, mask, scale = _prepare(q, k, v, mask, scale)
-    dropout_p = check_dropout(dropout_p)
-    plan = _choose(q, k, v, mask, dropout_p, shapes, kernel)
-    return dispatch.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, plan=plan, shapes=shapes)
+    call = _call(q, k, v, mask, scale, dropout_p, return_lse)
+    out, lse = run(call, choose(call, kernel))
+    return (out, lse) if call.return_lse else out
 
 
 def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
@@ -106,9 +150,9 @@ def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
 
     Use this when you need both; :func:`attention` alone is faster.
     """
-    shapes, mask, scale = _prepare(q, k, v, mask, scale)
-    dropout_p = check_dropout(dropout_p)
-    return dispatch.run_reference(q, k, v, mask, scale=scale, dropout_p=dropout_p, shapes=shapes)
+    call = _call(q, k, v, mask, scale, dropout_p, False)
+    out, weights, _ = run_with_weights(call)
+    return out, weights
 
 
 def attention_weights(q, k, v, mask=None, *, scale=None):
@@ -123,26 +167,24 @@ def attention_weights(q, k, v, mask=None, *, scale=None):
     >>> w[0, 0, 0].tolist()[1:]
     [0.0, 0.0]
     """
-    shapes, mask, scale = _prepare(q, k, v, mask, scale)
-    return dispatch.run_reference(q, k, v, mask, scale=scale, dropout_p=0.0, shapes=shapes)[1]
+    return attention_with_weights(q, k, v, mask, scale=scale)[1]
 
 
-def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto") -> dispatch.Plan:
+def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", return_lse=False) -> Plan:
     """Which kernel :func:`attention` would run for these arguments, and why.
+
+    The result prints as the reason; ``.kernel`` names the kernel, ``.rejected``
+    maps every other registered kernel to why it was not chosen, and
+    ``.report()`` shows all of it.
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 8, 16)
     >>> print(attnkit.explain(q, q, q))
-    fused SDPA: no mask
+    sdpa: no mask
+    >>> attnkit.explain(q, q, q, return_lse=True).rejected["sdpa"]
+    ('does not return the log-sum-exp (return_lse=True)',)
     """
-    shapes, mask, _ = _prepare(q, k, v, mask, scale)
-    return _choose(q, k, v, mask, check_dropout(dropout_p), shapes, kernel)
-
-
-def _choose(q, k, v, mask, dropout_p, shapes, kernel) -> dispatch.Plan:
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    return dispatch.choose(mask, dropout_p, shapes, kernel, q.device, half=half, backward=backward)
+    return choose(_call(q, k, v, mask, scale, dropout_p, return_lse), kernel)
 
 
 # --- the tutorial's API -------------------------------------------------------------

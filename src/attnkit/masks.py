@@ -5,10 +5,17 @@ One convention everywhere in attnkit: **True means "may attend"**, as in
 
 A mask object describes a pattern without storing an ``Lq x Lk`` matrix. Combine
 them with ``&`` (both allow) and ``|`` (either allows), hand them to
-:func:`attnkit.attention`, or turn them into a dense bool tensor with
-:meth:`Mask.materialize`. Query positions are bottom-right aligned by default:
-query ``i`` sits at position ``p(i) = i + (Lk - Lq)``, so a single decoding query
-sees every cached key; ``align="top_left"`` gives ``p(i) = i``.
+:func:`attnkit.attention`, turn them into the block lists kernels read with
+:func:`attnkit.prepare`, or into a dense bool tensor with :meth:`Mask.materialize`.
+
+Positions. Query ``i`` sits at key-axis position ``p(i) = i + q_offset`` plus
+``Lk - Lq`` under ``align="bottom_right"`` (the default: a single decoding query
+sees every cached key); key ``j`` sits at ``j + kv_offset``. Offsets are ints or
+``(B,)`` tensors (one per sequence); they let a chunk of queries, a static cache or
+a shard of a sequence keep the mask's structure.
+
+Masks are values: a mask copies the tensors it is built from, so changing those
+tensors afterwards does not change the mask.
 
 >>> from attnkit import masks
 >>> m = masks.causal() & masks.sliding_window(1)
@@ -23,6 +30,8 @@ causal(align='bottom_right') & sliding_window(left=1, right=0, align='bottom_rig
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from attnkit._validate import (
@@ -30,6 +39,7 @@ from attnkit._validate import (
     AttnkitValueError,
     check_int_tensor,
     check_nonnegative_int,
+    short,
 )
 
 __all__ = [
@@ -40,55 +50,133 @@ __all__ = [
     "document",
     "padding",
     "dense",
+    "from_fn",
     "cached",
     "as_mask",
+    "EMPTY",
+    "PARTIAL",
+    "FULL",
 ]
 
 _ALIGNS = ("bottom_right", "top_left")
-
-
-def _as4d(t: torch.Tensor) -> torch.Tensor:
-    """Left-pad a (tq, tk) or (B, tq, tk) element mask to (B, H, tq, tk)."""
-    if t.dim() == 2:
-        return t[None, None]
-    if t.dim() == 3:
-        return t[:, None]
-    return t
-
-
-def _check_align(align: str) -> str:
-    if align not in _ALIGNS:
-        raise AttnkitValueError(f"align must be 'bottom_right' or 'top_left', but got {align!r}.")
-    return align
-
-
-def _positions(q_idx: torch.Tensor, q_len: int, kv_len, align: str) -> torch.Tensor:
-    """Key-axis position p(i) of each query index (bottom-right: i + Lk - Lq).
-
-    ``kv_len`` is an int, or a ``(B, 1, 1)`` tensor when each sequence ends elsewhere
-    (see :func:`cached`).
-    """
-    return q_idx + (kv_len - q_len) if align == "bottom_right" else q_idx
-
 
 #: Block-map codes: no pair of the block may attend / some may / all may.
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-class _Blocks:
-    """Index ranges of every (query block, key block) pair, shape (nq, 1) and (1, nk).
+def _as4d(t: torch.Tensor) -> torch.Tensor:
+    """Left-pad an element mask to 4 dims, aligned from the right like SDPA's masks.
 
-    ``q_lo/q_hi`` are the first and last query index of each query block, ``k_lo/k_hi``
-    the first and last key index of each key block (the last blocks may be short).
+    ``(tq, tk) -> (1, 1, tq, tk)`` and ``(H, tq, tk) -> (1, H, tq, tk)``.
+    """
+    while t.dim() < 4:
+        t = t[None]
+    return t
+
+
+def _check_align(align: str) -> str:
+    if align not in _ALIGNS:
+        raise AttnkitValueError(f"align must be 'bottom_right' or 'top_left', but got {short(align)}.")
+    return align
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A private copy of a tensor a mask is built from (masks are values)."""
+    return t.detach().clone()
+
+
+def _check_offset(x, name: str):
+    """An offset: a non-negative-or-negative int, or an integer tensor of shape (B,)."""
+    if isinstance(x, torch.Tensor):
+        return _own(check_int_tensor(x, name, (0, 1)).reshape(-1))
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise AttnkitTypeError(f"{name} must be an int or an integer tensor of shape (B,), but got {short(x)}.")
+    return int(x)
+
+
+def _per_seq(x, device, ndim: int = 4):
+    """An int as is, a ``(B,)`` tensor as ``(B, 1, ..., 1)`` with ``ndim`` dims on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device).view(-1, *([1] * (ndim - 1)))
+    return x
+
+
+def _batch_of(*values) -> int | None:
+    """The batch size implied by per-sequence tensors among ``values`` (None if none)."""
+    sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.shape[0] != 1}
+    if len(sizes) > 1:
+        raise AttnkitValueError(f"per-sequence arguments have different batch sizes {sorted(sizes)}.")
+    return sizes.pop() if sizes else None
+
+
+def _fmt(x) -> str:
+    return repr(x.tolist()) if isinstance(x, torch.Tensor) else repr(x)
+
+
+class _Positional:
+    """Offsets and alignment shared by the masks defined by positions."""
+
+    align: str = "bottom_right"
+    q_offset = 0
+    kv_offset = 0
+
+    def _set_positions(self, align, q_offset, kv_offset):
+        self.align = _check_align(align)
+        self.q_offset = _check_offset(q_offset, "q_offset")
+        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+
+    def _q_pos(self, q_idx, q_len, kv_len):
+        """Key-axis position of each query index (``kv_len`` may be a per-sequence tensor)."""
+        p = q_idx + _per_seq(self.q_offset, q_idx.device)
+        return p + (kv_len - q_len) if self.align == "bottom_right" else p
+
+    def _k_pos(self, kv_idx):
+        return kv_idx + _per_seq(self.kv_offset, kv_idx.device)
+
+    def _position_repr(self) -> str:
+        extra = f"align={self.align!r}"
+        if not (isinstance(self.q_offset, int) and self.q_offset == 0):
+            extra += f", q_offset={_fmt(self.q_offset)}"
+        if not (isinstance(self.kv_offset, int) and self.kv_offset == 0):
+            extra += f", kv_offset={_fmt(self.kv_offset)}"
+        return extra
+
+    def _position_key(self):
+        if isinstance(self.q_offset, torch.Tensor) or isinstance(self.kv_offset, torch.Tensor):
+            return None
+        return (self.align, self.q_offset, self.kv_offset)
+
+    def _position_held(self):
+        return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
+
+
+class _Blocks:
+    """Index ranges of every (query block, key block) pair.
+
+    ``q_lo/q_hi`` ``(nq, 1)`` are the first and last query index of each query block;
+    ``k_lo/k_hi`` ``(1, nk)`` (or ``(B, 1, 1, nk)`` when ``kv_limit`` is given) the first
+    and last key index of each key block. ``kv_limit: (B,)`` says that keys from
+    ``kv_limit[b]`` on are hidden for sequence b, so blocks are judged on the keys
+    before it only.
     """
 
-    def __init__(self, q_len: int, kv_len: int, bq: int, bk: int, device=None):
+    def __init__(self, q_len: int, kv_len, bq: int, bk: int, device=None, kv_limit=None):
         self.q_len, self.kv_len, self.bq, self.bk = q_len, kv_len, bq, bk
-        nq, nk = -(-q_len // bq), -(-kv_len // bk)
-        q0 = torch.arange(nq, device=device) * bq
-        k0 = torch.arange(nk, device=device) * bk
+        self.nq, self.nk = -(-q_len // bq), -(-kv_len // bk)
+        self.device = device
+        q0 = torch.arange(self.nq, device=device) * bq
+        k0 = torch.arange(self.nk, device=device) * bk
         self.q_lo, self.q_hi = q0[:, None], (q0 + bq).clamp(max=q_len)[:, None] - 1
         self.k_lo, self.k_hi = k0[None, :], (k0 + bk).clamp(max=kv_len)[None, :] - 1
+        if kv_limit is not None:
+            self.k_hi = torch.minimum(self.k_hi, kv_limit.to(device).view(-1, 1, 1, 1) - 1)
+
+    def with_kv_len(self, kv_len) -> _Blocks:
+        """The same blocks with another (per-sequence) key length for the positions."""
+        other = object.__new__(_Blocks)
+        other.__dict__.update(self.__dict__)
+        other.kv_len = kv_len
+        return other
 
     def code(self, full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
         """int8 codes (..., nq, nk) from bool "every pair allowed" / "no pair allowed"."""
@@ -101,51 +189,65 @@ def _block_minmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     """Per-block min and max over the last dim of ``x: (B, L)`` -> (B, ceil(L / block))."""
     length = x.shape[-1]
     pad = -length % block
-    lo = torch.nn.functional.pad(x, (0, pad), value=int(x.max()) if length else 0)
-    hi = torch.nn.functional.pad(x, (0, pad), value=int(x.min()) if length else 0)
-    lo = lo.view(*x.shape[:-1], -1, block).amin(-1)
-    hi = hi.view(*x.shape[:-1], -1, block).amax(-1)
-    return lo, hi
+    if pad:
+        last = x[..., -1:].expand(*x.shape[:-1], pad)  # repeating the last entry changes no min/max
+        x = torch.cat([x, last], dim=-1)
+    blocks = x.view(*x.shape[:-1], -1, block)
+    return blocks.amin(-1), blocks.amax(-1)
 
 
 class Mask:
     """A pattern of allowed (query, key) pairs; True means "may attend".
 
     Subclasses define :meth:`_elements`, which evaluates the pattern on any set of
-    query and key indices, so kernels can evaluate one tile at a time and
-    :meth:`materialize` is just the tile that covers everything.
+    query and key indices (so kernels evaluate one tile at a time and
+    :meth:`materialize` is the tile that covers everything), and :meth:`_block_codes`,
+    which classifies blocks from their index ranges.
     """
 
     #: Number of sequences the mask is specific to (None: the same for every sequence).
     batch_size: int | None = None
 
-    def _elements(
-        self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len: int
-    ) -> torch.Tensor:
+    def _elements(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len) -> torch.Tensor:
         """Allowed pairs for ``q_idx: (tq, 1)`` and ``kv_idx: (1, tk)``.
 
         Returns a bool tensor of shape ``(B or 1, H or 1, tq, tk)``.
         """
         raise NotImplementedError
 
-    def _device(self) -> torch.device | None:
-        """The device of the tensors the mask holds (None if it holds none)."""
-        return None
+    def _block_codes(self, blocks: _Blocks) -> torch.Tensor:
+        """Codes ``(..., nq, nk)`` for the block ranges; see :meth:`block_map`."""
+        raise NotImplementedError
 
     def _held(self) -> tuple[torch.Tensor, ...]:
-        """The tensors the mask was built from."""
+        """The tensors the mask holds (its own copies)."""
         return ()
 
-    def _versions(self) -> tuple:
-        """Identity and in-place version of each held tensor (a cache key)."""
-        return tuple((t.data_ptr(), t._version) for t in self._held())
+    def _device(self) -> torch.device | None:
+        """The device of the tensors the mask holds (None if it holds none)."""
+        held = self._held()
+        return held[0].device if held else None
+
+    def _key(self):
+        """A hashable value that determines the mask, or None if it holds tensors."""
+        return None
+
+    def _kv_limit(self):
+        """``(B or 1,)`` tensor: keys from ``limit[b]`` on are hidden for every query of b.
+
+        None when the mask has no such limit. Kernels never read keys past it.
+        """
+        return None
 
     def lead_shape(self) -> tuple[int, int]:
         """``(B or 1, H or 1)``: the batch and head sizes of :meth:`materialize`'s result."""
         return (self.batch_size or 1, 1)
 
     def check(self, q_len: int, kv_len: int) -> None:
-        """Raise ``ValueError`` if this mask was built for other lengths than these."""
+        """Raise ``ValueError`` if this mask's shapes do not fit these lengths (no host sync)."""
+
+    def check_values(self, q_len: int, kv_len: int) -> None:
+        """Raise ``ValueError`` if the values the mask holds do not fit (may read them)."""
 
     def materialize(self, q_len: int, kv_len: int, device=None) -> torch.Tensor:
         """The dense bool mask, shape ``(B or 1, H or 1, Lq, Lk)``; True = may attend.
@@ -156,11 +258,16 @@ class Mask:
         q_len = check_nonnegative_int(q_len, "q_len")
         kv_len = check_nonnegative_int(kv_len, "kv_len")
         self.check(q_len, kv_len)
+        self.check_values(q_len, kv_len)
+        return self._dense(q_len, kv_len, device)
+
+    def _dense(self, q_len: int, kv_len: int, device=None) -> torch.Tensor:
+        """:meth:`materialize` without checks (traceable by ``torch.compile``)."""
         if device is None:
             device = self._device()
         q_idx = torch.arange(q_len, device=device)[:, None]
         kv_idx = torch.arange(kv_len, device=device)[None, :]
-        out = self._elements(q_idx, kv_idx, q_len, kv_len)
+        out = _as4d(self._elements(q_idx, kv_idx, q_len, kv_len))
         return out.expand(*out.shape[:2], q_len, kv_len)
 
     def block_map(self, q_len: int, kv_len: int, bq: int, bk: int, device=None) -> torch.Tensor:
@@ -168,9 +275,10 @@ class Mask:
 
         Codes: ``EMPTY`` (0, no pair may attend), ``PARTIAL`` (1) and ``FULL`` (2, every
         pair may attend). Computed from the blocks' index ranges, never from an
-        ``Lq x Lk`` tensor (dense masks are reduced block by block). EMPTY and FULL
-        are always exact; PARTIAL may be reported for a block that is in fact empty or
-        full where that cannot be known cheaply (combinations, unsorted document ids).
+        ``Lq x Lk`` tensor (dense masks are reduced block by block, ``from_fn`` masks
+        are evaluated one row of blocks at a time). EMPTY and FULL are always exact;
+        PARTIAL may be reported for a block that is in fact empty or full where that
+        cannot be known cheaply (combinations, unsorted document ids).
 
         >>> causal().block_map(4, 4, 2, 2)[0, 0].tolist()
         [[1, 0], [2, 1]]
@@ -178,21 +286,27 @@ class Mask:
         q_len = check_nonnegative_int(q_len, "q_len")
         kv_len = check_nonnegative_int(kv_len, "kv_len")
         self.check(q_len, kv_len)
+        self.check_values(q_len, kv_len)
+        return self._block_map(q_len, kv_len, bq, bk, device)
+
+    def _block_map(self, q_len, kv_len, bq, bk, device=None, kv_limit=None) -> torch.Tensor:
         if device is None:
             device = self._device()
-        blocks = _Blocks(q_len, kv_len, bq, bk, device)
+        blocks = _Blocks(q_len, kv_len, bq, bk, device, kv_limit)
         codes = self._block_codes(blocks)
-        while codes.dim() < 4:
-            codes = codes[None]
-        return codes.expand(*codes.shape[:2], blocks.q_lo.shape[0], blocks.k_lo.shape[1])
-
-    def _block_codes(self, blocks: _Blocks) -> torch.Tensor:
-        """Codes ``(..., nq, nk)`` for the block ranges; see :meth:`block_map`."""
-        raise NotImplementedError
+        if kv_limit is not None:  # blocks wholly past a sequence's limit hold nothing
+            codes = codes.masked_fill(blocks.k_lo >= kv_limit.to(device).view(-1, 1, 1, 1), EMPTY)
+        codes = _as4d(codes)
+        return codes.expand(*codes.shape[:2], blocks.nq, blocks.nk)
 
     def picture(self, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:
         """The mask as rows of ``1`` (may attend) and ``0`` (hidden), one row per query."""
         m = self.materialize(q_len, kv_len)
+        for name, index, size in (("batch", batch, m.shape[0]), ("head", head, m.shape[1])):
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise AttnkitTypeError(f"{name} must be an int, but got {short(index)}.")
+            if not (0 <= index < size or size == 1 and index >= 0):
+                raise AttnkitValueError(f"{name}={index} is out of range: this mask has {size} (0..{size - 1}).")
         m = m[min(batch, m.shape[0] - 1), min(head, m.shape[1] - 1)]
         return "\n".join(" ".join("1" if x else "0" for x in row) for row in m.tolist())
 
@@ -209,116 +323,157 @@ class Mask:
         return _Combine("|", as_mask(other), self)
 
 
-class _Causal(Mask):
-    def __init__(self, align: str):
-        self.align = _check_align(align)
+class _Causal(_Positional, Mask):
+    def __init__(self, align: str, q_offset=0, kv_offset=0):
+        self._set_positions(align, q_offset, kv_offset)
+        self.batch_size = _batch_of(self.q_offset, self.kv_offset)
+
+    def _held(self):
+        return self._position_held()
+
+    def _key(self):
+        key = self._position_key()
+        return None if key is None else ("causal", key)
 
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        return _as4d(kv_idx <= _positions(q_idx, q_len, kv_len, self.align))
+        return _as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
 
     def _block_codes(self, b):
-        p_lo = _positions(b.q_lo, b.q_len, b.kv_len, self.align)
-        p_hi = _positions(b.q_hi, b.q_len, b.kv_len, self.align)
-        return b.code(full=b.k_hi <= p_lo, empty=b.k_lo > p_hi)
+        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
+        k_lo, k_hi = self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+        return b.code(full=k_hi <= p_lo, empty=k_lo > p_hi)
 
     def __repr__(self):
-        return f"causal(align={self.align!r})"
+        return f"causal({self._position_repr()})"
 
 
-class _SlidingWindow(Mask):
-    def __init__(self, left: int, right: int, align: str):
+class _SlidingWindow(_Positional, Mask):
+    def __init__(self, left: int, right: int, align: str, q_offset=0, kv_offset=0):
         self.left = check_nonnegative_int(left, "left")
         self.right = check_nonnegative_int(right, "right")
-        self.align = _check_align(align)
+        self._set_positions(align, q_offset, kv_offset)
+        self.batch_size = _batch_of(self.q_offset, self.kv_offset)
+
+    def _held(self):
+        return self._position_held()
+
+    def _key(self):
+        key = self._position_key()
+        return None if key is None else ("window", self.left, self.right, key)
 
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        p = _positions(q_idx, q_len, kv_len, self.align)
-        return _as4d((kv_idx >= p - self.left) & (kv_idx <= p + self.right))
+        p, j = self._q_pos(q_idx, q_len, kv_len), self._k_pos(kv_idx)
+        return _as4d((j >= p - self.left) & (j <= p + self.right))
 
     def _block_codes(self, b):
-        p_lo = _positions(b.q_lo, b.q_len, b.kv_len, self.align)
-        p_hi = _positions(b.q_hi, b.q_len, b.kv_len, self.align)
-        full = (b.k_lo >= p_hi - self.left) & (b.k_hi <= p_lo + self.right)
-        empty = (b.k_hi < p_lo - self.left) | (b.k_lo > p_hi + self.right)
+        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
+        k_lo, k_hi = self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+        full = (k_lo >= p_hi - self.left) & (k_hi <= p_lo + self.right)
+        empty = (k_hi < p_lo - self.left) | (k_lo > p_hi + self.right)
         return b.code(full, empty)
 
     def __repr__(self):
-        return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r})"
+        return f"sliding_window(left={self.left}, right={self.right}, {self._position_repr()})"
 
 
-class _PrefixLM(Mask):
-    def __init__(self, prefix_len, align: str):
+class _PrefixLM(_Positional, Mask):
+    def __init__(self, prefix_len, align: str, q_offset=0, kv_offset=0):
         if isinstance(prefix_len, torch.Tensor):
-            prefix_len = check_int_tensor(prefix_len, "prefix_len", (1,))
-            if (prefix_len < 0).any():
-                raise AttnkitValueError(
-                    f"prefix_len must be >= 0, but got {prefix_len.tolist()}."
-                )
-            self.batch_size = prefix_len.shape[0]
+            prefix_len = _own(check_int_tensor(prefix_len, "prefix_len", (1,)))
+            if prefix_len.device.type == "cpu" and (prefix_len < 0).any():
+                raise AttnkitValueError(f"prefix_len must be >= 0, but got {short(prefix_len.tolist())}.")
+        elif isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
+            prefix_len = check_nonnegative_int(int(prefix_len), "prefix_len")
         else:
             prefix_len = check_nonnegative_int(prefix_len, "prefix_len")
         self.prefix_len = prefix_len
-        self.align = _check_align(align)
-
-    def _device(self):
-        return self.prefix_len.device if isinstance(self.prefix_len, torch.Tensor) else None
+        self._set_positions(align, q_offset, kv_offset)
+        self.batch_size = _batch_of(prefix_len, self.q_offset, self.kv_offset)
 
     def _held(self):
-        return (self.prefix_len,) if isinstance(self.prefix_len, torch.Tensor) else ()
+        own = (self.prefix_len,) if isinstance(self.prefix_len, torch.Tensor) else ()
+        return own + self._position_held()
+
+    def _key(self):
+        key = self._position_key()
+        if key is None or isinstance(self.prefix_len, torch.Tensor):
+            return None
+        return ("prefix", self.prefix_len, key)
 
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        prefix = self.prefix_len
-        if isinstance(prefix, torch.Tensor):
-            prefix = prefix.to(kv_idx.device)[:, None, None]  # (B, 1, 1)
-        causal = kv_idx <= _positions(q_idx, q_len, kv_len, self.align)
-        return _as4d((kv_idx < prefix) | causal)
+        j = self._k_pos(kv_idx)
+        causal = j <= self._q_pos(q_idx, q_len, kv_len)
+        return _as4d((j < _per_seq(self.prefix_len, kv_idx.device)) | causal)
 
     def _block_codes(self, b):
-        prefix = self.prefix_len
-        if isinstance(prefix, torch.Tensor):
-            prefix = prefix.to(b.k_lo.device)[:, None, None, None]  # (B, 1, 1, 1)
-        p_lo = _positions(b.q_lo, b.q_len, b.kv_len, self.align)
-        p_hi = _positions(b.q_hi, b.q_len, b.kv_len, self.align)
-        full = (b.k_hi < prefix) | (b.k_hi <= p_lo)
-        empty = (b.k_lo >= prefix) & (b.k_lo > p_hi)
+        prefix = _per_seq(self.prefix_len, b.device)
+        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
+        k_lo, k_hi = self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+        full = (k_hi < prefix) | (k_hi <= p_lo)
+        empty = (k_lo >= prefix) & (k_lo > p_hi)
         return b.code(full, empty)
 
     def __repr__(self):
-        p = self.prefix_len
-        p = p.tolist() if isinstance(p, torch.Tensor) else p
-        return f"prefix_lm(prefix_len={p}, align={self.align!r})"
+        return f"prefix_lm(prefix_len={_fmt(self.prefix_len)}, {self._position_repr()})"
 
 
 class _Document(Mask):
-    def __init__(self, ids):
+    def __init__(self, ids, q_offset=0, kv_offset=0):
         ids = check_int_tensor(ids, "ids", (1, 2))
-        self.ids = ids if ids.dim() == 2 else ids[None]  # (B or 1, L)
-        self.batch_size = ids.shape[0] if ids.dim() == 2 else None
-
-    def _device(self):
-        return self.ids.device
+        self.ids = _own(ids if ids.dim() == 2 else ids[None])  # (B or 1, L)
+        self.q_offset = _check_offset(q_offset, "q_offset")
+        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.batch_size = _batch_of(self.ids, self.q_offset, self.kv_offset)
 
     def _held(self):
-        return (self.ids,)
+        return (self.ids,) + tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
 
     def check(self, q_len, kv_len):
         length = self.ids.shape[-1]
-        if q_len != length or kv_len != length:
+        plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
+        if plain and (q_len != length or kv_len != length):
             raise AttnkitValueError(
                 f"document mask was built for sequences of length L={length} but is used with "
                 f"Lq={q_len}, Lk={kv_len}. A document mask is for self-attention over the "
-                "packed sequence: pass ids with one entry per token."
+                "packed sequence: pass ids with one entry per token (or q_offset/kv_offset "
+                "for a part of it)."
             )
 
+    def check_values(self, q_len, kv_len):
+        length = self.ids.shape[-1]
+        for name, off, n in (("q_offset", self.q_offset, q_len), ("kv_offset", self.kv_offset, kv_len)):
+            off = torch.as_tensor(off).reshape(-1)
+            lo, hi = (int(off.min()), int(off.max())) if off.numel() else (0, 0)
+            if lo < 0 or hi + n > length:
+                raise AttnkitValueError(
+                    f"document mask holds ids for L={length} tokens, but {name} in [{lo}, {hi}] "
+                    f"with {n} positions reaches past them."
+                )
+
+    def _ids_at(self, offset, idx: torch.Tensor) -> torch.Tensor:
+        """ids of positions ``idx + offset``: ``(B or 1, n)``."""
+        ids = self.ids.to(idx.device)
+        pos = idx.reshape(1, -1) + _per_seq(offset, idx.device, 2)
+        pos = pos.expand(ids.shape[0], -1) if pos.shape[0] == 1 else pos
+        ids = ids.expand(pos.shape[0], -1) if ids.shape[0] == 1 else ids
+        return torch.gather(ids, 1, pos.clamp(0, ids.shape[-1] - 1))
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        ids = self.ids.to(q_idx.device)
-        same = ids[:, q_idx[:, 0]][:, :, None] == ids[:, kv_idx[0]][:, None, :]  # (B, tq, tk)
-        return _as4d(same)
+        qi = self._ids_at(self.q_offset, q_idx[:, 0])  # (B, tq)
+        ki = self._ids_at(self.kv_offset, kv_idx[0])  # (B, tk)
+        return (qi[:, :, None] == ki[:, None, :])[:, None]  # (B, 1, tq, tk)
 
     def _block_codes(self, b):
-        ids = self.ids.to(b.k_lo.device)
-        q_min, q_max = _block_minmax(ids, b.bq)  # (B, nq)
-        k_min, k_max = _block_minmax(ids, b.bk)  # (B, nk)
+        dev = b.device
+        plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
+        if plain:
+            ids = self.ids.to(dev)
+            q_ids = k_ids = ids
+        else:
+            q_ids = self._ids_at(self.q_offset, torch.arange(b.q_len, device=dev))
+            k_ids = self._ids_at(self.kv_offset, torch.arange(int(b.kv_len), device=dev))
+        q_min, q_max = _block_minmax(q_ids, b.bq)  # (B, nq)
+        k_min, k_max = _block_minmax(k_ids, b.bk)  # (B, nk)
         q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]  # (B, 1, nq, 1)
         k_min, k_max = k_min[:, None, None, :], k_max[:, None, None, :]  # (B, 1, 1, nk)
         full = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
@@ -326,25 +481,33 @@ class _Document(Mask):
         return b.code(full, empty)
 
     def __repr__(self):
-        ids = self.ids if self.batch_size else self.ids[0]
-        return f"document(ids of shape {tuple(ids.shape)})"
+        ids = self.ids if self.ids.shape[0] > 1 else self.ids[0]
+        extra = "".join(
+            f", {name}={_fmt(x)}" for name, x in (("q_offset", self.q_offset), ("kv_offset", self.kv_offset))
+            if not (isinstance(x, int) and x == 0)
+        )
+        return f"document(ids of shape {tuple(ids.shape)}{extra})"
 
 
 class _Padding(Mask):
-    def __init__(self, lengths):
-        lengths = check_int_tensor(lengths, "lengths", (1,))
-        if (lengths < 0).any():
-            raise AttnkitValueError(f"lengths must be >= 0, but got {lengths.tolist()}.")
+    def __init__(self, lengths, kv_offset=0):
+        if lengths is None or isinstance(lengths, (str, bytes)):
+            raise AttnkitTypeError(
+                f"lengths must be a sequence of ints or an integer tensor of shape (B,), but got {short(lengths)}."
+            )
+        lengths = _own(check_int_tensor(lengths, "lengths", (1,)))
+        if lengths.device.type == "cpu" and (lengths < 0).any():
+            raise AttnkitValueError(f"lengths must be >= 0, but got {short(lengths.tolist())}.")
         self.lengths = lengths
-        self.batch_size = lengths.shape[0]
-
-    def _device(self):
-        return self.lengths.device
+        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.batch_size = _batch_of(self.lengths, self.kv_offset) or lengths.shape[0]
 
     def _held(self):
-        return (self.lengths,)
+        return (self.lengths,) + ((self.kv_offset,) if isinstance(self.kv_offset, torch.Tensor) else ())
 
-    def check(self, q_len, kv_len):
+    def check_values(self, q_len, kv_len):
+        if isinstance(self.kv_offset, torch.Tensor) or self.kv_offset:
+            return  # a shard of the keys: lengths count from the sequence's start
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
         if longest > kv_len:
             raise AttnkitValueError(
@@ -352,16 +515,21 @@ class _Padding(Mask):
                 f"Lk={kv_len} positions. lengths must be <= Lk."
             )
 
+    def _kv_limit(self):
+        return self.lengths - self.kv_offset
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        lengths = self.lengths.to(kv_idx.device)[:, None, None]  # (B, 1, 1)
-        return _as4d(kv_idx < lengths)  # (B, 1, 1, tk)
+        lengths = self.lengths.to(kv_idx.device)[:, None, None, None]  # (B, 1, 1, 1)
+        return kv_idx + _per_seq(self.kv_offset, kv_idx.device) < lengths  # (B, 1, 1, tk)
 
     def _block_codes(self, b):
-        lengths = self.lengths.to(b.k_lo.device)[:, None, None, None]  # (B, 1, 1, 1)
-        return b.code(full=b.k_hi < lengths, empty=b.k_lo >= lengths)
+        lengths = self.lengths.to(b.device)[:, None, None, None]  # (B, 1, 1, 1)
+        off = _per_seq(self.kv_offset, b.device)
+        return b.code(full=b.k_hi + off < lengths, empty=b.k_lo + off >= lengths)
 
     def __repr__(self):
-        return f"padding(lengths={self.lengths.tolist()})"
+        extra = "" if isinstance(self.kv_offset, int) and self.kv_offset == 0 else f", kv_offset={_fmt(self.kv_offset)}"
+        return f"padding(lengths={short(self.lengths.tolist())}{extra})"
 
 
 class _Dense(Mask):
@@ -373,16 +541,15 @@ class _Dense(Mask):
                 f"a dense mask must be bool (True = may attend), but got {tensor.dtype}. "
                 "Use mask != 0 to convert a 0/1 mask."
             )
-        if not 2 <= tensor.dim() <= 4:
+        if tensor.dim() > 4:
             raise AttnkitValueError(
-                "a dense mask must have shape (Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk), "
-                f"but got {tuple(tensor.shape)}."
+                "a dense mask must have at most 4 dimensions (B, H, Lq, Lk), aligned from the "
+                f"right like scaled_dot_product_attention's attn_mask, but got {tuple(tensor.shape)}."
             )
-        self.tensor = _as4d(tensor)
+        while tensor.dim() < 2:
+            tensor = tensor[None]
+        self.tensor = _as4d(tensor)  # (B or 1, H or 1, Lq or 1, Lk or 1), a view: not copied
         self.batch_size = self.tensor.shape[0] if self.tensor.shape[0] != 1 else None
-
-    def _device(self):
-        return self.tensor.device
 
     def _held(self):
         return (self.tensor,)
@@ -405,11 +572,12 @@ class _Dense(Mask):
         return t[:, :, rows, cols]  # (B, H, tq, tk)
 
     def _block_codes(self, b):
-        t = self.tensor.to(b.k_lo.device)  # (B, H, Lq or 1, Lk or 1)
+        t = self.tensor.to(b.device)  # (B, H, Lq or 1, Lk or 1)
         pad_q = 0 if t.shape[-2] == 1 else -t.shape[-2] % b.bq
         pad_k = 0 if t.shape[-1] == 1 else -t.shape[-1] % b.bk
         bq = 1 if t.shape[-2] == 1 else b.bq
         bk = 1 if t.shape[-1] == 1 else b.bk
+
         # pad with True for "all" and False for "any" so the short last blocks are judged
         # on their real elements only
         def blocks(fill):
@@ -422,6 +590,66 @@ class _Dense(Mask):
 
     def __repr__(self):
         return f"dense(bool tensor of shape {tuple(self.tensor.shape)})"
+
+
+class _FromFn(Mask):
+    def __init__(self, fn, batch_size, num_heads, q_offset, kv_offset):
+        if not callable(fn):
+            raise AttnkitTypeError(f"from_fn takes a function fn(b, h, q_idx, kv_idx), but got {short(fn)}.")
+        self.fn = fn
+        self.batch_size = None if batch_size is None else check_nonnegative_int(batch_size, "batch_size")
+        self.num_heads = None if num_heads is None else check_nonnegative_int(num_heads, "num_heads")
+        self.q_offset = _check_offset(q_offset, "q_offset")
+        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+
+    def _held(self):
+        return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
+
+    def lead_shape(self):
+        return (self.batch_size or 1, self.num_heads or 1)
+
+    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+        dev = q_idx.device
+        b = torch.arange(self.batch_size or 1, device=dev).view(-1, 1, 1, 1)
+        h = torch.arange(self.num_heads or 1, device=dev).view(1, -1, 1, 1)
+        qi = q_idx.reshape(1, 1, -1, 1) + _per_seq(self.q_offset, dev)
+        ki = kv_idx.reshape(1, 1, 1, -1) + _per_seq(self.kv_offset, dev)
+        out = self.fn(b, h, qi, ki)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            what = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise AttnkitTypeError(
+                f"a from_fn mask function must return a bool tensor (True = may attend), but got {what}."
+            )
+        out = _as4d(out)
+        shape = (b.shape[0], h.shape[0], q_idx.shape[0], kv_idx.shape[1])
+        try:
+            return out.expand(torch.broadcast_shapes(out.shape, (out.shape[0], out.shape[1], *shape[2:])))
+        except RuntimeError:
+            raise AttnkitValueError(
+                f"a from_fn mask function returned shape {tuple(out.shape)}, which does not broadcast "
+                f"to (B, H, tq, tk) = {shape}. Combine the index tensors b, h, q_idx, kv_idx by broadcasting."
+            ) from None
+
+    def _block_codes(self, b):
+        rows = []
+        k_len = int(b.kv_len)
+        pad = -k_len % b.bk
+        kv_idx = torch.arange(k_len, device=b.device)[None, :]
+        for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory
+            q_idx = torch.arange(i * b.bq, min((i + 1) * b.bq, b.q_len), device=b.device)[:, None]
+            e = self._elements(q_idx, kv_idx, b.q_len, b.kv_len)  # (B, H, tq, Lk)
+            full = torch.nn.functional.pad(e, (0, pad), value=True)
+            any_ = torch.nn.functional.pad(e, (0, pad), value=False)
+            full = full.view(*e.shape[:3], -1, b.bk).all(-1).all(-2)  # (B, H, nk)
+            any_ = any_.view(*e.shape[:3], -1, b.bk).any(-1).any(-2)
+            rows.append(b.code(full, ~any_))
+        if not rows:
+            return torch.zeros(1, 1, 0, b.nk, dtype=torch.int8, device=b.device)
+        return torch.stack(rows, dim=-2)  # (B, H, nq, nk)
+
+    def __repr__(self):
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return f"from_fn({name}, batch_size={self.batch_size}, num_heads={self.num_heads})"
 
 
 class _Combine(Mask):
@@ -437,11 +665,20 @@ class _Combine(Mask):
         self.op, self.left, self.right = op, left, right
         self.batch_size = lb if lb is not None else rb
 
-    def _device(self):
-        return self.left._device() or self.right._device()
-
     def _held(self):
         return self.left._held() + self.right._held()
+
+    def _key(self):
+        a, b = self.left._key(), self.right._key()
+        return None if a is None or b is None else (self.op, a, b)
+
+    def _kv_limit(self):
+        a, b = self.left._kv_limit(), self.right._kv_limit()
+        if self.op == "&":
+            if a is None or b is None:
+                return a if b is None else b
+            return torch.minimum(a, b)
+        return None if a is None or b is None else torch.maximum(a, b)
 
     def lead_shape(self):
         return tuple(torch.broadcast_shapes(self.left.lead_shape(), self.right.lead_shape()))
@@ -450,13 +687,17 @@ class _Combine(Mask):
         self.left.check(q_len, kv_len)
         self.right.check(q_len, kv_len)
 
+    def check_values(self, q_len, kv_len):
+        self.left.check_values(q_len, kv_len)
+        self.right.check_values(q_len, kv_len)
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        a = self.left._elements(q_idx, kv_idx, q_len, kv_len)
-        b = self.right._elements(q_idx, kv_idx, q_len, kv_len)
+        a = _as4d(self.left._elements(q_idx, kv_idx, q_len, kv_len))
+        b = _as4d(self.right._elements(q_idx, kv_idx, q_len, kv_len))
         return a & b if self.op == "&" else a | b
 
     def _block_codes(self, b):
-        left, right = self.left._block_codes(b), self.right._block_codes(b)
+        left, right = _as4d(self.left._block_codes(b)), _as4d(self.right._block_codes(b))
         # EMPTY < PARTIAL < FULL: "&" keeps the lower code, "|" the higher
         return torch.minimum(left, right) if self.op == "&" else torch.maximum(left, right)
 
@@ -470,8 +711,8 @@ class _Combine(Mask):
 class _Cached(Mask):
     def __init__(self, mask, start, lengths):
         self.mask = None if mask is None else as_mask(mask)
-        self.start = check_int_tensor(start, "start", (1,))
-        self.lengths = check_int_tensor(lengths, "lengths", (1,))
+        self.start = _own(check_int_tensor(start, "start", (1,)))
+        self.lengths = _own(check_int_tensor(lengths, "lengths", (1,)))
         if self.start.shape != self.lengths.shape:
             raise AttnkitValueError(
                 f"start and lengths must have one entry per sequence, but got shapes "
@@ -479,36 +720,42 @@ class _Cached(Mask):
             )
         self.batch_size = self.start.shape[0]
 
-    def _device(self):
-        return self.lengths.device
-
     def _held(self):
         return (self.start, self.lengths) + (self.mask._held() if self.mask else ())
+
+    def _kv_limit(self):
+        return self.lengths
 
     def lead_shape(self):
         own = (self.batch_size, 1)
         return own if self.mask is None else tuple(torch.broadcast_shapes(own, self.mask.lead_shape()))
 
-    def check(self, q_len, kv_len):
+    def check_values(self, q_len, kv_len):
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
         if longest > kv_len:
             raise AttnkitValueError(f"cached mask has a sequence of length {longest} but only Lk={kv_len} keys.")
 
+    def _ends(self, q_len, device):
+        """Where each sequence's queries end, ``(B, 1, 1, 1)``."""
+        return (self.start.to(device) + q_len).view(-1, 1, 1, 1)
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         device = kv_idx.device
-        valid = _as4d(kv_idx < self.lengths.to(device)[:, None, None])  # (B, 1, 1, tk)
+        valid = _as4d(kv_idx < self.lengths.to(device).view(-1, 1, 1, 1))  # (B, 1, 1, tk)
         if self.mask is None:
             return valid
-        ends = (self.start.to(device) + q_len)[:, None, None]  # where each sequence's queries end
-        return self.mask._elements(q_idx, kv_idx, q_len, ends) & valid
+        return _as4d(self.mask._elements(q_idx, kv_idx, q_len, self._ends(q_len, device))) & valid
 
     def _block_codes(self, b):
-        lengths = self.lengths.to(b.k_lo.device)[:, None, None, None]  # (B, 1, 1, 1)
-        empty = b.k_lo >= lengths
-        return b.code(full=torch.zeros_like(empty), empty=empty)  # PARTIAL where not empty
+        lengths = self.lengths.to(b.device).view(-1, 1, 1, 1)
+        valid = b.code(full=b.k_hi < lengths, empty=b.k_lo >= lengths)  # (B, 1, 1, nk)
+        if self.mask is None:
+            return valid
+        inner = _as4d(self.mask._block_codes(b.with_kv_len(self._ends(b.q_len, b.device))))
+        return torch.minimum(inner, valid)
 
     def __repr__(self):
-        return f"cached({self.mask!r}, start={self.start.tolist()}, lengths={self.lengths.tolist()})"
+        return f"cached({self.mask!r}, start={short(self.start.tolist())}, lengths={short(self.lengths.tolist())})"
 
 
 def cached(mask, start, lengths) -> Mask:
@@ -516,7 +763,9 @@ def cached(mask, start, lengths) -> Mask:
 
     Query i of sequence b sits at key position ``start[b] + i`` (so a bottom-right
     aligned mask is aligned with each sequence's own end) and keys ``j >= lengths[b]``
-    are empty slots. :class:`attnkit.nn.KVCache` builds this for you.
+    are empty slots. :class:`attnkit.nn.KVCache` builds this for you. The inner mask
+    keeps its block structure (a causal prefill into a cache skips the blocks above
+    the diagonal).
 
     >>> print(cached(causal(), start=torch.tensor([1, 3]), lengths=torch.tensor([3, 5])).picture(2, 5, batch=0))
     1 1 0 0 0
@@ -525,11 +774,12 @@ def cached(mask, start, lengths) -> Mask:
     return _Cached(mask, start, lengths)
 
 
-def causal(align: str = "bottom_right") -> Mask:
-    """Query i may attend key j iff ``j <= p(i)``.
+def causal(align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
+    """Query i may attend key j iff ``j + kv_offset <= p(i)``.
 
-    ``p(i) = i + (Lk - Lq)`` (``align="bottom_right"``, the default) or ``p(i) = i``
-    (``align="top_left"``). With Lq == Lk both are the lower triangle:
+    ``p(i) = i + q_offset + (Lk - Lq)`` (``align="bottom_right"``, the default) or
+    ``p(i) = i + q_offset`` (``align="top_left"``). With Lq == Lk both are the lower
+    triangle:
 
     >>> print(causal().picture(3, 5))
     1 1 1 0 0
@@ -539,12 +789,18 @@ def causal(align: str = "bottom_right") -> Mask:
     1 0 0 0 0
     1 1 0 0 0
     1 1 1 0 0
+
+    A chunk of 2 queries at positions 3 and 4 of a static cache of 6 slots:
+
+    >>> print(causal(align="top_left", q_offset=3).picture(2, 6))
+    1 1 1 1 0 0
+    1 1 1 1 1 0
     """
-    return _Causal(align)
+    return _Causal(align, q_offset, kv_offset)
 
 
-def sliding_window(left: int, right: int = 0, align: str = "bottom_right") -> Mask:
-    """Query i may attend key j iff ``p(i) - left <= j <= p(i) + right``.
+def sliding_window(left: int, right: int = 0, align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
+    """Query i may attend key j iff ``p(i) - left <= j + kv_offset <= p(i) + right``.
 
     >>> print(sliding_window(1, 1).picture(4, 4))
     1 1 0 0
@@ -552,11 +808,11 @@ def sliding_window(left: int, right: int = 0, align: str = "bottom_right") -> Ma
     0 1 1 1
     0 0 1 1
     """
-    return _SlidingWindow(left, right, align)
+    return _SlidingWindow(left, right, align, q_offset, kv_offset)
 
 
-def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
-    """Query i may attend key j iff ``j < prefix_len`` or ``j <= p(i)``.
+def prefix_lm(prefix_len, align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
+    """Query i may attend key j iff ``j' < prefix_len`` or ``j' <= p(i)``, with ``j' = j + kv_offset``.
 
     ``prefix_len`` is an int or a tensor of shape ``(B,)`` (one prefix per sequence).
 
@@ -566,15 +822,16 @@ def prefix_lm(prefix_len, align: str = "bottom_right") -> Mask:
     1 1 1 0
     1 1 1 1
     """
-    return _PrefixLM(prefix_len, align)
+    return _PrefixLM(prefix_len, align, q_offset, kv_offset)
 
 
-def document(ids) -> Mask:
-    """Query i may attend key j iff ``ids[i] == ids[j]`` (packed sequences).
+def document(ids, *, q_offset=0, kv_offset=0) -> Mask:
+    """Query i may attend key j iff ``ids[i + q_offset] == ids[j + kv_offset]`` (packed sequences).
 
-    ``ids`` has shape ``(L,)`` or ``(B, L)``; it is for self-attention over the
-    packed sequence, so Lq == Lk == L. Combine with :func:`causal` for packed
-    causal language modelling.
+    ``ids`` has shape ``(L,)`` or ``(B, L)``. Without offsets it is for self-attention
+    over the packed sequence (Lq == Lk == L); with offsets, for a part of it (a chunk
+    of queries, a shard of the keys). Combine with :func:`causal` for packed causal
+    language modelling.
 
     >>> print(document([0, 0, 1, 1, 1]).picture(5, 5))
     1 1 0 0 0
@@ -583,23 +840,28 @@ def document(ids) -> Mask:
     0 0 1 1 1
     0 0 1 1 1
     """
-    return _Document(ids)
+    return _Document(ids, q_offset, kv_offset)
 
 
-def padding(lengths) -> Mask:
-    """Query i of sequence b may attend key j iff ``j < lengths[b]``.
+def padding(lengths, *, kv_offset=0) -> Mask:
+    """Query i of sequence b may attend key j iff ``j + kv_offset < lengths[b]``.
 
-    ``lengths`` has shape ``(B,)``; keys past a sequence's length are padding.
+    ``lengths`` has shape ``(B,)``; keys past a sequence's length are padding. Kernels
+    never read them, so anything stored there (NaN included) cannot reach the output.
 
     >>> print(padding([2, 3]).picture(2, 4, batch=0))
     1 1 0 0
     1 1 0 0
     """
-    return _Padding(lengths)
+    return _Padding(lengths, kv_offset)
 
 
 def dense(tensor: torch.Tensor) -> Mask:
-    """Wrap a bool tensor ``(Lq, Lk)``, ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)`` (1s broadcast).
+    """Wrap a bool tensor broadcastable to ``(B, H, Lq, Lk)``, aligned from the right.
+
+    As for ``scaled_dot_product_attention``'s ``attn_mask``: ``(Lq, Lk)`` is the same
+    for every sequence and head, ``(H, Lq, Lk)`` is per head, ``(B, 1, Lq, Lk)`` per
+    sequence; sizes of 1 broadcast. The tensor is used as given, not copied.
 
     >>> import torch
     >>> m = dense(torch.tensor([[True, False], [True, True]])) & causal()
@@ -608,6 +870,25 @@ def dense(tensor: torch.Tensor) -> Mask:
     1 1
     """
     return _Dense(tensor)
+
+
+def from_fn(fn, *, batch_size: int | None = None, num_heads: int | None = None, q_offset=0, kv_offset=0) -> Mask:
+    """A mask given by a predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
+
+    The arguments are broadcasting index tensors of shapes ``(B, 1, 1, 1)``,
+    ``(1, H, 1, 1)``, ``(1, 1, tq, 1)`` and ``(1, 1, 1, tk)`` (as FlexAttention's
+    ``mask_mod``); ``b`` and ``h`` are 0 unless ``batch_size`` / ``num_heads`` say the
+    mask differs by sequence / head. ``q_idx`` and ``kv_idx`` include the offsets.
+    Block maps evaluate ``fn`` one row of blocks at a time (``O(block x Lk)`` memory).
+
+    >>> m = from_fn(lambda b, h, q, kv: (q - kv).abs() <= 1)
+    >>> print(m.picture(4, 4))
+    1 1 0 0
+    1 1 1 0
+    0 1 1 1
+    0 0 1 1
+    """
+    return _FromFn(fn, batch_size, num_heads, q_offset, kv_offset)
 
 
 def as_mask(mask) -> Mask:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.kernels.registry import Kernel
+
 
 def expand_kv_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
     """Repeat each of the Hkv heads of ``t: (..., Hkv, L, D)`` Hq/Hkv times (GQA)."""
@@ -43,18 +45,20 @@ def used_keys(allowed: torch.Tensor, hkv: int | None) -> torch.Tensor:
 
 
 def zero_unused_keys(
-    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, sync: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero the K/V rows that no query may attend to, so NaN/Inf there cannot leak.
 
     ``mask`` is a bool or float mask broadcastable to ``(..., Hq, Lq, Lk)`` whose head
     dimension is 1, Hkv or Hq (a K/V head is kept if any query head of its group uses it).
+    With ``sync=False`` (under ``torch.compile``) the copy is made without first
+    asking whether any row needs zeroing.
     """
     allowed = allowed_pairs(mask)
     if allowed is None:
         return k, v
     used = used_keys(allowed, k.shape[-3] if k.dim() >= 3 else None)
-    if bool(used.all()):  # the common case: nothing to zero
+    if sync and bool(used.all()):  # the common case: nothing to zero
         return k, v
     zero = k.new_zeros(())
     return torch.where(used, k, zero), torch.where(used, v, zero)
@@ -131,3 +135,56 @@ def log_sum_exp(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = No
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return torch.logsumexp(scores, dim=-1)
+
+
+# --- as a kernel of the registry -------------------------------------------------------
+
+
+def dense_mask(call) -> torch.Tensor | None:
+    """The call's mask as a bool or float tensor of at most the attention matrix's rank."""
+    from attnkit.masks import Mask
+    from attnkit.prepare import PreparedMask
+
+    mask = call.mask
+    if isinstance(mask, PreparedMask):
+        mask = mask.mask
+    if not isinstance(mask, Mask):
+        return mask
+    s = call.shapes
+    dense = mask._dense(s.lq, s.lk, call.q.device)  # (B or 1, H or 1, Lq, Lk)
+    rank = len(s.scores)
+    while dense.dim() > rank:
+        dense = dense.squeeze(0)
+    return dense
+
+
+def run_with_weights(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, weights, lse)`` of the plain formula on a validated call.
+
+    Half-precision inputs are computed in float32; ``out`` and ``weights`` come back
+    in q's dtype, ``lse`` in float32 (float64 for float64 inputs).
+    """
+    q, k, v = call.q, call.k, call.v
+    dense = dense_mask(call)
+    k, v = zero_unused_keys(k, v, dense, sync=not call.compiling)
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
+        q, k, v = q.float(), k.float(), v.float()
+        if dense is not None and dense.is_floating_point():
+            dense = dense.float()
+    out, weights = attention(q, k, v, dense, scale=call.scale, dropout_p=call.dropout_p)
+    lse = log_sum_exp(q, k, dense, scale=call.scale) if call.return_lse else None
+    return out.to(dtype), weights.to(dtype), lse
+
+
+class ReferenceKernel(Kernel):
+    """The plain formula: any device, dtype, mask, dropout, lse; O(Lq x Lk) memory."""
+
+    name = "reference"
+    supports_dropout = True
+    supports_float_mask = True
+    supports_lse = True
+
+    def run(self, call):
+        out, _, lse = run_with_weights(call)
+        return out, lse

@@ -1,186 +1,47 @@
 """Block-sparse attention in plain PyTorch: visit only the blocks a mask keeps.
 
-The query axis is cut into row blocks of ``bq`` queries. For each row block the
-mask's block map (:meth:`attnkit.masks.Mask.block_map`, ``bk`` keys per block)
-gives the key blocks that are not empty, grouped into *runs*: stretches of
-adjacent blocks that are all FULL (no element mask needed) or all PARTIAL (the
-mask is evaluated on that tile only). Each run is one exact attention call that
-returns its output and row log-sum-exp; runs merge exactly by log-sum-exp.
-Nothing of size ``Lq x Lk`` is ever allocated: the largest tile is ``bq x Lk``.
+The kernel walks a :class:`~attnkit.prepare.PreparedMask`: for each group of batch
+rows (and heads) that share a block map, for each row block of queries, the *runs*
+of adjacent key blocks that are all FULL (no element mask needed) or all PARTIAL
+(the mask is evaluated on that tile only). Each run is one exact attention call that
+returns its output and row log-sum-exp; runs merge exactly by log-sum-exp. Keys past
+a sequence's limit (padding, empty cache slots) are never read. Nothing of size
+``Lq x Lk`` is allocated: the largest tile is ``bq x Lk``.
 
 Two engines compute a run:
 
-- ``fused``: PyTorch's CPU flash-attention kernel
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), used
-  when there is no dropout and the inputs are on the CPU;
+- ``fused``: PyTorch's CPU flash-attention kernel (:mod:`attnkit.kernels._aten`),
+  used when there is no dropout, the inputs are on the CPU and Dv == D;
 - ``math``: matmul, softmax statistics in float32 or float64, matmul; used for
-  dropout (a keep-mask drawn per run from a generator seeded once per call from
-  the global generator, so ``torch.manual_seed`` reproduces it) and off the CPU.
+  dropout (a keep-mask drawn per run from a generator seeded once per call from the
+  global generator, so ``torch.manual_seed`` reproduces it), off the CPU, for
+  Dv != D, and for gradients that flow through the log-sum-exp.
 
-Backward recomputes each run from the saved log-sum-exp (FlashAttention's
-scheme), so training memory stays O(L). Grouped-query attention folds the Hq/Hkv
-query heads of a group into the row axis instead of copying K/V per query head.
+Backward recomputes each run from the saved log-sum-exp (FlashAttention's scheme),
+so training memory stays O(L). Grouped-query attention folds the Hq/Hkv query heads
+of a group into the row axis instead of copying K/V per query head.
 
-Equivalent pytorch code: ``reference.attention(q, k, v, mask.materialize(Lq, Lk), scale=scale)``.
+Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), scale=scale)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from attnkit import masks as _masks
+from attnkit.kernels import _aten
 from attnkit.kernels.reference import used_keys
+from attnkit.kernels.registry import Call, Kernel
+from attnkit.masks import _as4d
+from attnkit.prepare import Group, PreparedMask, RowBlock, Run
 
 _NEG_INF = float("-inf")
 
 
-@dataclass(frozen=True)
-class Run:
-    """Keys ``[k0, k1)`` of one row block; ``full`` means every pair may attend."""
-
-    k0: int
-    k1: int
-    full: bool
-
-
-@dataclass(frozen=True)
-class RowBlock:
-    """Queries ``[q0, q1)`` and the runs of keys they attend to."""
-
-    q0: int
-    q1: int
-    runs: tuple[Run, ...]
-
-
-@dataclass
-class TilePlan:
-    """Which tiles a call visits. ``kept`` is the fraction of blocks that are not empty.
-
-    A plan also keeps the mask tiles it has evaluated (up to ``TILE_CACHE_BYTES``), so
-    the backward pass and later calls with the same mask and sizes reuse them.
-    """
-
-    rows: tuple[RowBlock, ...]
-    kept: float
-    bq: int
-    bk: int
-    tiles: dict = field(default_factory=dict, repr=False)
-    tile_bytes: int = 0
-
-    @property
-    def masked(self) -> bool:
-        """Whether any run applies an element mask (else every visited block is full)."""
-        return any(not run.full for row in self.rows for run in row.runs)
-
-
-#: Memory a plan may spend on evaluated mask tiles.
-TILE_CACHE_BYTES = 256 * 2**20
-
-
-def block_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
-    """Query and key block sizes, chosen from ``benchmarks/cpu.py`` measurements."""
-    return 128, 64
-
-
-def plan_for(mask, q_len: int, kv_len: int, device=None) -> TilePlan:
-    """The plan at the default block sizes, remembered by the mask object.
-
-    A mask object is reused across calls and layers, like FlexAttention's block
-    masks; its plan is rebuilt when the tensors it holds change in place.
-    """
-    bq, bk = block_sizes(q_len, kv_len)
-    if mask is None:
-        return plan_tiles(None, q_len, kv_len, bq, bk, device)
-    key = (q_len, kv_len, bq, bk, str(device), mask._versions())
-    cache = mask.__dict__.setdefault("_plans", {})
-    if key not in cache:
-        if len(cache) >= 8:
-            cache.pop(next(iter(cache)))
-        cache[key] = plan_tiles(mask, q_len, kv_len, bq, bk, device)
-    return cache[key]
-
-
-def plan_tiles(mask, q_len: int, kv_len: int, bq: int, bk: int, device=None) -> TilePlan:
-    """The row blocks and key runs to visit for ``mask`` (a Mask object or None)."""
-    nq, nk = -(-q_len // bq), -(-kv_len // bk)
-    if mask is None:
-        state = torch.full((nq, nk), _masks.FULL, dtype=torch.int8)
-    else:
-        codes = mask.block_map(q_len, kv_len, bq, bk, device).flatten(0, 1)  # (B*H, nq, nk)
-        # a block is visited if any sequence/head needs it, and skips the element mask
-        # only if it is full for all of them
-        nonempty = (codes != _masks.EMPTY).any(dim=0)
-        full = (codes == _masks.FULL).all(dim=0)
-        state = torch.where(full, _masks.FULL, nonempty.to(torch.int8) * _masks.PARTIAL)
-    kept = float((state != _masks.EMPTY).float().mean()) if state.numel() else 0.0
-    rows: list[RowBlock] = []
-    for i, row in enumerate(state.tolist()):
-        block = RowBlock(i * bq, min((i + 1) * bq, q_len), _runs(row, bk, kv_len))
-        if rows and rows[-1].runs == block.runs and _can_grow(rows[-1], block):
-            block = RowBlock(rows[-1].q0, block.q1, block.runs)  # one call for both
-            rows.pop()
-        rows.append(block)
-    return TilePlan(tuple(rows), kept, bq, bk)
-
-
-#: Adjacent row blocks with the same runs are computed as one, up to this many
-#: (query, key) pairs per run when the run needs its element mask.
-MAX_MASKED_TILE = 2**20
-MAX_ROWS = 4096
-
-
-def _can_grow(prev: RowBlock, block: RowBlock) -> bool:
-    rows = block.q1 - prev.q0
-    if rows > MAX_ROWS:
-        return False
-    return all(run.full or rows * (run.k1 - run.k0) <= MAX_MASKED_TILE for run in block.runs)
-
-
-#: A stretch of FULL key blocks shorter than this is computed with its PARTIAL
-#: neighbours under one mask: one masked call is cheaper than splitting and merging.
-MIN_FULL_RUN = 1024
-
-
-def _runs(row: list[int], bk: int, kv_len: int) -> tuple[Run, ...]:
-    """The runs of one row of block codes.
-
-    Non-empty blocks that touch form one run; a FULL stretch of at least
-    MIN_FULL_RUN keys becomes a run of its own that skips the element mask.
-    """
-    segments = []  # [k0, k1, full] with one code each
-    for j, code in enumerate(row):
-        if code == _masks.EMPTY:
-            continue
-        k0, k1, full = j * bk, min((j + 1) * bk, kv_len), code == _masks.FULL
-        if segments and segments[-1][1] == k0 and segments[-1][2] == full:
-            segments[-1][1] = k1
-        else:
-            segments.append([k0, k1, full])
-    def touches_partial(i: int) -> bool:
-        before = i > 0 and segments[i - 1][1] == segments[i][0] and not segments[i - 1][2]
-        after = i + 1 < len(segments) and segments[i + 1][0] == segments[i][1] and not segments[i + 1][2]
-        return before or after
-
-    # a full stretch too short to be worth a call of its own joins its partial neighbours
-    flags = [full and (k1 - k0 >= MIN_FULL_RUN or not touches_partial(i)) for i, (k0, k1, full) in enumerate(segments)]
-    runs: list[list] = []
-    for (k0, k1, _), full in zip(segments, flags):
-        if runs and runs[-1][1] == k0 and runs[-1][2] == full:
-            runs[-1][1] = k1
-        else:
-            runs.append([k0, k1, full])
-    return tuple(Run(k0, k1, full) for k0, k1, full in runs)
-
-
 def fused_available(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fused CPU engine can run these inputs (it needs Dv == D)."""
-    return (
-        q.device.type == "cpu"
-        and q.shape[-1] == v.shape[-1]
-        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-    )
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and _aten.AVAILABLE
 
 
 # --- folding grouped query heads into rows ----------------------------------------------
@@ -208,18 +69,68 @@ def _fold_tile(tile: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
     return _fold(tile, hkv)
 
 
+# --- selecting the rows and heads of a group ---------------------------------------------
+
+
+def _index(idx, device):
+    """``(start, length)`` for a contiguous run of indices, else an index tensor."""
+    if idx[-1] - idx[0] + 1 == len(idx):
+        return (idx[0], len(idx))
+    return torch.tensor(idx, device=device)
+
+
+def _take(t: torch.Tensor, dim: int, idx) -> torch.Tensor:
+    if idx is None:
+        return t
+    if isinstance(idx, tuple):
+        return t.narrow(dim, idx[0], idx[1])
+    return t.index_select(dim, idx)
+
+
+def _put(dst: torch.Tensor, dim: int, idx, src: torch.Tensor, add: bool = False) -> None:
+    if idx is None:
+        dst.add_(src) if add else dst.copy_(src)
+    elif isinstance(idx, tuple):
+        part = dst.narrow(dim, idx[0], idx[1])
+        part.add_(src) if add else part.copy_(src)
+    else:
+        dst.index_add_(dim, idx, src) if add else dst.index_copy_(dim, idx, src)
+
+
+@dataclass
+class _Select:
+    """Which rows of the inputs (and of mask tiles) and which heads a group covers."""
+
+    batch: object  # None, (start, length) or an index tensor, on the inputs' batch axis
+    tile_batch: object  # the same on the mask's batch axis (None when the mask has 1 row)
+    q_heads: object  # None or (start, length) / index tensor of query heads
+    kv_heads: object  # the K/V heads they read
+    tile_heads: object
+
+
+def _select(group: Group, prepared: PreparedMask, hq: int, hkv: int, device) -> _Select:
+    batch = None if group.batch is None else _index(group.batch, device)
+    tile_batch = batch if prepared.codes.shape[0] > 1 else None
+    if group.heads is None:
+        return _Select(batch, tile_batch, None, None, None)
+    q_heads = _index(group.heads, device)
+    kv = [h // (hq // hkv) for h in group.heads]
+    kv_heads = q_heads if hq == hkv else torch.tensor(kv, device=device)
+    return _Select(batch, tile_batch, q_heads, kv_heads, q_heads)
+
+
+# --- one call --------------------------------------------------------------------------
+
+
 @dataclass
 class _Call:
     """Everything a forward or backward pass needs besides the tensors."""
 
-    mask: object
-    plan: TilePlan
+    prepared: PreparedMask
     scale: float
     dropout_p: float
     seed: int
     fused: bool
-    q_len: int
-    kv_len: int
 
 
 @dataclass(frozen=True)
@@ -232,36 +143,34 @@ class _Tile:
     used_keys: torch.Tensor | None  # (Bm, Hkv or 1, S, 1): keys some row uses; None if all
 
 
-def _tile(call: _Call, row: RowBlock, run: Run, hq: int, hkv: int, dtype, device) -> _Tile | None:
-    """The evaluated mask of a partial run (None for a full one), from the plan's cache."""
+def _tile(call: _Call, gi: int, sel: _Select, row: RowBlock, run: Run, hq: int, hkv: int, dtype, device):
+    """The evaluated mask of a partial run (None for a full one), from the prepared mask's cache."""
     if run.full:
         return None
-    key = (row.q0, run.k0, hq, hkv, dtype)
-    cached = call.plan.tiles.get(key)
+    key = (gi, row.q0, run.k0, hq, hkv, dtype, str(device))
+    cached = call.prepared.tiles.get(key)
     if cached is not None:
         return cached
+    p = call.prepared
     q_idx = torch.arange(row.q0, row.q1, device=device)[:, None]
     kv_idx = torch.arange(run.k0, run.k1, device=device)[None, :]
-    tile = call.mask._elements(q_idx, kv_idx, call.q_len, call.kv_len)
+    tile = _as4d(p.mask._elements(q_idx, kv_idx, p.q_len, p.kv_len))
+    tile = _take(_take(tile, 0, sel.tile_batch), 1, sel.tile_heads if tile.shape[1] > 1 else None)
     tile = tile.expand(*tile.shape[:2], row.q1 - row.q0, run.k1 - run.k0)  # (Bm, Hm, n, S)
     used = used_keys(tile, hkv)
     allowed = _fold_tile(tile, hq, hkv)  # (Bm, Hkv or 1, g*n, S)
     visible = allowed.any(dim=-1)
-    additive = torch.where(
-        allowed, torch.zeros((), dtype=dtype, device=device), torch.full((), _NEG_INF, dtype=dtype, device=device)
-    )
+    zero, ninf = torch.zeros((), dtype=dtype, device=device), torch.full((), _NEG_INF, dtype=dtype, device=device)
+    additive = torch.where(allowed, zero, ninf)
     result = _Tile(allowed, additive, None if visible.all() else ~visible, None if used.all() else used)
-    size = allowed.numel() * (1 + additive.element_size())
-    if call.plan.tile_bytes + size <= TILE_CACHE_BYTES:
-        call.plan.tiles[key] = result
-        call.plan.tile_bytes += size
+    call.prepared.tiles.put(key, result, allowed.numel() * (1 + additive.element_size()))
     return result
 
 
-def _keep_mask(call: _Call, row: RowBlock, run: Run, shape, device) -> torch.Tensor:
+def _keep_mask(call: _Call, gi: int, row: RowBlock, run: Run, shape, device) -> torch.Tensor:
     """Dropout keep-mask of one run; the same on every call with the same seed."""
     g = torch.Generator(device=device)
-    g.manual_seed((call.seed + 1_000_003 * row.q0 + run.k0) % (2**63))
+    g.manual_seed((call.seed + 7_919 * gi + 1_000_003 * row.q0 + run.k0) % (2**63))
     return torch.rand(shape, generator=g, device=device) >= call.dropout_p
 
 
@@ -269,11 +178,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _run_inputs(call: _Call, q, k, v, row: RowBlock, run: Run):
+def _run_inputs(call: _Call, gi, sel, q, k, v, row: RowBlock, run: Run):
     """Folded queries, K/V slices (keys no row uses zeroed) and the tile of one run."""
     hq, hkv = q.shape[1], k.shape[1]
     kr, vr = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]  # (B, Hkv, S, D)
-    tile = _tile(call, row, run, hq, hkv, q.dtype, q.device)
+    tile = _tile(call, gi, sel, row, run, hq, hkv, q.dtype, q.device)
     if tile is not None and tile.used_keys is not None:  # NaN/Inf in keys no query uses
         zero = k.new_zeros(())
         kr, vr = torch.where(tile.used_keys, kr, zero), torch.where(tile.used_keys, vr, zero)
@@ -289,40 +198,6 @@ def _math_scores(call: _Call, qf, kr, tile: _Tile | None):
     return s
 
 
-def _forward(call: _Call, q, k, v):
-    """Returns ``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` (-inf for fully masked rows)."""
-    b, hq, lq, _ = q.shape
-    dv = v.shape[-1]
-    out = q.new_empty(b, hq, lq, dv)
-    lse = torch.empty((b, hq, lq), dtype=_compute_dtype(q.dtype), device=q.device)
-    for row in call.plan.rows:
-        if not row.runs:  # every query of the block is fully masked
-            out[:, :, row.q0 : row.q1] = 0.0
-            lse[:, :, row.q0 : row.q1] = _NEG_INF
-            continue
-        parts = []
-        for run in row.runs:
-            qf, kr, vr, tile = _run_inputs(call, q, k, v, row, run)
-            if call.fused:
-                o, lse_r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qf, kr, vr, attn_mask=None if tile is None else tile.additive, scale=call.scale
-                )
-            else:
-                s = _math_scores(call, qf, kr, tile)
-                lse_r = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - torch.where(lse_r == _NEG_INF, 0.0, lse_r)[..., None])
-                if call.dropout_p > 0.0:
-                    p = p * _keep_mask(call, row, run, p.shape, q.device) / (1.0 - call.dropout_p)
-                o = p @ vr.to(p.dtype)  # (B, Hkv, g*n, S) x (B, Hkv, S, Dv)
-            if tile is not None and tile.hidden_rows is not None:
-                lse_r = lse_r.masked_fill(tile.hidden_rows, _NEG_INF)  # rows this run hides entirely
-            parts.append((o, lse_r))
-        o, lse_r = _merge(parts)
-        out[:, :, row.q0 : row.q1] = _unfold(o, hq).to(q.dtype)
-        lse[:, :, row.q0 : row.q1] = _unfold(lse_r, hq)
-    return out, lse
-
-
 def _merge(parts):
     """Exact merge of attention over disjoint key sets by their log-sum-exp.
 
@@ -336,14 +211,82 @@ def _merge(parts):
     return out, total
 
 
-def _backward(call: _Call, q, k, v, out, lse, grad_out):
+def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
+    """``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` of one group's inputs."""
+    b, hq, lq, _ = q.shape
+    out = q.new_zeros(b, hq, lq, v.shape[-1])
+    lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
+    for row in group.rows:
+        if not row.runs:  # every query of the block is fully masked
+            continue
+        parts = []
+        for run in row.runs:
+            qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
+            if call.fused:
+                o, lse_r = _aten.flash_forward(
+                    qf, kr, vr, attn_mask=None if tile is None else tile.additive, scale=call.scale
+                )
+            else:
+                s = _math_scores(call, qf, kr, tile)
+                lse_r = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - torch.where(lse_r == _NEG_INF, 0.0, lse_r)[..., None])
+                if call.dropout_p > 0.0:
+                    p = p * _keep_mask(call, gi, row, run, p.shape, q.device) / (1.0 - call.dropout_p)
+                o = p @ vr.to(p.dtype)  # (B, Hkv, g*n, S) x (B, Hkv, S, Dv)
+            if tile is not None and tile.hidden_rows is not None:
+                lse_r = lse_r.masked_fill(tile.hidden_rows, _NEG_INF)  # rows this run hides entirely
+                o = o.masked_fill(tile.hidden_rows[..., None], 0.0)
+            parts.append((o, lse_r))
+        o, lse_r = _merge(parts)
+        out[:, :, row.q0 : row.q1] = _unfold(o, hq).to(q.dtype)
+        lse[:, :, row.q0 : row.q1] = _unfold(lse_r, hq)
+    return out, lse
+
+
+def _group_inputs(sel: _Select, q, k, v):
+    q = _take(_take(q, 0, sel.batch), 1, sel.q_heads)
+    k = _take(_take(k, 0, sel.batch), 1, sel.kv_heads)
+    v = _take(_take(v, 0, sel.batch), 1, sel.kv_heads)
+    return q, k, v
+
+
+def _forward(call: _Call, q, k, v):
+    """Returns ``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` (-inf for fully masked rows)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    groups = call.prepared.groups
+    if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
+        sel = _select(groups[0], call.prepared, hq, hkv, q.device)
+        return _forward_group(call, 0, groups[0], sel, q, k, v)
+    b, _, lq, _ = q.shape
+    out = q.new_zeros(b, hq, lq, v.shape[-1])
+    lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
+    for gi, group in enumerate(groups):
+        sel = _select(group, call.prepared, hq, hkv, q.device)
+        og, lg = _forward_group(call, gi, group, sel, *_group_inputs(sel, q, k, v))
+        _put_rows(out, sel, og)
+        _put_rows(lse, sel, lg)
+    return out, lse
+
+
+def _put_rows(dst, sel: _Select, src) -> None:
+    if sel.q_heads is None:
+        _put(dst, 0, sel.batch, src)
+    else:
+        part = _take(dst, 0, sel.batch)
+        _put(part, 1, sel.q_heads, src)
+        if sel.batch is not None and not isinstance(sel.batch, tuple):
+            dst.index_copy_(0, sel.batch, part)
+
+
+def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, lse, grad_out, grad_lse):
     hq, hkv = q.shape[1], k.shape[1]
     ct = _compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     lse_safe = torch.where(lse == _NEG_INF, 0.0, lse)
-    for row in call.plan.rows:
+    fused = call.fused and grad_lse is None
+    for row in group.rows:
         if not row.runs:
             continue
         rows = slice(row.q0, row.q1)
@@ -352,21 +295,25 @@ def _backward(call: _Call, q, k, v, out, lse, grad_out):
         lf = _fold(lse_safe[:, :, rows, None], hkv)[..., 0]  # (B, Hkv, g*n)
         dqf = 0
         delta = (go.to(ct) * of.to(ct)).sum(dim=-1, keepdim=True)  # (B, Hkv, g*n, 1)
+        if grad_lse is not None:  # d lse / d s = p: the same as lowering delta by grad_lse
+            delta = delta - _fold(grad_lse[:, :, rows, None].to(ct), hkv)
         for run in row.runs:
-            qf, kr, vr, tile = _run_inputs(call, q, k, v, row, run)
+            qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
             keys = slice(run.k0, run.k1)
-            if call.fused:
-                g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    go.contiguous(), qf, kr, vr, of, lf, 0.0, False,
+            if fused:
+                g_q, g_k, g_v = _aten.flash_backward(
+                    go.contiguous(), qf, kr, vr, of, lf,
                     attn_mask=None if tile is None else tile.additive, scale=call.scale,
                 )
             else:
                 s = _math_scores(call, qf, kr, tile)
                 p = torch.exp(s - lf[..., None])  # (B, Hkv, g*n, S)
+                if tile is not None and tile.hidden_rows is not None:
+                    p = p.masked_fill(tile.hidden_rows[..., None], 0.0)
                 dp = go.to(ct) @ vr.to(ct).transpose(-2, -1)
                 pd = p
                 if call.dropout_p > 0.0:
-                    keep = _keep_mask(call, row, run, p.shape, q.device).to(ct) / (1.0 - call.dropout_p)
+                    keep = _keep_mask(call, gi, row, run, p.shape, q.device).to(ct) / (1.0 - call.dropout_p)
                     pd, dp = p * keep, dp * keep
                 g_v = pd.transpose(-2, -1) @ go.to(ct)
                 ds = p * (dp - delta) * call.scale
@@ -376,6 +323,38 @@ def _backward(call: _Call, q, k, v, out, lse, grad_out):
             dk[:, :, keys] += g_k.to(ct)
             dv[:, :, keys] += g_v.to(ct)
         dq[:, :, rows] = _unfold(dqf, hq)
+    return dq, dk, dv
+
+
+def _backward(call: _Call, q, k, v, out, lse, grad_out, grad_lse):
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    hq, hkv = q.shape[1], k.shape[1]
+    groups = call.prepared.groups
+    if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
+        sel = _select(groups[0], call.prepared, hq, hkv, q.device)
+        dq, dk, dv = _backward_group(call, 0, groups[0], sel, q, k, v, out, lse, grad_out, grad_lse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    ct = _compute_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+    dk = torch.zeros(k.shape, dtype=ct, device=q.device)
+    dv = torch.zeros(v.shape, dtype=ct, device=q.device)
+    for gi, group in enumerate(groups):
+        sel = _select(group, call.prepared, hq, hkv, q.device)
+        qg, kg, vg = _group_inputs(sel, q, k, v)
+        og = _take(_take(out, 0, sel.batch), 1, sel.q_heads)
+        lg = _take(_take(lse, 0, sel.batch), 1, sel.q_heads)
+        gg = _take(_take(grad_out, 0, sel.batch), 1, sel.q_heads)
+        gl = None if grad_lse is None else _take(_take(grad_lse, 0, sel.batch), 1, sel.q_heads)
+        g_q, g_k, g_v = _backward_group(call, gi, group, sel, qg, kg, vg, og, lg, gg, gl)
+        for dst, src, heads in ((dq, g_q, sel.q_heads), (dk, g_k, sel.kv_heads), (dv, g_v, sel.kv_heads)):
+            if heads is None:
+                _put(dst, 0, sel.batch, src, add=True)
+            else:
+                part = _take(dst, 0, sel.batch)
+                _put(part, 1, heads, src, add=True)
+                if sel.batch is not None and not isinstance(sel.batch, tuple):
+                    dst.index_copy_(0, sel.batch, part)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -385,13 +364,14 @@ class _TiledAttention(torch.autograd.Function):
         out, lse = _forward(call, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, grad_out)
+        dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, grad_out, grad_lse)
         return dq, dk, dv, None
 
 
@@ -400,48 +380,37 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def attention(
-    q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, plan: TilePlan | None = None,
-    seed: int | None = None,
-):
+def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float = 0.0, seed: int | None = None):
     """Block-sparse attention on 4-D inputs; returns ``(out, lse)``.
 
-    q: (B, Hq, Lq, D), k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv); mask: an attnkit mask
-    object or None. ``out: (B, Hq, Lq, Dv)``, ``lse: (B, Hq, Lq)`` in float32 (float64 for
-    float64 inputs), -inf where a query may attend no key.
+    q: (B, Hq, Lq, D), k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv); ``prepared`` from
+    :func:`attnkit.prepare` for these lengths. ``out: (B, Hq, Lq, Dv)``,
+    ``lse: (B, Hq, Lq)`` in float32 (float64 for float64 inputs), -inf where a query
+    may attend no key. Both are differentiable.
     """
-    lq, lk = q.shape[-2], k.shape[-2]
-    if plan is None:
-        plan = plan_for(mask, lq, lk, q.device)
     if dropout_p > 0.0 and seed is None:
         seed = draw_seed()
-    call = _Call(
-        mask=mask,
-        plan=plan,
-        scale=scale,
-        dropout_p=dropout_p,
-        seed=seed or 0,
-        fused=dropout_p == 0.0 and fused_available(q, v),
-        q_len=lq,
-        kv_len=lk,
-    )
+    call = _Call(prepared, scale, dropout_p, seed or 0, dropout_p == 0.0 and fused_available(q, v))
     return _TiledAttention.apply(q, k, v, call)
 
 
-def dropout_keep_mask(q, k, mask, *, dropout_p: float, seed: int, plan: TilePlan | None = None):
-    """The full ``(B, Hq, Lq, Lk)`` keep-mask a call with this seed uses (for tests; O(L^2)).
+class TiledKernel(Kernel):
+    """The block-sparse kernel: inputs of rank 2 to 4, bool or mask-object masks."""
 
-    Entries outside the visited tiles are False.
-    """
-    b, hq, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[-2]
-    if plan is None:
-        plan = plan_tiles(mask, lq, lk, *block_sizes(lq, lk), q.device)
-    call = _Call(mask, plan, 1.0, dropout_p, seed, False, lq, lk)
-    keep = torch.zeros(b, hq, lq, lk, dtype=torch.bool, device=q.device)
-    for row in plan.rows:
-        for run in row.runs:
-            shape = (b, hkv, (hq // hkv) * (row.q1 - row.q0), run.k1 - run.k0)
-            tile = _keep_mask(call, row, run, shape, q.device)
-            keep[:, :, row.q0 : row.q1, run.k0 : run.k1] = _unfold(tile, hq)
-    return keep
+    name = "tiled"
+    supports_dropout = True
+    supports_lse = True
+    max_rank = 4
+
+    def _reasons(self, call: Call) -> list[str]:
+        reasons = []
+        if call.compiling:
+            reasons.append("walks a host-side plan, which torch.compile cannot trace")
+        return reasons
+
+    def run(self, call: Call):
+        s = call.shapes
+        lead = (1,) * (4 - s.rank)
+        q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))  # (B, H, L, D)
+        out, lse = attention(q4, k4, v4, call.get_prepared(), scale=call.scale, dropout_p=call.dropout_p)
+        return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None

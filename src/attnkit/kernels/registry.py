@@ -1,0 +1,259 @@
+"""The kernel contract, the registry, and the choice of a kernel for each call.
+
+Every kernel takes one validated :class:`Call` and returns ``(out, lse)``:
+``out: (..., Hq, Lq, Dv)`` in q's dtype and ``lse: (..., Hq, Lq)`` (float32, float64
+for float64 inputs; ``-inf`` for fully masked rows), or ``lse=None`` when the call
+did not ask for it. Each kernel declares what it supports and says, in words, why
+it cannot run a given call (:meth:`Kernel.not_supported_reasons`), so
+:func:`attnkit.explain` can list every refusal.
+
+Adding a kernel means one file with a :class:`Kernel` subclass and one call of
+:func:`register_kernel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit import masks as _masks
+from attnkit._validate import AttnkitValueError, Shapes
+from attnkit.prepare import PreparedMask, prepared_for
+
+
+@dataclass
+class Call:
+    """One validated attention call.
+
+    ``mask`` is None, a bool tensor, an additive float tensor, a mask object or a
+    :class:`~attnkit.prepare.PreparedMask`; ``prepared`` is filled in by the registry
+    when a block-sparse kernel needs it.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: object
+    shapes: Shapes
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    backward: bool
+    compiling: bool
+    prepared: PreparedMask | None = None
+
+    @property
+    def float_mask(self) -> bool:
+        return isinstance(self.mask, torch.Tensor) and self.mask.is_floating_point()
+
+    @property
+    def empty(self) -> bool:
+        return self.shapes.lq == 0 or self.shapes.lk == 0
+
+    @property
+    def half(self) -> bool:
+        return self.q.dtype in (torch.float16, torch.bfloat16)
+
+    def mask_object(self) -> _masks.Mask | None:
+        """The mask as a mask object (bool tensors wrapped, prepared masks unwrapped)."""
+        if self.mask is None or isinstance(self.mask, _masks.Mask):
+            return self.mask
+        if isinstance(self.mask, PreparedMask):
+            return self.mask.mask
+        return _masks.as_mask(self.mask)
+
+    def get_prepared(self) -> PreparedMask:
+        """The prepared mask for this call (prepared once, through the implicit cache)."""
+        if self.prepared is None:
+            if isinstance(self.mask, PreparedMask):
+                self.prepared = self.mask
+            else:
+                from attnkit.prepare import prepare
+
+                m = self.mask_object()
+                s = self.shapes
+                if m is None or not isinstance(self.mask, _masks.Mask):  # bool tensors: not cached
+                    self.prepared = prepare(m, s.lq, s.lk, device=self.q.device)
+                else:
+                    self.prepared = prepared_for(m, s.lq, s.lk, self.q.device)
+        return self.prepared
+
+
+class Kernel:
+    """What a kernel can do, and how to run it.
+
+    Subclasses set the class attributes and implement :meth:`run`; they may add
+    reasons in :meth:`_reasons`.
+    """
+
+    name: str = ""
+    #: Device types it runs on (None: any).
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    supports_dropout: bool = False
+    supports_float_mask: bool = False
+    supports_lse: bool = False
+    supports_backward: bool = True
+    #: Largest input rank (None: any).
+    max_rank: int | None = None
+
+    def not_supported_reasons(self, call: Call) -> list[str]:
+        """Why this kernel cannot run ``call`` (empty if it can)."""
+        reasons = []
+        if self.devices is not None and call.q.device.type not in self.devices:
+            reasons.append(f"runs on {'/'.join(self.devices)}, not {call.q.device.type}")
+        if call.q.dtype not in self.dtypes:
+            reasons.append(f"does not take {call.q.dtype}")
+        if call.dropout_p > 0.0 and not self.supports_dropout:
+            reasons.append(f"no dropout (dropout_p={call.dropout_p})")
+        if call.float_mask and not self.supports_float_mask:
+            reasons.append("no additive float mask")
+        if call.return_lse and not self.supports_lse:
+            reasons.append("does not return the log-sum-exp (return_lse=True)")
+        if call.backward and not self.supports_backward:
+            reasons.append("no backward pass")
+        if self.max_rank is not None and call.shapes.rank > self.max_rank:
+            reasons.append(f"takes inputs of rank 2 to {self.max_rank}, not {call.shapes.rank}")
+        return reasons + self._reasons(call)
+
+    def _reasons(self, call: Call) -> list[str]:
+        return []
+
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+
+#: Every registered kernel by name, in the order they were registered.
+KERNELS: dict[str, Kernel] = {}
+
+
+def register_kernel(kernel: Kernel) -> Kernel:
+    """Add ``kernel`` to the registry (replacing one of the same name)."""
+    if not kernel.name or kernel.name == "auto":
+        raise AttnkitValueError(f"a kernel needs a name other than 'auto', but got {kernel.name!r}.")
+    KERNELS[kernel.name] = kernel
+    return kernel
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The kernel chosen for one call, why, and why every other kernel was not.
+
+    ``rejected`` maps each other kernel's name to its reasons (``not supported: ...``
+    or why it was not preferred).
+    """
+
+    kernel: str
+    reason: str
+    rejected: dict = field(default_factory=dict, compare=False)
+    prepared: PreparedMask | None = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return self.reason
+
+    def report(self) -> str:
+        """Several lines: the choice, then each other kernel and its reasons."""
+        lines = [f"chosen: {self.kernel}: {self.reason}"]
+        lines += [f"  {name}: {'; '.join(why)}" for name, why in self.rejected.items()]
+        return "\n".join(lines)
+
+
+#: Below this many (query, key) pairs one fused call beats tiling a masked plan.
+TILED_MIN_PAIRS = 256 * 256
+#: The tiled kernel runs masked plans when at most this fraction of blocks is kept, by
+#: (half precision, with backward); plans of full blocks only get TILED_MAX_KEPT_FULL.
+#: Measured with benchmarks/cpu.py (see the README's table).
+TILED_MAX_KEPT = {(False, False): 0.85, (False, True): 0.6, (True, False): 0.6, (True, True): 0.3}
+TILED_MAX_KEPT_FULL = 0.85
+
+
+def _sdpa_causal(call: Call) -> bool:
+    """Whether the mask is exactly SDPA's ``is_causal=True`` (top-left aligned) here."""
+    m = call.mask
+    return (
+        isinstance(m, _masks._Causal)
+        and m._position_key() is not None
+        and m.q_offset == 0
+        and m.kv_offset == 0
+        and (m.align == "top_left" or call.shapes.lq == call.shapes.lk)
+    )
+
+
+def choose(call: Call, kernel: str = "auto") -> Plan:
+    """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
+    if kernel != "auto" and kernel not in KERNELS:
+        raise AttnkitValueError(f"kernel must be 'auto' or one of {tuple(KERNELS)}, but got {kernel!r}.")
+    refusals = {name: k.not_supported_reasons(call) for name, k in KERNELS.items()}
+    if kernel != "auto":
+        if refusals[kernel]:
+            raise AttnkitValueError(
+                f"kernel={kernel!r} cannot run this call: {'; '.join(refusals[kernel])}. "
+                "Use kernel='auto' to let attnkit choose."
+            )
+        prepared = call.get_prepared() if kernel == "tiled" and not call.empty else None
+        reason = "forced by kernel="
+        if prepared is not None:
+            reason += f", {prepared.kept:.0%} of blocks kept"
+        return _plan(kernel, reason, refusals, prepared)
+    name, reason = _auto(call, refusals)
+    return _plan(name, reason, refusals, call.prepared)
+
+
+def _plan(name: str, reason: str, refusals: dict, prepared) -> Plan:
+    rejected = {
+        other: tuple(why) if why else ("not preferred here",) for other, why in refusals.items() if other != name
+    }
+    return Plan(name, f"{name}: {reason}", rejected, prepared)
+
+
+def _auto(call: Call, refusals: dict) -> tuple[str, str]:
+    def can(name: str) -> bool:
+        return name in refusals and not refusals[name]
+
+    s = call.shapes
+    if call.q.device.type != "cpu" and can("tiled"):
+        refusals["tiled"] = [
+            f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
+            "(kernel='tiled' forces it)"
+        ]
+    if call.empty:
+        return "reference", f"empty attention matrix (Lq={s.lq}, Lk={s.lk})"
+    if call.compiling:
+        if can("sdpa"):
+            return "sdpa", "under torch.compile (mask objects become dense masks in the graph)"
+        return "reference", "under torch.compile"
+    if call.dropout_p > 0.0 or call.return_lse:
+        why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"
+        if can("tiled"):
+            return "tiled", f"{why}, {call.get_prepared().kept:.0%} of blocks kept"
+        return "reference", why
+    if call.mask is None:
+        return "sdpa", "no mask"
+    if _sdpa_causal(call) and call.scale > 0.0:
+        return "sdpa", "is_causal"
+    if call.float_mask or s.rank > 4 or not can("tiled"):
+        what = "additive float mask" if call.float_mask else f"rank {s.rank}" if s.rank > 4 else "tiled cannot run"
+        return "sdpa", f"dense mask ({what})"
+    if isinstance(call.mask, torch.Tensor) and s.lq * s.lk < TILED_MIN_PAIRS:
+        return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
+    prepared = call.get_prepared()
+    if prepared.everything:
+        return "sdpa", "the mask hides nothing here"
+    if not prepared.masked and prepared.kept <= TILED_MAX_KEPT_FULL:
+        return "tiled", f"{prepared.kept:.0%} of blocks kept, all full"
+    if s.lq * s.lk < TILED_MIN_PAIRS:
+        return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
+    limit = TILED_MAX_KEPT[(call.half, call.backward)]
+    if prepared.kept <= limit:
+        return "tiled", f"{prepared.kept:.0%} of blocks kept"
+    return "sdpa", f"dense mask: {prepared.kept:.0%} of blocks kept"
+
+
+def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the chosen kernel; ``(out, lse or None)``."""
+    if plan.prepared is not None and call.prepared is None:
+        call.prepared = plan.prepared
+    if call.empty:  # every kernel's answer: zeros of the right shape (and lse -inf)
+        return KERNELS["reference"].run(call)
+    return KERNELS[plan.kernel].run(call)

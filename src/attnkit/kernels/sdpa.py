@@ -1,0 +1,58 @@
+"""PyTorch's fused ``scaled_dot_product_attention`` as an attnkit kernel.
+
+Mask objects reach it as ``is_causal=True`` where that is exact, as nothing where
+the mask hides nothing, and otherwise as a dense bool mask. K/V rows that no query
+may attend to are zeroed first, so NaN or Inf stored there cannot leak.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.kernels import reference
+from attnkit.kernels.registry import Call, Kernel, _sdpa_causal
+
+
+def sdpa(q, k, v, mask, *, scale, dropout_p, shapes, causal: bool = False):
+    """PyTorch's fused kernel on 4-D views of ``(..., H, L, D)`` inputs."""
+    batch = shapes.batch
+    flat = (math.prod(batch),)
+    q4 = q.reshape(*flat, shapes.hq, shapes.lq, shapes.d)  # (B*, Hq, Lq, D)
+    k4 = k.reshape(*flat, shapes.hkv, shapes.lk, shapes.d)  # (B*, Hkv, Lk, D)
+    v4 = v.reshape(*flat, shapes.hkv, shapes.lk, shapes.dv)  # (B*, Hkv, Lk, Dv)
+    m4 = None
+    if mask is not None:
+        rank = len(shapes.scores)
+        m = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+        if len(batch) > 1:
+            m = m.expand(*batch, *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+        m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (B* or 1, H or 1, Lq or 1, Lk)
+    out = F.scaled_dot_product_attention(
+        q4, k4, v4, attn_mask=m4, dropout_p=dropout_p, is_causal=causal, scale=scale,
+        enable_gqa=shapes.hq != shapes.hkv,
+    )
+    return out.reshape(shapes.out)
+
+
+class SDPAKernel(Kernel):
+    """``torch.nn.functional.scaled_dot_product_attention``: any device; no lse."""
+
+    name = "sdpa"
+    supports_dropout = True
+    supports_float_mask = True
+
+    def run(self, call: Call):
+        kw = dict(scale=call.scale, dropout_p=call.dropout_p, shapes=call.shapes)
+        if call.mask is None:
+            return sdpa(call.q, call.k, call.v, None, **kw), None
+        if _sdpa_causal(call) and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
+            return sdpa(call.q, call.k, call.v, None, causal=True, **kw), None
+        prepared = call.prepared
+        if prepared is not None and prepared.everything:
+            return sdpa(call.q, call.k, call.v, None, **kw), None
+        dense = reference.dense_mask(call)
+        k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
+        return sdpa(call.q, k, v, dense, **kw), None

@@ -1,0 +1,335 @@
+"""``prepare``: a mask turned into the block lists kernels read, as an explicit value.
+
+A :class:`PreparedMask` holds, per (sequence, head) of the mask and per row block of
+``bq`` queries, the key blocks of ``bk`` keys that are not empty and which of them are
+full, as tensors (``kv_num``, ``kv_indices``, ``kv_full``: the form a GPU kernel
+reads, like FlexAttention's ``BlockMask``), and the host-side plan the CPU kernel
+walks: rows of the batch and heads whose block maps are equal share one plan, and
+each plan lists, per row block, the runs of adjacent key blocks to visit.
+
+Preparing reads the mask's values once (a host sync); reusing the prepared mask
+across layers and decoding steps is the fast path::
+
+    prepared = attnkit.prepare(masks.document(ids) & masks.causal(), L, L)
+    for layer in layers:
+        x = layer(x, mask=prepared)
+
+``attnkit.attention`` also prepares masks it is given as mask objects, through one
+bounded cache owned by this module (:data:`IMPLICIT_CACHE_SIZE` entries, each with
+at most :data:`TILE_CACHE_BYTES` of evaluated mask tiles). Masks without tensors
+(causal, windows, int prefixes) are found there by value, masks holding tensors by
+identity (masks copy their tensors, so a mask object never changes).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from attnkit import masks as _masks
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
+
+__all__ = ["prepare", "PreparedMask", "Run", "RowBlock", "Group", "block_sizes"]
+
+#: Evaluated mask tiles a prepared mask may keep (bytes).
+TILE_CACHE_BYTES = 64 * 2**20
+#: Prepared masks kept by the implicit cache of :func:`attnkit.attention`.
+IMPLICIT_CACHE_SIZE = 16
+
+
+def block_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
+    """Query and key block sizes, chosen from ``benchmarks/cpu.py`` measurements."""
+    return 128, 64
+
+
+@dataclass(frozen=True)
+class Run:
+    """Keys ``[k0, k1)`` of one row block; ``full`` means every pair may attend."""
+
+    k0: int
+    k1: int
+    full: bool
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Queries ``[q0, q1)`` and the runs of keys they attend to."""
+
+    q0: int
+    q1: int
+    runs: tuple[Run, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Rows of the batch and heads that share one plan.
+
+    ``batch``/``heads`` index the mask's batch and head axes; None means all of them
+    (or the mask does not differ along that axis).
+    """
+
+    batch: tuple[int, ...] | None
+    heads: tuple[int, ...] | None
+    rows: tuple[RowBlock, ...]
+
+    @property
+    def masked(self) -> bool:
+        return any(not run.full for row in self.rows for run in row.runs)
+
+
+class _TileCache:
+    """Evaluated mask tiles of one prepared mask, bounded in bytes, thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit, self.size, self.tiles = limit, 0, {}
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        return self.tiles.get(key)
+
+    def put(self, key, value, nbytes: int) -> None:
+        with self.lock:
+            if key not in self.tiles and self.size + nbytes <= self.limit:
+                self.tiles[key] = value
+                self.size += nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedMask:
+    """A mask prepared for ``Lq x Lk`` attention; pass it wherever a mask is accepted.
+
+    Attributes (``Bm``/``Hm``: the mask's batch and head sizes, 1 where it is the same
+    for all; ``nq = ceil(Lq / bq)``, ``nk = ceil(Lk / bk)``):
+
+    - ``codes (Bm, Hm, nq, nk) int8``: EMPTY / PARTIAL / FULL per block;
+    - ``kv_num (Bm, Hm, nq) int32``: kept key blocks per row block;
+    - ``kv_indices (Bm, Hm, nq, nk) int32``: their indices first, in order;
+    - ``kv_full (Bm, Hm, nq, nk) bool``: whether each listed block is full;
+    - ``kv_limit (Bm,)`` or None: keys from here on are hidden (never read);
+    - ``kept``: the mean fraction of blocks a (sequence, head) visits;
+    - ``groups``: the CPU kernel's plans (see :class:`Group`).
+
+    It is immutable: :meth:`to` returns a new one.
+    """
+
+    mask: _masks.Mask | None
+    q_len: int
+    kv_len: int
+    block_size: tuple[int, int]
+    codes: torch.Tensor
+    kv_num: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_full: torch.Tensor
+    kv_limit: torch.Tensor | None
+    groups: tuple[Group, ...] = field(repr=False)
+    kept: float
+    tiles: _TileCache = field(repr=False, compare=False)
+
+    @property
+    def masked(self) -> bool:
+        """Whether any visited block needs its element mask."""
+        return any(g.masked for g in self.groups)
+
+    @property
+    def everything(self) -> bool:
+        """Whether every pair may attend (the mask hides nothing)."""
+        return bool(self.kept == 1.0 and not self.masked and self.kv_limit is None)
+
+    @property
+    def lead_shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape[:2])
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def to(self, device) -> PreparedMask:
+        """The same prepared mask with its tensors on ``device`` (a new value)."""
+        return prepare(self.mask, self.q_len, self.kv_len, device=device, block_size=self.block_size)
+
+    def materialize(self, device=None) -> torch.Tensor:
+        """The dense bool mask ``(Bm, Hm, Lq, Lk)`` (True = may attend)."""
+        if self.mask is None:
+            return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device or self.device)
+        return self.mask._dense(self.q_len, self.kv_len, device or self.device)
+
+    def __repr__(self) -> str:
+        bq, bk = self.block_size
+        return (
+            f"PreparedMask({self.mask!r}, Lq={self.q_len}, Lk={self.kv_len}, blocks={bq}x{bk}, "
+            f"lead_shape={self.lead_shape}, kept={self.kept:.0%}, plans={len(self.groups)})"
+        )
+
+
+def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int, int] | None = None) -> PreparedMask:
+    """Prepare ``mask`` for attention of ``q_len`` queries over ``kv_len`` keys.
+
+    ``mask`` is an attnkit mask object, a bool tensor (True = may attend, broadcast
+    from the right like SDPA's ``attn_mask``) or None. The result holds the block lists
+    on ``device`` (default: the mask's own) and the CPU kernel's per-row plans.
+    Reuse it for every call with these lengths: no further host syncs.
+
+    >>> import attnkit
+    >>> p = attnkit.prepare(attnkit.masks.causal(), 256, 256)
+    >>> p.kept, p.kv_num[0, 0].tolist()
+    (0.75, [2, 4])
+    """
+    if isinstance(mask, PreparedMask):
+        raise AttnkitTypeError("mask is already a PreparedMask; use it as it is, or .to(device).")
+    q_len = check_nonnegative_int(q_len, "q_len")
+    kv_len = check_nonnegative_int(kv_len, "kv_len")
+    mask = None if mask is None else _masks.as_mask(mask)
+    bq, bk = block_size if block_size is not None else block_sizes(q_len, kv_len)
+    bq, bk = check_nonnegative_int(bq, "bq"), check_nonnegative_int(bk, "bk")
+    if bq == 0 or bk == 0:
+        raise AttnkitValueError(f"block sizes must be positive, but got block_size=({bq}, {bk}).")
+    if device is None:
+        device = mask._device() if mask is not None else None
+    device = torch.device("cpu") if device is None else torch.device(device)
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    limit = None
+    if mask is None:
+        codes = torch.full((1, 1, nq, nk), _masks.FULL, dtype=torch.int8, device=device)
+    else:
+        mask.check(q_len, kv_len)
+        mask.check_values(q_len, kv_len)
+        limit = mask._kv_limit()
+        if limit is not None:
+            limit = limit.to(device).clamp(0, kv_len)
+            if bool((limit >= kv_len).all()):
+                limit = None  # nothing to cut
+        codes = mask._block_map(q_len, kv_len, bq, bk, device, limit)
+        codes = codes.contiguous()
+    kept_blocks = codes != _masks.EMPTY
+    order = torch.argsort((~kept_blocks).to(torch.int8), dim=-1, stable=True)
+    kv_num = kept_blocks.sum(-1, dtype=torch.int32)
+    kv_indices = order.to(torch.int32)
+    kv_full = torch.gather(codes, -1, order) == _masks.FULL
+    kept = float(kept_blocks.float().mean()) if codes.numel() else 0.0
+    groups = _plan_groups(codes.cpu().numpy(), None if limit is None else limit.cpu().numpy(), q_len, kv_len, bq, bk)
+    return PreparedMask(
+        mask, q_len, kv_len, (bq, bk), codes, kv_num, kv_indices, kv_full, limit, groups, kept,
+        _TileCache(TILE_CACHE_BYTES),
+    )
+
+
+# --- the CPU kernel's plans -----------------------------------------------------------
+
+#: A stretch of FULL key blocks shorter than this is computed with its PARTIAL
+#: neighbours under one mask: one masked call is cheaper than splitting and merging.
+MIN_FULL_RUN = 1024
+#: Adjacent row blocks with the same runs are computed as one, up to this many
+#: (query, key) pairs per run when the run needs its element mask.
+MAX_MASKED_TILE = 2**20
+MAX_ROWS = 4096
+
+
+def _plan_groups(codes: np.ndarray, limit, q_len, kv_len, bq, bk) -> tuple[Group, ...]:
+    """Group rows (and heads) with equal block maps and limits; one plan per group."""
+    bm, hm = codes.shape[:2]
+    by_batch: dict = {}
+    for b in range(bm):
+        key = (codes[b].tobytes(), None if limit is None else int(limit[b]))
+        by_batch.setdefault(key, []).append(b)
+    groups = []
+    for (_, lim), rows in by_batch.items():
+        batch = None if len(by_batch) == 1 else tuple(rows)
+        by_head: dict = {}
+        for h in range(hm):
+            by_head.setdefault(codes[rows[0], h].tobytes(), []).append(h)
+        for heads in by_head.values():
+            state = codes[rows[0], heads[0]]
+            end = kv_len if lim is None else lim
+            groups.append(Group(batch, None if len(by_head) == 1 else tuple(heads), _plan_rows(state, end, q_len, bq, bk)))
+    return tuple(groups)
+
+
+def _plan_rows(state: np.ndarray, kv_end: int, q_len: int, bq: int, bk: int) -> tuple[RowBlock, ...]:
+    rows: list[RowBlock] = []
+    for i in range(state.shape[0]):
+        block = RowBlock(i * bq, min((i + 1) * bq, q_len), _runs(state[i], bk, kv_end))
+        if rows and rows[-1].runs == block.runs and _can_grow(rows[-1], block):
+            block = RowBlock(rows[-1].q0, block.q1, block.runs)  # one call for both
+            rows.pop()
+        rows.append(block)
+    return tuple(rows)
+
+
+def _can_grow(prev: RowBlock, block: RowBlock) -> bool:
+    rows = block.q1 - prev.q0
+    if rows > MAX_ROWS:
+        return False
+    return all(run.full or rows * (run.k1 - run.k0) <= MAX_MASKED_TILE for run in block.runs)
+
+
+def _runs(row: np.ndarray, bk: int, kv_end: int) -> tuple[Run, ...]:
+    """The runs of one row of block codes, keys clipped at ``kv_end``.
+
+    Non-empty blocks that touch form one run; a FULL stretch of at least
+    MIN_FULL_RUN keys becomes a run of its own that skips the element mask.
+    """
+    idx = np.flatnonzero(row)
+    if idx.size == 0:
+        return ()
+    codes = row[idx]
+    breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(codes) != 0)) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), idx.size]
+    segments = [
+        (int(idx[s]) * bk, min(int(idx[e - 1] + 1) * bk, kv_end), bool(codes[s] == _masks.FULL))
+        for s, e in zip(starts, ends)
+    ]
+    segments = [seg for seg in segments if seg[1] > seg[0]]
+
+    def touches_partial(i: int) -> bool:
+        before = i > 0 and segments[i - 1][1] == segments[i][0] and not segments[i - 1][2]
+        after = i + 1 < len(segments) and segments[i + 1][0] == segments[i][1] and not segments[i + 1][2]
+        return before or after
+
+    # a full stretch too short to be worth a call of its own joins its partial neighbours
+    runs: list[list] = []
+    for i, (k0, k1, full) in enumerate(segments):
+        full = full and (k1 - k0 >= MIN_FULL_RUN or not touches_partial(i))
+        if runs and runs[-1][1] == k0 and runs[-1][2] == full:
+            runs[-1][1] = k1
+        else:
+            runs.append([k0, k1, full])
+    return tuple(Run(k0, k1, full) for k0, k1, full in runs)
+
+
+# --- the implicit cache ---------------------------------------------------------------
+
+_implicit: OrderedDict = OrderedDict()
+_implicit_lock = threading.Lock()
+
+
+def prepared_for(mask: _masks.Mask, q_len: int, kv_len: int, device) -> PreparedMask:
+    """``prepare(mask, q_len, kv_len, device=device)`` through the bounded implicit cache."""
+    value_key = mask._key()
+    key = (value_key if value_key is not None else ("id", id(mask)), q_len, kv_len, str(device))
+    with _implicit_lock:
+        hit = _implicit.get(key)
+        if hit is not None:
+            ref, prepared = hit
+            if ref is None or ref() is mask:
+                _implicit.move_to_end(key)
+                return prepared
+            del _implicit[key]
+    prepared = prepare(mask, q_len, kv_len, device=device)
+    ref = None if value_key is not None else weakref.ref(mask)
+    with _implicit_lock:
+        _implicit[key] = (ref, prepared)
+        while len(_implicit) > IMPLICIT_CACHE_SIZE:
+            _implicit.popitem(last=False)
+    return prepared
+
+
+def clear_cache() -> None:
+    """Forget every implicitly prepared mask."""
+    with _implicit_lock:
+        _implicit.clear()
