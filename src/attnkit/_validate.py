@@ -162,14 +162,17 @@ def check_tensor_mask(mask: torch.Tensor, q: torch.Tensor, shapes: Shapes) -> No
     check_broadcast(tuple(mask.shape), shapes, "mask")
 
 
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without growing it (plain ints, cheap)."""
+    if len(shape) > len(target):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target)))
+
+
 def check_broadcast(mask_shape: tuple[int, ...], shapes: Shapes, what: str) -> None:
     """Check ``mask_shape`` broadcasts to the attention matrix without growing it."""
     target = shapes.scores
-    try:
-        ok = torch.broadcast_shapes(mask_shape, target) == torch.Size(target)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(tuple(mask_shape), target):
         names = "(Lq, Lk)" if shapes.rank == 2 else "(..., Hq, Lq, Lk)"
         raise AttnkitValueError(
             f"{what} of shape {mask_shape} does not broadcast to the attention matrix "

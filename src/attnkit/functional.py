@@ -15,6 +15,7 @@ from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
     Shapes,
+    broadcasts_to,
     check_broadcast,
     check_dropout,
     check_nonnegative_int,
@@ -43,11 +44,7 @@ def _lead_fits(lead: tuple[int, ...], shapes: Shapes) -> bool:
     rank = len(shapes.scores)
     while len(lead) + 2 > rank and lead and lead[0] == 1:
         lead = lead[1:]
-    full = (*lead, shapes.lq, shapes.lk)
-    try:
-        return len(full) <= rank and torch.broadcast_shapes(full, shapes.scores) == torch.Size(shapes.scores)
-    except RuntimeError:
-        return False
+    return broadcasts_to((*lead, shapes.lq, shapes.lk), shapes.scores)
 
 
 def _check_mask(mask, q: torch.Tensor, shapes: Shapes):

@@ -37,27 +37,25 @@ class Capture:
             )
         self.weights: list[torch.Tensor] = []
         self.names: list[str] = []
-        self._installed: list[tuple[MultiHeadAttention, object]] = []
+        self._handles: list = []
 
-    def _observer(self, name: str):
-        def observe(q, k, v, mask):
+    def _hook(self, name: str):
+        def hook(module, q, k, v, mask):
             with torch.no_grad():
                 self.weights.append(functional.attention_weights(q, k, v, mask).detach())
             self.names.append(name)
 
-        return observe
+        return hook
 
     def __enter__(self) -> Capture:
         for name, layer in self.layers:
-            observer = self._observer(name or type(layer).__name__)
-            layer._observers.append(observer)
-            self._installed.append((layer, observer))
+            self._handles.append(layer.register_attention_hook(self._hook(name or type(layer).__name__)))
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer, observer in self._installed:
-            layer._observers.remove(observer)
-        self._installed.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def stack(self, batch: int = 0) -> torch.Tensor:
         """The weights of one sequence as ``(layers, H, Lq, Lk)`` (every call must agree in shape)."""

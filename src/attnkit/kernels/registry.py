@@ -154,7 +154,7 @@ class Plan:
 
     def report(self) -> str:
         """Several lines: the choice, then each other kernel and its reasons."""
-        lines = [f"chosen: {self.kernel}: {self.reason}"]
+        lines = [f"chosen {self.reason}"]
         lines += [f"  {name}: {'; '.join(why)}" for name, why in self.rejected.items()]
         return "\n".join(lines)
 
@@ -240,6 +240,8 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
     prepared = call.get_prepared()
     if prepared.everything:
         return "sdpa", "the mask hides nothing here"
+    if not prepared.masked and prepared.kv_limit is not None:
+        return "tiled", f"{prepared.kept:.0%} of blocks kept, all full, keys past each sequence's end unread"
     if not prepared.masked and prepared.kept <= TILED_MAX_KEPT_FULL:
         return "tiled", f"{prepared.kept:.0%} of blocks kept, all full"
     if s.lq * s.lk < TILED_MIN_PAIRS:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnkit._validate import AttnkitValueError
 from attnkit.kernels import _aten
 from attnkit.kernels.reference import used_keys
 from attnkit.kernels.registry import Call, Kernel
@@ -214,8 +215,11 @@ def _merge(parts):
 def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
     """``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` of one group's inputs."""
     b, hq, lq, _ = q.shape
-    out = q.new_zeros(b, hq, lq, v.shape[-1])
-    lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
+    single = len(group.rows) == 1 and group.rows[0].q0 == 0 and group.rows[0].q1 == lq and group.rows[0].runs
+    out = lse = None
+    if not single:
+        out = q.new_zeros(b, hq, lq, v.shape[-1])
+        lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
     for row in group.rows:
         if not row.runs:  # every query of the block is fully masked
             continue
@@ -238,6 +242,8 @@ def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
                 o = o.masked_fill(tile.hidden_rows[..., None], 0.0)
             parts.append((o, lse_r))
         o, lse_r = _merge(parts)
+        if single:  # one row block: its result is the output
+            return _unfold(o, hq).to(q.dtype), _unfold(lse_r, hq)
         out[:, :, row.q0 : row.q1] = _unfold(o, hq).to(q.dtype)
         lse[:, :, row.q0 : row.q1] = _unfold(lse_r, hq)
     return out, lse
@@ -368,8 +374,12 @@ class _TiledAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted
+            raise AttnkitValueError(
+                "the tiled kernel computes first derivatives only, but a second one was asked "
+                "for (create_graph=True). Use kernel='reference' for double backward."
+            )
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, grad_out, grad_lse)
         return dq, dk, dv, None
@@ -391,7 +401,9 @@ def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float
     if dropout_p > 0.0 and seed is None:
         seed = draw_seed()
     call = _Call(prepared, scale, dropout_p, seed or 0, dropout_p == 0.0 and fused_available(q, v))
-    return _TiledAttention.apply(q, k, v, call)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _TiledAttention.apply(q, k, v, call)
+    return _forward(call, q, k, v)
 
 
 class TiledKernel(Kernel):

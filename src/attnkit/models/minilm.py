@@ -170,7 +170,7 @@ class MiniLM(nn.Module):
             index = order[start : start + batch_size]
             ids, lengths = self.tokenize([texts[i] for i in index])
             states = self(ids, lengths)  # (B, L, d_model)
-            real = (torch.arange(ids.shape[1])[None] < lengths[:, None]).unsqueeze(-1)  # (B, L, 1)
+            real = (torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]).unsqueeze(-1)  # (B, L, 1)
             mean = (states * real).sum(1) / lengths[:, None]
             out[index] = F.normalize(mean, dim=-1)
         return out

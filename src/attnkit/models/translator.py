@@ -176,14 +176,14 @@ class DateTranslator(nn.Module):
     def encode(self, source: torch.Tensor, lengths: torch.Tensor):
         """Encoder states ``(B, Ls, d)`` and the source padding mask."""
         padding = masks.padding(lengths)
-        x = self.source_embed(source) + self.source_pos(torch.arange(source.shape[1]))[None]
+        x = self.source_embed(source) + self.source_pos(torch.arange(source.shape[1], device=source.device))[None]
         for layer in self.encoder:
             x = layer(x, padding)
         return self.encoder_norm(x), padding
 
     def decode(self, target_in, memory, padding):
         """Teacher-forced logits ``(B, T, vocab)`` for decoder inputs ``target_in: (B, T)``."""
-        y = self.target_embed(target_in) + self.target_pos(torch.arange(target_in.shape[1]))[None]
+        y = self.target_embed(target_in) + self.target_pos(torch.arange(target_in.shape[1], device=target_in.device))[None]
         for layer in self.decoder:
             y = layer(y, layer.cross_attn.project_kv(memory), padding)
         return self.head(self.decoder_norm(y))
@@ -199,10 +199,13 @@ class DateTranslator(nn.Module):
         memory, padding = self.encode(source, lengths)
         memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]  # once per source
         c = self.config
-        caches = KVCache.for_layers(len(self.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads)
-        token = torch.full((b, 1), BOS, dtype=torch.long)
+        caches = KVCache.for_layers(
+            len(self.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads,
+            device=memory.device, dtype=memory.dtype,
+        )
+        token = torch.full((b, 1), BOS, dtype=torch.long, device=memory.device)
         out = []
-        done = torch.zeros(b, dtype=torch.bool)
+        done = torch.zeros(b, dtype=torch.bool, device=memory.device)
         for step in range(c.max_target_len - 1):
             y = self.target_embed(token) + self.target_pos.weight[step]
             for layer, cache, kv in zip(self.decoder, caches, memory_kv):

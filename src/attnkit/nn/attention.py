@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from attnkit import functional, masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
@@ -85,8 +88,31 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
-        # callables fed (q, k, v, mask) on every forward; attnkit.capture adds and removes them
-        self._observers: list = []
+        self._attention_hooks: OrderedDict = OrderedDict()
+
+    def register_attention_hook(self, hook) -> RemovableHandle:
+        """Call ``hook(module, q, k, v, mask)`` on every forward, just before attention.
+
+        ``q: (B, num_heads, Lq, head_dim)``, ``k``/``v: (B, num_kv_heads, Lk, head_dim)``
+        are the projected heads (keys and values of a cache included) and ``mask`` is
+        the mask the attention call gets. The hook must not change them; its return
+        value is ignored. Returns a handle whose ``remove()`` unregisters it, like
+        ``torch.nn.Module.register_forward_hook``.
+
+        >>> import torch, attnkit
+        >>> mha = attnkit.MultiHeadAttention(16, 4)
+        >>> shapes = []
+        >>> handle = mha.register_attention_hook(lambda m, q, k, v, mask: shapes.append(tuple(q.shape)))
+        >>> _ = mha(torch.randn(2, 5, 16))
+        >>> handle.remove()
+        >>> shapes
+        [(2, 4, 5, 4)]
+        """
+        if not callable(hook):
+            raise AttnkitTypeError(f"hook must be callable as hook(module, q, k, v, mask), but got {type(hook).__name__}.")
+        handle = RemovableHandle(self._attention_hooks)
+        self._attention_hooks[handle.id] = hook
+        return handle
 
     def extra_repr(self) -> str:
         extra = f"d_model={self.d_model}, num_heads={self.num_heads}"
@@ -198,8 +224,8 @@ class MultiHeadAttention(nn.Module):
                     mask = cache.mask(mask)
         else:
             q, k, v = self.project(query, key, value)
-        for observe in self._observers:
-            observe(q, k, v, mask)
+        for hook in self._attention_hooks.values():
+            hook(self, q, k, v, mask)
         p = self.dropout if self.training else 0.0
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, dropout_p=p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from attnkit import masks
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int, compiling, short
 
 
 class KVCache:
@@ -29,12 +29,28 @@ class KVCache:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("max_len", max_len), ("head_dim", head_dim)):
             check_nonnegative_int(value, name)
+        v_dim = head_dim if v_dim is None else check_nonnegative_int(v_dim, "v_dim")
         self.max_len = max_len
-        v_dim = head_dim if v_dim is None else v_dim
-        self.keys = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.values = torch.zeros(batch_size, num_kv_heads, max_len, v_dim, device=device, dtype=dtype)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.keys.device)
+        # one slot more than asked: the padded entries of an append are written there
+        self._keys = torch.zeros(batch_size, num_kv_heads, max_len + 1, head_dim, device=device, dtype=dtype)
+        self._values = torch.zeros(batch_size, num_kv_heads, max_len + 1, v_dim, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self._keys.device)
         self._start = self.lengths.clone()  # lengths before the latest append
+        self._bound = 0  # no sequence holds more than this many entries (a host-side int)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """All key slots ``(B, Hkv, max_len, D)`` (entries past ``lengths`` are unused)."""
+        return self._keys[:, :, : self.max_len]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """All value slots ``(B, Hkv, max_len, Dv)``."""
+        return self._values[:, :, : self.max_len]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._keys.dtype
 
     @classmethod
     def for_layers(cls, num_layers: int, *args, **kwargs) -> list[KVCache]:
@@ -45,47 +61,79 @@ class KVCache:
         """Forget every stored entry (the memory stays allocated)."""
         self.lengths.zero_()
         self._start.zero_()
+        self._bound = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def _check_counts(self, counts, b: int, t: int) -> torch.Tensor | None:
+        if counts is None:
+            return None
+        if not isinstance(counts, torch.Tensor):
+            if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
+                raise AttnkitTypeError(f"counts must be a sequence of {b} ints or a (B,) integer tensor, but got {short(counts)}.")
+            counts = torch.tensor(counts)
+        if counts.dtype == torch.bool or counts.is_floating_point() or counts.is_complex():
+            raise AttnkitTypeError(
+                f"counts must hold integers (how many of the {t} new entries are real), but got {counts.dtype}."
+            )
+        if counts.shape != (b,):
+            raise AttnkitValueError(f"counts must have shape ({b},), one entry per sequence, but got {tuple(counts.shape)}.")
+        counts = counts.to(self.lengths.device, torch.long)
+        if counts.device.type == "cpu" and not compiling():  # reading values on the CPU costs no device sync
+            if bool(((counts < 0) | (counts > t)).any()):
+                raise AttnkitValueError(f"counts must lie in 0..{t}, but got {short(counts.tolist())}.")
+        return counts
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, counts=None) -> None:
         """Store ``k: (B, Hkv, T, D)`` and ``v: (B, Hkv, T, Dv)`` after each sequence's end.
 
         ``counts: (B,)`` says how many of the T new entries are real for each sequence
-        (the rest is padding and is not stored); default T for every sequence.
+        (the rest is padding and is not stored); default T for every sequence. No host
+        sync unless the cache may be full.
         """
-        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            raise AttnkitTypeError("k and v must be tensors.")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise AttnkitTypeError(f"{name} must be a tensor (B, Hkv, T, D), but got {type(t).__name__}.")
+            if t.dim() != 4:
+                raise AttnkitValueError(f"{name} must have 4 dimensions (B, Hkv, T, D), but got shape {tuple(t.shape)}.")
+            if t.dtype != self.dtype:
+                raise AttnkitTypeError(
+                    f"the cache holds {self.dtype} but {name} is {t.dtype}. Build the cache with "
+                    f"KVCache(..., dtype={t.dtype}) to match the layer."
+                )
         b, h, t = k.shape[:3]
-        if k.shape[:2] != self.keys.shape[:2] or k.shape[-1] != self.keys.shape[-1] or v.shape[:3] != k.shape[:3] or v.shape[-1] != self.values.shape[-1]:
+        if k.shape[:2] != self._keys.shape[:2] or k.shape[-1] != self._keys.shape[-1] or v.shape[:3] != k.shape[:3] or v.shape[-1] != self._values.shape[-1]:
             raise AttnkitValueError(
                 f"the cache holds keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} "
                 f"(B, Hkv, max_len, D), but got k: {tuple(k.shape)} and v: {tuple(v.shape)}."
             )
-        if counts is None:
-            counts = torch.full((b,), t, dtype=torch.long, device=self.lengths.device)
-        counts = counts.to(self.lengths.device, torch.long)
-        if counts.shape != (b,) or (counts < 0).any() or (counts > t).any():
-            raise AttnkitValueError(f"counts must have shape ({b},) with values in 0..{t}, but got {counts.tolist()}.")
-        end = self.lengths + counts
-        if (end > self.max_len).any():
-            worst = int(end.argmax())
-            raise AttnkitValueError(
-                f"KVCache capacity exceeded: sequence {worst} holds {int(self.lengths[worst])} entries "
-                f"and {int(counts[worst])} more do not fit in max_len={self.max_len}. "
-                "Build the cache with a larger max_len, or reset() it."
-            )
-        offsets = torch.arange(t, device=self.lengths.device)
-        real = offsets[None] < counts[:, None]  # (B, T)
-        batch, step = real.nonzero(as_tuple=True)
-        slot = self.lengths[batch] + step
-        self.keys[batch, :, slot] = k[batch, :, step].to(self.keys.dtype)  # (n, Hkv, D)
-        self.values[batch, :, slot] = v[batch, :, step].to(self.values.dtype)
-        self._start = self.lengths.clone()
-        self.lengths = end
+        counts = self._check_counts(counts, b, t)
+        device = self.lengths.device
+        if self._bound + t > self.max_len:  # may not fit: look at the real lengths
+            end = self.lengths + (t if counts is None else counts)
+            if bool((end > self.max_len).any()):
+                worst = int(end.argmax())
+                raise AttnkitValueError(
+                    f"KVCache capacity exceeded: sequence {worst} holds {int(self.lengths[worst])} entries "
+                    f"and {int(end[worst] - self.lengths[worst])} more do not fit in max_len={self.max_len}. "
+                    "Build the cache with a larger max_len, or reset() it."
+                )
+        step = torch.arange(t, device=device)
+        slot = self.lengths[:, None] + step  # (B, T)
+        if counts is not None:
+            slot = torch.where(step < counts[:, None], slot, self.max_len)  # padding goes to the spare slot
+        rows = torch.arange(b, device=device)[:, None]  # (B, 1)
+        self._keys[rows, :, slot] = k.transpose(1, 2)  # (B, T, Hkv, D)
+        self._values[rows, :, slot] = v.transpose(1, 2)
+        self._start = self.lengths
+        self.lengths = self.lengths + (t if counts is None else counts)
+        self._bound = min(self._bound + t, self.max_len)
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(B, Hkv, longest, D)`` of the filled part of the keys and values."""
-        longest = int(self.lengths.max()) if self.lengths.numel() else 0
-        return self.keys[:, :, :longest], self.values[:, :, :longest]
+        """Views ``(B, Hkv, n, D)`` of the filled part of the keys and values.
+
+        ``n`` is at least the longest sequence; entries past a sequence's own length
+        are hidden by :meth:`mask` and never read by the block-sparse kernel.
+        """
+        return self._keys[:, :, : self._bound], self._values[:, :, : self._bound]
 
     def mask(self, mask=None) -> masks.Mask:
         """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`)."""
@@ -93,4 +141,4 @@ class KVCache:
 
     def __repr__(self):
         b, h, n, d = self.keys.shape
-        return f"KVCache(batch_size={b}, num_kv_heads={h}, max_len={n}, head_dim={d}, lengths={self.lengths.tolist()})"
+        return f"KVCache(batch_size={b}, num_kv_heads={h}, max_len={n}, head_dim={d}, lengths={short(self.lengths.tolist())})"
