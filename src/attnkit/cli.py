@@ -55,7 +55,7 @@ def show(args) -> int:
 
     print(f"tokens ({len(tokens)}): {' '.join(tokens)}")
     print()
-    print(summarize(weights, tokens))
+    print(summarize(weights, tokens, special=("[CLS]", "[SEP]")))
     print()
     for path in written:
         print(f"wrote {path}")

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import torch
 
-SPECIAL = ("[CLS]", "[SEP]")
-
-
-def layer_statistics(weights: torch.Tensor, tokens: list[str]) -> list[dict]:
+def layer_statistics(weights: torch.Tensor, tokens: list[str], special: tuple[str, ...] = ()) -> list[dict]:
     """Per layer of ``weights: (layers, heads, L, L)``: the mean share of attention on
-    ``[CLS]``/``[SEP]``, on the previous token and on the token itself, and the mean
-    entropy of a row in bits."""
+    the ``special`` tokens (a model's markers, such as BERT's ``[CLS]``/``[SEP]``), on the
+    previous token and on the token itself, and the mean entropy of a row in bits."""
     weights = weights.double()
     length = weights.shape[-1]
-    special = torch.tensor([t in SPECIAL for t in tokens])
+    special = torch.tensor([t in special for t in tokens], dtype=torch.bool)
     rows = []
     for layer, w in enumerate(weights):  # (heads, L, L)
         entropy = -(w * torch.log2(w.clamp_min(1e-30))).sum(-1)  # (heads, L)
@@ -29,10 +26,11 @@ def layer_statistics(weights: torch.Tensor, tokens: list[str]) -> list[dict]:
     return rows
 
 
-def summarize(weights: torch.Tensor, tokens: list[str]) -> str:
+def summarize(weights: torch.Tensor, tokens: list[str], special: tuple[str, ...] = ()) -> str:
     """A short table of :func:`layer_statistics`."""
-    lines = ["layer  on [CLS]/[SEP]  on previous  on itself  entropy (bits)"]
-    for r in layer_statistics(weights, tokens):
+    name = f"on {'/'.join(special)}" if special else "on special"
+    lines = [f"layer  {name:>13}  on previous  on itself  entropy (bits)"]
+    for r in layer_statistics(weights, tokens, special):
         lines.append(
             f"{r['layer']:>5}  {r['special']:>13.0%}  {r['previous']:>11.0%}  {r['self']:>9.0%}  "
             f"{r['entropy_bits']:>5.2f} of {r['max_entropy_bits']:.2f}"
