@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import tiled
 
 B, H, D = 1, 8, 64
 RESULTS = Path(__file__).parent / "results"
@@ -159,7 +158,7 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
     q = inputs[0]
     plan = attnkit.explain(q, q, q, mask)
     row["kernel"] = str(plan)
-    row["kept_128"] = 1.0 if mask is None else tiled.plan_tiles(mask, length, length, 128, 128).kept
+    row["kept_128"] = 1.0 if mask is None else attnkit.prepare(mask, length, length, block_size=(128, 128)).kept
     if name == "dense":
         dense_times[(length, row["dtype"], mode)] = row["sdpa_ms"]
     dense = dense_times.get((length, row["dtype"], mode))

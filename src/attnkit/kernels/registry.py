@@ -13,7 +13,7 @@ Adding a kernel means one file with a :class:`Kernel` subclass and one call of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -136,21 +136,33 @@ def register_kernel(kernel: Kernel) -> Kernel:
     return kernel
 
 
-@dataclass(frozen=True)
 class Plan:
     """The kernel chosen for one call, why, and why every other kernel was not.
 
     ``rejected`` maps each other kernel's name to its reasons (``not supported: ...``
-    or why it was not preferred).
+    or why it was not preferred); it is worked out when first read.
     """
 
-    kernel: str
-    reason: str
-    rejected: dict = field(default_factory=dict, compare=False)
-    prepared: PreparedMask | None = field(default=None, repr=False, compare=False)
+    def __init__(self, kernel: str, reason: str, call: Call | None = None, refusals: dict | None = None,
+                 prepared: PreparedMask | None = None):
+        self.kernel, self.reason, self.prepared = kernel, reason, prepared
+        self._call, self._refusals = call, dict(refusals or {})
+
+    @property
+    def rejected(self) -> dict:
+        for name, k in KERNELS.items():
+            if name not in self._refusals and self._call is not None:
+                self._refusals[name] = k.not_supported_reasons(self._call)
+        return {
+            name: tuple(why) if why else ("not preferred here",)
+            for name, why in self._refusals.items() if name != self.kernel
+        }
 
     def __str__(self) -> str:
         return self.reason
+
+    def __repr__(self) -> str:
+        return f"Plan(kernel={self.kernel!r}, reason={self.reason!r})"
 
     def report(self) -> str:
         """Several lines: the choice, then each other kernel and its reasons."""
@@ -184,7 +196,7 @@ def choose(call: Call, kernel: str = "auto") -> Plan:
     """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
     if kernel != "auto" and kernel not in KERNELS:
         raise AttnkitValueError(f"kernel must be 'auto' or one of {tuple(KERNELS)}, but got {kernel!r}.")
-    refusals = {name: k.not_supported_reasons(call) for name, k in KERNELS.items()}
+    refusals = _Refusals(call)
     if kernel != "auto":
         if refusals[kernel]:
             raise AttnkitValueError(
@@ -195,16 +207,24 @@ def choose(call: Call, kernel: str = "auto") -> Plan:
         reason = "forced by kernel="
         if prepared is not None:
             reason += f", {prepared.kept:.0%} of blocks kept"
-        return _plan(kernel, reason, refusals, prepared)
+        return Plan(kernel, f"{kernel}: {reason}", call, refusals, prepared)
     name, reason = _auto(call, refusals)
-    return _plan(name, reason, refusals, call.prepared)
+    return Plan(name, f"{name}: {reason}", call, refusals, call.prepared)
 
 
-def _plan(name: str, reason: str, refusals: dict, prepared) -> Plan:
-    rejected = {
-        other: tuple(why) if why else ("not preferred here",) for other, why in refusals.items() if other != name
-    }
-    return Plan(name, f"{name}: {reason}", rejected, prepared)
+class _Refusals(dict):
+    """Each kernel's reasons, worked out the first time they are looked up."""
+
+    def __init__(self, call: Call):
+        super().__init__()
+        self.call = call
+
+    def __missing__(self, name: str) -> list[str]:
+        self[name] = KERNELS[name].not_supported_reasons(self.call)
+        return self[name]
+
+    def __contains__(self, name) -> bool:
+        return name in KERNELS
 
 
 def _auto(call: Call, refusals: dict) -> tuple[str, str]:

@@ -18,6 +18,11 @@ from attnkit.kernels.registry import Call, Kernel, _sdpa_causal
 
 def sdpa(q, k, v, mask, *, scale, dropout_p, shapes, causal: bool = False):
     """PyTorch's fused kernel on 4-D views of ``(..., H, L, D)`` inputs."""
+    if shapes.rank == 4 and (mask is None or mask.dim() <= 4):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+            enable_gqa=shapes.hq != shapes.hkv,
+        )
     batch = shapes.batch
     flat = (math.prod(batch),)
     q4 = q.reshape(*flat, shapes.hq, shapes.lq, shapes.d)  # (B*, Hq, Lq, D)
