@@ -456,3 +456,11 @@ def test_kv_cache_padded_appends_and_capacity():
     cache.append(torch.randn(2, 1, 1, 2), torch.randn(2, 1, 1, 2))
     with pytest.raises(ValueError, match="sequence 0 holds 4 entries and 1 more do not fit in max_len=4"):
         cache.append(torch.randn(2, 1, 1, 2), torch.randn(2, 1, 1, 2))
+
+
+def test_dispatch_is_device_aware():
+    """Off the CPU, auto never picks the tiled kernel's Python loop (meta tensors stand in for a GPU)."""
+    q = torch.empty(1, 2, 2048, 16, device="meta")
+    plan = attnkit.explain(q, q, q, masks.sliding_window(64) & masks.causal())
+    assert plan.kernel == "sdpa"
+    assert "Python loop" in plan.rejected["tiled"][0] and "kernel='tiled' forces it" in plan.rejected["tiled"][0]
