@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -464,3 +465,51 @@ def test_dispatch_is_device_aware():
     plan = attnkit.explain(q, q, q, masks.sliding_window(64) & masks.causal())
     assert plan.kernel == "sdpa"
     assert "Python loop" in plan.rejected["tiled"][0] and "kernel='tiled' forces it" in plan.rejected["tiled"][0]
+
+
+class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every ATen op and the size of the new memory it creates (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.largest = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.append(str(func))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_decoding_with_a_prepared_padding_mask_neither_copies_kv_nor_syncs():
+    q, k, v = randn(1, 8, 1, 64), randn(1, 8, 4096, 64), randn(1, 8, 4096, 64)
+    k[:, :, 4000:] = float("nan")  # padding holds junk: it is never read
+    prepared = attnkit.prepare(masks.padding(torch.tensor([4000])), 1, 4096)
+    with torch.no_grad(), Ops() as ops:
+        out = attnkit.attention(q, k, v, prepared)
+    assert torch.isfinite(out).all()
+    assert ops.largest < k.numel() // 8, ops.largest  # no copy of K or V
+    assert not any("_local_scalar_dense" in name for name in ops.names)  # no .item()/bool()/.tolist()
+
+
+def test_a_prepared_mask_reused_makes_no_host_sync():
+    q = randn(2, 2, 700, 16, requires_grad=True)
+    prepared = attnkit.prepare(masks.sliding_window(40) & masks.padding(torch.tensor([700, 500])), 700, 700)
+    attnkit.attention(q, q, q, prepared).sum().backward()  # first use evaluates and keeps its tiles
+    with Ops() as ops:
+        attnkit.attention(q, q, q, prepared).sum().backward()
+    assert not any("_local_scalar_dense" in name for name in ops.names)
+
+
+def test_kv_cache_append_makes_no_host_sync_while_it_has_room():
+    cache = attnkit.KVCache(2, 2, 64, 8)
+    with Ops() as ops:
+        for _ in range(5):
+            cache.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+            cache.stored()
+            cache.mask(masks.causal())
+    assert not any("_local_scalar_dense" in name for name in ops.names)
+    assert cache.lengths.tolist() == [5, 5]
