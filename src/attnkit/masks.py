@@ -149,6 +149,14 @@ class _Positional:
     def _position_held(self):
         return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
 
+    def _held(self):
+        return self._position_held()
+
+    def _block_positions(self, b):
+        """Query positions of each block's first and last row, key positions of its first and last key."""
+        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
+        return p_lo, p_hi, self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+
 
 class _Blocks:
     """Index ranges of every (query block, key block) pair.
@@ -328,9 +336,6 @@ class _Causal(_Positional, Mask):
         self._set_positions(align, q_offset, kv_offset)
         self.batch_size = _batch_of(self.q_offset, self.kv_offset)
 
-    def _held(self):
-        return self._position_held()
-
     def _key(self):
         key = self._position_key()
         return None if key is None else ("causal", key)
@@ -339,8 +344,7 @@ class _Causal(_Positional, Mask):
         return _as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
 
     def _block_codes(self, b):
-        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
-        k_lo, k_hi = self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+        p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
         return b.code(full=k_hi <= p_lo, empty=k_lo > p_hi)
 
     def __repr__(self):
@@ -354,9 +358,6 @@ class _SlidingWindow(_Positional, Mask):
         self._set_positions(align, q_offset, kv_offset)
         self.batch_size = _batch_of(self.q_offset, self.kv_offset)
 
-    def _held(self):
-        return self._position_held()
-
     def _key(self):
         key = self._position_key()
         return None if key is None else ("window", self.left, self.right, key)
@@ -366,8 +367,7 @@ class _SlidingWindow(_Positional, Mask):
         return _as4d((j >= p - self.left) & (j <= p + self.right))
 
     def _block_codes(self, b):
-        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
-        k_lo, k_hi = self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+        p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
         full = (k_lo >= p_hi - self.left) & (k_hi <= p_lo + self.right)
         empty = (k_hi < p_lo - self.left) | (k_lo > p_hi + self.right)
         return b.code(full, empty)
@@ -407,8 +407,7 @@ class _PrefixLM(_Positional, Mask):
 
     def _block_codes(self, b):
         prefix = _per_seq(self.prefix_len, b.device)
-        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
-        k_lo, k_hi = self._k_pos(b.k_lo), self._k_pos(b.k_hi)
+        p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
         full = (k_hi < prefix) | (k_hi <= p_lo)
         empty = (k_lo >= prefix) & (k_lo > p_hi)
         return b.code(full, empty)
