@@ -86,7 +86,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_offset(x, name: str):
-    """An offset: a non-negative-or-negative int, or an integer tensor of shape (B,)."""
+    """An offset: an int, or an integer tensor of shape (B,) (one per sequence)."""
     if isinstance(x, torch.Tensor):
         return _own(check_int_tensor(x, name, (0, 1)).reshape(-1))
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):

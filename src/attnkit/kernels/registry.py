@@ -19,7 +19,7 @@ import torch
 
 from attnkit import masks as _masks
 from attnkit._validate import AttnkitValueError, Shapes
-from attnkit.prepare import PreparedMask, prepared_for
+from attnkit.prepare import PreparedMask, prepare, prepared_for
 
 
 @dataclass
@@ -69,8 +69,6 @@ class Call:
             if isinstance(self.mask, PreparedMask):
                 self.prepared = self.mask
             else:
-                from attnkit.prepare import prepare
-
                 m = self.mask_object()
                 s = self.shapes
                 if m is None or not isinstance(self.mask, _masks.Mask):  # bool tensors: not cached
