@@ -4,21 +4,20 @@ tutorial's API on top.
 One mask convention everywhere: True means "may attend".
 """
 
-from attnkit import masks
+from attnkit import masks, tutorial
 from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError
-from attnkit.functional import (
-    attention,
-    attention_weights,
-    attention_with_weights,
-    create_causal_mask,
-    create_padding_mask,
-    explain,
-    scaled_dot_product_attention,
-)
+from attnkit.functional import attention, attention_weights, attention_with_weights, explain
 from attnkit.inspect import capture
 from attnkit.nn import KVCache, MultiHeadAttention
 from attnkit.prepare import PreparedMask, prepare
-from attnkit.viz import visualize_attention
+
+# The tutorial's functions, also at the top level (the same objects as attnkit.tutorial's).
+from attnkit.tutorial import (
+    create_causal_mask,
+    create_padding_mask,
+    scaled_dot_product_attention,
+    visualize_attention,
+)
 
 __version__ = "0.1.0"
 
@@ -39,6 +38,7 @@ __all__ = [
     "masks",
     "prepare",
     "scaled_dot_product_attention",
+    "tutorial",
     "visualize_attention",
 ]
 

@@ -63,7 +63,8 @@ def show(args) -> int:
 
 
 def train(args) -> int:
-    from attnkit.models.translator import WEIGHTS, train as train_translator
+    from attnkit.models.translator import WEIGHTS
+    from attnkit.models.translator import train as train_translator
 
     _say(f"training DateTranslator: {args.steps} steps, seed {args.seed}, batch {args.batch_size}")
     model, record = train_translator(args.steps, seed=args.seed, batch_size=args.batch_size)

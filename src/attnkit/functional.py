@@ -1,6 +1,6 @@
-"""attnkit's functional API: ``attention``, ``attention_weights``, ``explain``, and the
-tutorial's helpers (``scaled_dot_product_attention``, ``create_padding_mask``,
-``create_causal_mask``) with the tutorial's meaning and its mask bug fixed.
+"""attnkit's functional API: ``attention``, ``attention_with_weights``,
+``attention_weights`` and ``explain``. The tutorial's helpers live in
+:mod:`attnkit.tutorial`.
 
 Shapes: ``q: (..., Hq, Lq, D)``, ``k: (..., Hkv, Lk, D)``, ``v: (..., Hkv, Lk, Dv)``;
 the result is ``(..., Hq, Lq, Dv)``. Rank-2 inputs ``(L, D)`` are one head.
@@ -18,7 +18,6 @@ from attnkit._validate import (
     broadcasts_to,
     check_broadcast,
     check_dropout,
-    check_nonnegative_int,
     check_qkv,
     check_scale,
     check_tensor_mask,
@@ -33,9 +32,6 @@ __all__ = [
     "attention_weights",
     "attention_with_weights",
     "explain",
-    "scaled_dot_product_attention",
-    "create_padding_mask",
-    "create_causal_mask",
 ]
 
 
@@ -182,53 +178,3 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", ret
     ('does not return the log-sum-exp (return_lse=True)',)
     """
     return choose(_call(q, k, v, mask, scale, dropout_p, return_lse), kernel)
-
-
-# --- the tutorial's API -------------------------------------------------------------
-
-
-def scaled_dot_product_attention(Q, K, V, mask=None):
-    """The tutorial's function: returns ``(output, attention_weights)``.
-
-    ``Q: (..., Lq, D)``, ``K: (..., Lk, D)``, ``V: (..., Lk, Dv)``; ``output`` is
-    ``(..., Lq, Dv)`` and ``attention_weights`` ``(..., Lq, Lk)``. As in the
-    tutorial, ``mask`` hides the positions where it is 0 (any dtype; nonzero or True
-    = may attend), so :func:`create_padding_mask` and :func:`create_causal_mask`
-    can be passed directly and combined with ``&``. A fully masked row gives 0,
-    not NaN.
-    """
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise AttnkitTypeError(f"mask must be a tensor, but got {type(mask).__name__}.")
-        if mask.dtype != torch.bool:
-            mask = mask != 0
-    return attention_with_weights(Q, K, V, mask)
-
-
-def create_padding_mask(seq: torch.Tensor, pad_idx: int = 0) -> torch.Tensor:
-    """``(B, 1, 1, L)`` bool mask of real tokens: True where ``seq != pad_idx``.
-
-    ``seq: (B, L)`` token ids. Broadcasts over heads and queries.
-
-    >>> create_padding_mask(torch.tensor([[5, 7, 0]])).int().tolist()
-    [[[[1, 1, 0]]]]
-    """
-    if not isinstance(seq, torch.Tensor):
-        raise AttnkitTypeError(f"seq must be a tensor of token ids, but got {type(seq).__name__}.")
-    if seq.dim() != 2:
-        raise AttnkitValueError(f"seq must have shape (B, L), but got {tuple(seq.shape)}.")
-    return (seq != pad_idx)[:, None, None, :]  # (B, L) -> (B, 1, 1, L)
-
-
-def create_causal_mask(seq_len: int, *, device=None) -> torch.Tensor:
-    """``(L, L)`` bool mask, True = may attend: the lower triangle.
-
-    The tutorial's version marked the *future* positions with True while its
-    attention hid the positions where the mask is 0, so the two masks could not be
-    used together. attnkit has one convention, True = may attend:
-
-    >>> create_causal_mask(3).int().tolist()
-    [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    """
-    seq_len = check_nonnegative_int(seq_len, "seq_len")
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()

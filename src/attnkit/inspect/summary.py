@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+
 def layer_statistics(weights: torch.Tensor, tokens: list[str], special: tuple[str, ...] = ()) -> list[dict]:
     """Per layer of ``weights: (layers, heads, L, L)``: the mean share of attention on
     the ``special`` tokens (a model's markers, such as BERT's ``[CLS]``/``[SEP]``), on the

@@ -11,6 +11,17 @@ from torch.utils.hooks import RemovableHandle
 from attnkit import functional, masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
 
+# The tutorial names the four projections W_q, W_k, W_v and W_o; a state dict saved
+# under those names (attnkit.tutorial.MultiHeadAttention, or the tutorial's own class)
+# loads into this module as it is.
+TUTORIAL_NAMES = {"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "out_proj"}
+
+
+def _split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, L, H * d) -> (B, H, L, d)``."""
+    b, length, width = x.shape
+    return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
+
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -124,15 +135,33 @@ class MultiHeadAttention(nn.Module):
 
     @staticmethod
     def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-        """``(B, L, H * d) -> (B, H, L, d)``."""
-        b, length, width = x.shape
-        return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
+        """``(B, L, H * d) -> (B, H, L, d)``.
+
+        This takes the number of heads; the tutorial's ``split_heads(x, batch_size)``
+        is :meth:`attnkit.tutorial.MultiHeadAttention.split_heads`.
+        """
+        return _split_heads(x, num_heads)
 
     @staticmethod
     def merge_heads(x: torch.Tensor) -> torch.Tensor:
         """``(B, H, L, d) -> (B, L, H * d)``, the inverse of :meth:`split_heads`."""
         b, h, length, d = x.shape
         return x.transpose(1, 2).reshape(b, length, h * d)
+
+    def _dropout_p(self) -> float:
+        """The dropout probability on the attention weights in training mode."""
+        return self.dropout
+
+    # Names of the projections in the other layout, mapped to this class's names.
+    _other_layout = TUTORIAL_NAMES
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Accept both layouts: the tutorial's names (W_q.weight, ...) and attnkit's
+        # (q_proj.weight, ...); load_state_dict passes its own copy, renamed here in place.
+        for old, new in self._other_layout.items():
+            for key in [k for k in state_dict if k.startswith(f"{prefix}{old}.")]:
+                state_dict[f"{prefix}{new}.{key[len(prefix) + len(old) + 1:]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_input(self, x, name: str, width: int) -> None:
         if not isinstance(x, torch.Tensor):
@@ -148,7 +177,7 @@ class MultiHeadAttention(nn.Module):
         self._check_input(query, "query", self.d_model)
         if query.dim() == 2:
             query = query[None]
-        return self.split_heads(self.q_proj(query), self.num_heads)  # (B, Lq, d_model) -> (B, H, Lq, hd)
+        return _split_heads(self.q_proj(query), self.num_heads)  # (B, Lq, d_model) -> (B, H, Lq, hd)
 
     def project(self, query, key=None, value=None):
         """The per-head queries, keys and values of :meth:`forward`.
@@ -188,8 +217,8 @@ class MultiHeadAttention(nn.Module):
             )
         if key.dim() == 2:
             key, value = key[None], value[None]
-        k = self.split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Lk, kdim) -> (B, Hkv, Lk, hd)
-        v = self.split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
+        k = _split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Lk, kdim) -> (B, Hkv, Lk, hd)
+        v = _split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
         return k, v
 
     def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *,
@@ -226,7 +255,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.project(query, key, value)
         for hook in self._attention_hooks.values():
             hook(self, q, k, v, mask)
-        p = self.dropout if self.training else 0.0
+        p = self._dropout_p() if self.training else 0.0
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, dropout_p=p)
         else:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from attnkit import masks
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int, compiling, short
+from attnkit._validate import (
+    AttnkitTypeError,
+    AttnkitValueError,
+    check_nonnegative_int,
+    compiling,
+    short,
+)
 
 
 class KVCache:

@@ -38,18 +38,42 @@ def save(fig, save_path) -> None:
     fig.savefig(path, dpi=150)
 
 
-def _as_matrix(weights):
-    """A 2-D float numpy array from a tensor or array whose extra dims are all 1."""
-    weights = as_array(weights)
-    shape = weights.shape
-    while weights.ndim > 2 and weights.shape[0] == 1:
-        weights = weights[0]
-    if weights.ndim != 2:
+def _index(value, name: str, size: int, shape) -> int:
+    import operator
+
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise AttnkitTypeError(f"{name} must be an int, but got {type(value).__name__}.") from None
+    if not -size <= value < size:
         raise AttnkitValueError(
-            f"weights must be one (Lq, Lk) matrix, but got shape {shape}. "
-            "Pick one sequence and head first, e.g. weights[0, head]."
+            f"{name}={value} is out of range for weights of shape {shape}, which hold {size} "
+            f"along that axis: use 0 to {size - 1}."
         )
-    return weights
+    return value % size
+
+
+def _as_matrix(weights, sample=0, head=0):
+    """The ``(Lq, Lk)`` matrix to draw and the index it came from (``()`` for 2-D input).
+
+    ``(Lq, Lk)`` is drawn as it is, ``(B, Lq, Lk)`` as ``weights[sample]`` and
+    ``(B, H, Lq, Lk)`` as ``weights[sample, head]``.
+    """
+    weights = as_array(weights)
+    shape = tuple(weights.shape)
+    if weights.ndim == 2:
+        return weights, ()
+    if weights.ndim == 3:
+        sample = _index(sample, "sample", shape[0], shape)
+        return weights[sample], (sample,)
+    if weights.ndim == 4:
+        sample = _index(sample, "sample", shape[0], shape)
+        head = _index(head, "head", shape[1], shape)
+        return weights[sample, head], (sample, head)
+    raise AttnkitValueError(
+        f"weights must be (Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk), but got shape {shape}. "
+        "Pick one sequence and head first, e.g. weights[0, head]."
+    )
 
 
 def visualize_attention(
@@ -63,11 +87,16 @@ def visualize_attention(
     annotate: bool | None = None,
     xlabel: str = "key",
     ylabel: str = "query",
+    sample: int = 0,
+    head: int = 0,
 ):
     """Draw one head's attention weights as a heatmap with token labels and a colour bar.
 
     Args:
-        weights: ``(Lq, Lk)`` tensor or array (leading dims of size 1 are dropped).
+        weights: a tensor or array: ``(Lq, Lk)`` is drawn as it is; of
+            ``(B, Lq, Lk)`` the matrix ``weights[sample]`` is drawn (the tutorial's
+            ``attention_weights[0]``), of ``(B, H, Lq, Lk)`` ``weights[sample, head]``.
+            The default title names the matrix drawn.
         tokens: the ``Lq`` query tokens; also the key tokens unless ``key_tokens``
             is given (cross-attention).
         save_path: file to write; the format follows the extension (``.png``,
@@ -82,14 +111,21 @@ def visualize_attention(
     Figure = _figure()
     from attnkit.viz._fonts import font_families
 
-    matrix = _as_matrix(weights)
+    shape = tuple(getattr(weights, "shape", ()))
+    matrix, picked = _as_matrix(weights, sample, head)
+    if isinstance(tokens, str) or not hasattr(tokens, "__len__"):
+        raise AttnkitTypeError(f"tokens must be a list of strings, one per position, but got {type(tokens).__name__}.")
     tokens = [str(t) for t in tokens]
     key_tokens = tokens if key_tokens is None else [str(t) for t in key_tokens]
     if (len(tokens), len(key_tokens)) != matrix.shape:
+        what = f"weights{list(picked)} of weights {shape}" if picked else f"weights of shape {shape}"
         raise AttnkitValueError(
-            f"weights of shape {matrix.shape} need {matrix.shape[0]} query tokens and "
-            f"{matrix.shape[1]} key tokens, but got {len(tokens)} and {len(key_tokens)}."
+            f"{what} is a {matrix.shape[0]} x {matrix.shape[1]} matrix: it needs {matrix.shape[0]} "
+            f"query tokens and {matrix.shape[1]} key tokens, but got {len(tokens)} and {len(key_tokens)}. "
+            "Give one token per position (or key_tokens= for cross-attention)."
         )
+    if title is None and picked:
+        title = f"sample {picked[0]}, head {picked[1]}" if len(picked) == 2 else f"weights[{picked[0]}]"
     lq, lk = matrix.shape
     if annotate is None:
         annotate = lq <= 16 and lk <= 16
