@@ -8,8 +8,12 @@ the result is ``(..., Hq, Lq, Dv)``. Rank-2 inputs ``(L, D)`` are one head.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
+from attnkit import bias as _bias
 from attnkit import masks as _masks
 from attnkit._validate import (
     AttnkitTypeError,
@@ -22,6 +26,7 @@ from attnkit._validate import (
     check_scale,
     check_tensor_mask,
     compiling,
+    short,
 )
 from attnkit.kernels import Call, Plan, choose, run
 from attnkit.kernels.reference import run_with_weights
@@ -75,21 +80,57 @@ def _check_mask(mask, q: torch.Tensor, shapes: Shapes):
     )
 
 
-def _call(q, k, v, mask, scale, dropout_p, return_lse) -> Call:
+def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
+    """Validate the score modifications; returns ``(bias object or None, softcap, sinks)``."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, Real) or not math.isfinite(softcap) or softcap <= 0:
+            raise AttnkitValueError(f"softcap must be a positive finite number (e.g. 50.0) or None, but got {short(softcap)}.")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            raise AttnkitTypeError(
+                f"sinks must be a float tensor of shape (Hq,) = ({shapes.hq},), one logit per query head, "
+                f"but got {type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else sinks.dtype}."
+            )
+        if tuple(sinks.shape) != (shapes.hq,):
+            raise AttnkitValueError(
+                f"sinks must have shape (Hq,) = ({shapes.hq},), one logit per query head, but got {tuple(sinks.shape)}."
+            )
+        if sinks.device != q.device:
+            raise AttnkitValueError(f"sinks are on {sinks.device} but q is on {q.device}: use sinks.to(q.device).")
+    if attn_bias is None:
+        return None, softcap, sinks
+    if isinstance(attn_bias, torch.Tensor):
+        attn_bias = _bias.dense(attn_bias)
+    if not isinstance(attn_bias, _bias.Bias):
+        raise AttnkitTypeError(
+            "attn_bias must be an attnkit.bias object (alibi, relative, from_fn, dense, or a sum) "
+            f"or a float tensor, but got {type(attn_bias).__name__}."
+        )
+    if shapes.rank > 4:
+        raise AttnkitValueError(f"attn_bias takes inputs of rank 2 to 4, but q has rank {shapes.rank}.")
+    attn_bias.check(shapes.batch[0] if shapes.batch else 1, shapes.hq, shapes.lq, shapes.lk, q.device)
+    return attn_bias, softcap, sinks
+
+
+def _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None) -> Call:
     """Validate the arguments of one call."""
     shapes = check_qkv(q, k, v)
     mask = _check_mask(mask, q, shapes)
     tracing = compiling()
     if not tracing and isinstance(mask, _masks.Mask):
         mask.check_values(shapes.lq, shapes.lk)
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    attn_bias, softcap, sinks = _check_mods(shapes, q, attn_bias, softcap, sinks)
+    learned = [t for t in (*(attn_bias.params() if attn_bias is not None else ()), sinks) if t is not None]
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *learned))
     return Call(
         q, k, v, mask, shapes, check_scale(scale, shapes.d), check_dropout(dropout_p),
-        bool(return_lse), backward, tracing,
+        bool(return_lse), backward, tracing, bias=attn_bias, softcap=softcap, sinks=sinks,
     )
 
 
-def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", return_lse=False):
+def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,
+              kernel="auto", return_lse=False):
     """Scaled dot-product attention, exact, for any mask.
 
     Args:
@@ -100,6 +141,14 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", r
             attend; a float tensor of q's dtype added to the scores; a mask object
             from :mod:`attnkit.masks`; or a :class:`~attnkit.PreparedMask` from
             :func:`attnkit.prepare` (the fast path when one mask serves many calls).
+        attn_bias: an :mod:`attnkit.bias` object (``alibi``, ``relative``,
+            ``from_fn``, ``dense``, or a sum of them) or a float tensor, added to the
+            scores of the pairs the mask keeps; differentiable. Inputs of rank 2 to 4.
+        softcap: soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores,
+            before the bias and the mask (Gemma 2).
+        sinks: ``(Hq,)`` logits, one per head, of an extra key with value 0 in each
+            softmax denominator (gpt-oss); differentiable. The weights of a row then
+            sum to less than 1, and ``lse`` includes the sink.
         scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``. 0.0 and negative
             values are used as given.
         dropout_p: probability of zeroing each attention weight (the rest are scaled
@@ -119,8 +168,11 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", r
     Equivalent pytorch code (up to fully masked rows, which give 0 here, not NaN)::
 
         scores = q @ k.transpose(-2, -1) * scale
+        scores = softcap * torch.tanh(scores / softcap)     # if softcap
+        scores = scores + attn_bias.dense(B, Hq, Lq, Lk)    # if attn_bias
         scores = scores.masked_fill(~mask, float("-inf"))   # bool mask
-        out = torch.softmax(scores, dim=-1) @ v
+        scores = torch.cat([scores, sinks.view(Hq, 1, 1).expand(B, Hq, Lq, 1)], -1)  # if sinks
+        out = torch.softmax(scores, dim=-1)[..., :Lk] @ v
         lse = torch.logsumexp(scores, dim=-1)
 
     >>> import torch, attnkit
@@ -132,23 +184,25 @@ def attention(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", r
     >>> lse.shape, lse.dtype
     (torch.Size([2, 8, 5]), torch.float32)
     """
-    call = _call(q, k, v, mask, scale, dropout_p, return_lse)
+    call = _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks)
     out, lse = run(call, choose(call, kernel))
     return (out, lse) if call.return_lse else out
 
 
-def attention_with_weights(q, k, v, mask=None, *, scale=None, dropout_p=0.0):
+def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None,
+                           dropout_p=0.0):
     """Return ``(out, weights)``: the output ``(..., Hq, Lq, Dv)`` and the probabilities
     ``(..., Hq, Lq, Lk)`` (before dropout) from one pass of the reference kernel.
 
-    Use this when you need both; :func:`attention` alone is faster.
+    Use this when you need both; :func:`attention` alone is faster. The arguments
+    are :func:`attention`'s; with ``sinks`` a row's weights sum to less than 1.
     """
-    call = _call(q, k, v, mask, scale, dropout_p, False)
+    call = _call(q, k, v, mask, scale, dropout_p, False, attn_bias, softcap, sinks)
     out, weights, _ = run_with_weights(call)
     return out, weights
 
 
-def attention_weights(q, k, v, mask=None, *, scale=None):
+def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None):
     """The attention probabilities ``(..., Hq, Lq, Lk)``: ``softmax(q @ k^T * scale + mask)``.
 
     Same arguments as :func:`attention`. Each row sums to 1, except a row with every
@@ -160,10 +214,11 @@ def attention_weights(q, k, v, mask=None, *, scale=None):
     >>> w[0, 0, 0].tolist()[1:]
     [0.0, 0.0]
     """
-    return attention_with_weights(q, k, v, mask, scale=scale)[1]
+    return attention_with_weights(q, k, v, mask, attn_bias=attn_bias, softcap=softcap, sinks=sinks, scale=scale)[1]
 
 
-def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", return_lse=False) -> Plan:
+def explain(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,
+            kernel="auto", return_lse=False) -> Plan:
     """Which kernel :func:`attention` would run for these arguments, and why.
 
     The result prints as the reason; ``.kernel`` names the kernel, ``.rejected``
@@ -177,4 +232,4 @@ def explain(q, k, v, mask=None, *, scale=None, dropout_p=0.0, kernel="auto", ret
     >>> attnkit.explain(q, q, q, return_lse=True).rejected["sdpa"]
     ('does not return the log-sum-exp (return_lse=True)',)
     """
-    return choose(_call(q, k, v, mask, scale, dropout_p, return_lse), kernel)
+    return choose(_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks), kernel)

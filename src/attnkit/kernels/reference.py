@@ -2,7 +2,9 @@
 
 Equivalent pytorch code::
 
-    scores = q @ k.transpose(-2, -1) * scale + bias      # (..., Hq, Lq, Lk)
+    scores = q @ k.transpose(-2, -1) * scale             # (..., Hq, Lq, Lk)
+    scores = softcap * torch.tanh(scores / softcap)      # if softcap is given
+    scores = scores + attn_bias + mask                   # bias, then -inf where hidden
     out = torch.softmax(scores, dim=-1) @ v              # (..., Hq, Lq, Dv)
 
 with one difference: a query row whose every key is masked gets weights 0 and
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.kernels.registry import Kernel
+from attnkit.kernels.registry import Kernel, add_sinks
 
 
 def expand_kv_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
@@ -64,30 +66,44 @@ def zero_unused_keys(
     return torch.where(used, k, zero), torch.where(used, v, zero)
 
 
+def scores(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=None) -> torch.Tensor:
+    """The masked scores ``(..., Hq, Lq, Lk)``: ``q k^T * scale``, soft-capped, plus bias, masked.
+
+    ``bias`` is a float tensor broadcastable to the scores (a bias object's
+    ``dense()``); ``mask`` is None, bool (True = may attend) or additive float.
+    """
+    k = expand_kv_heads(k, q.shape[-3] if q.dim() >= 3 else 1)
+    s = (q @ k.transpose(-2, -1)) * scale  # (..., Hq, Lq, D) x (..., Hq, D, Lk) -> (..., Hq, Lq, Lk)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return s
+
+
 def softmax_weights(
     q: torch.Tensor,
     k: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,
     scale: float,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities ``(..., Hq, Lq, Lk)``; fully masked rows are 0.
 
     q: (..., Hq, Lq, D), k: (..., Hkv, Lk, D); mask: None, bool (True = may attend)
-    or additive float, broadcastable to (..., Hq, Lq, Lk).
+    or additive float, broadcastable to (..., Hq, Lq, Lk); ``softcap`` and ``bias``
+    as in :func:`scores`.
     """
-    k = expand_kv_heads(k, q.shape[-3] if q.dim() >= 3 else 1)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (..., Hq, Lq, D) x (..., Hq, D, Lk) -> (..., Hq, Lq, Lk)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    if scores.shape[-1] == 0:
-        return scores
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    s = scores(q, k, mask, scale=scale, softcap=softcap, bias=bias)
+    if s.shape[-1] == 0:
+        return s
+    row_max = s.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # fully masked rows
-    p = torch.exp(scores - row_max)
+    p = torch.exp(s - row_max)
     total = p.sum(dim=-1, keepdim=True)
     return p / torch.where(total == 0, 1.0, total)
 
@@ -101,6 +117,8 @@ def attention(
     scale: float,
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, weights)``: out (..., Hq, Lq, Dv), weights (..., Hq, Lq, Lk) before dropout.
 
@@ -108,7 +126,7 @@ def attention(
     ``1 / (1 - dropout_p)``; ``dropout_mask`` (bool, True = keep) fixes which, else it
     is drawn by :func:`draw_dropout_mask` from the global generator.
     """
-    weights = softmax_weights(q, k, mask, scale=scale)
+    weights = softmax_weights(q, k, mask, scale=scale, softcap=softcap, bias=bias)
     v = expand_kv_heads(v, weights.shape[-3] if weights.dim() >= 3 else 1)
     dropped = weights
     if dropout_p > 0.0:
@@ -124,17 +142,17 @@ def draw_dropout_mask(shape, p: float, device) -> torch.Tensor:
     return torch.rand(shape, device=device) >= p
 
 
-def log_sum_exp(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
+def log_sum_exp(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=None) -> torch.Tensor:
     """Row log-sum-exp of the masked scores, ``(..., Hq, Lq)``; -inf for fully masked rows.
 
     Equivalent pytorch code: ``torch.logsumexp(q @ k.transpose(-2, -1) * scale + bias, dim=-1)``.
     Two attention outputs over disjoint key sets merge exactly with these weights.
     """
-    k = expand_kv_heads(k, q.shape[-3] if q.dim() >= 3 else 1)
-    scores = (q @ k.transpose(-2, -1)) * scale  # (..., Hq, Lq, Lk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.logsumexp(scores, dim=-1)
+    s = scores(q, k, mask, scale=scale, softcap=softcap, bias=bias)
+    if s.shape[-1] == 0:
+        return s.sum(dim=-1).fill_(float("-inf"))
+    hidden = (s == float("-inf")).all(dim=-1, keepdim=True)  # fully masked rows: -inf, zero gradient
+    return torch.logsumexp(s.masked_fill(hidden, 0.0), dim=-1).masked_fill(hidden[..., 0], float("-inf"))
 
 
 # --- as a kernel of the registry -------------------------------------------------------
@@ -162,7 +180,9 @@ def run_with_weights(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, lse)`` of the plain formula on a validated call.
 
     Half-precision inputs are computed in float32; ``out`` and ``weights`` come back
-    in q's dtype, ``lse`` in float32 (float64 for float64 inputs).
+    in q's dtype, ``lse`` in float32 (float64 for float64 inputs). Soft-capping, the
+    bias (evaluated whole: ``(B, Hq, Lq, Lk)``) and sinks follow the formula of
+    :func:`attnkit.attention`.
     """
     q, k, v = call.q, call.k, call.v
     dense = dense_mask(call)
@@ -172,18 +192,38 @@ def run_with_weights(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = q.float(), k.float(), v.float()
         if dense is not None and dense.is_floating_point():
             dense = dense.float()
-    out, weights = attention(q, k, v, dense, scale=call.scale, dropout_p=call.dropout_p)
-    lse = log_sum_exp(q, k, dense, scale=call.scale) if call.return_lse else None
+    bias = dense_bias(call)
+    mods = dict(softcap=call.softcap, bias=bias)
+    out, weights = attention(q, k, v, dense, scale=call.scale, dropout_p=call.dropout_p, **mods)
+    lse = None
+    if call.return_lse or call.sinks is not None:
+        lse = log_sum_exp(q, k, dense, scale=call.scale, **mods)
+    if call.sinks is not None:
+        out, lse, weights = add_sinks(out, lse, call.sinks, weights)
     return out.to(dtype), weights.to(dtype), lse
 
 
+def dense_bias(call) -> torch.Tensor | None:
+    """The call's bias as one tensor broadcastable to the scores (differentiable)."""
+    if call.bias is None:
+        return None
+    s = call.shapes
+    batch = s.batch[0] if s.batch else 1
+    bias = call.bias.dense(batch, s.hq, s.lq, s.lk, call.q.device)  # (B or 1, Hq or 1, Lq, Lk)
+    rank = len(s.scores)
+    while bias.dim() > rank:
+        bias = bias.squeeze(0)
+    return bias
+
+
 class ReferenceKernel(Kernel):
-    """The plain formula: any device, dtype, mask, dropout, lse; O(Lq x Lk) memory."""
+    """The plain formula: any device, dtype, mask, dropout, lse, score modification; O(Lq x Lk) memory."""
 
     name = "reference"
     supports_dropout = True
     supports_float_mask = True
     supports_lse = True
+    supports_score_mods = ("bias", "softcap", "sinks")
 
     def run(self, call):
         out, _, lse = run_with_weights(call)

@@ -13,7 +13,7 @@ Adding a kernel means one file with a :class:`Kernel` subclass and one call of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,26 @@ class Call:
     backward: bool
     compiling: bool
     prepared: PreparedMask | None = None
+    #: Score modifications: an :class:`attnkit.bias.Bias`, a soft-cap, ``(Hq,)`` sink logits.
+    bias: object = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    def score_mods(self) -> tuple[str, ...]:
+        """Which score modifications the call has: among "bias", "softcap", "sinks"."""
+        return tuple(name for name, v in (("bias", self.bias), ("softcap", self.softcap), ("sinks", self.sinks))
+                     if v is not None)
+
+    def describe_mods(self) -> str:
+        """The score modifications in words, for :func:`attnkit.explain` ('' if none)."""
+        parts = []
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.bias is not None:
+            parts.append(f"attn_bias={self.bias.describe()}")
+        if self.sinks is not None:
+            parts.append("sinks")
+        return ", ".join(parts)
 
     @property
     def float_mask(self) -> bool:
@@ -93,6 +113,9 @@ class Kernel:
     supports_float_mask: bool = False
     supports_lse: bool = False
     supports_backward: bool = True
+    #: Score modifications it applies itself, among "bias", "softcap" and "sinks".
+    #: Sinks need only the log-sum-exp: :func:`run` adds them for any kernel with lse.
+    supports_score_mods: tuple[str, ...] = ()
     #: Largest input rank (None: any).
     max_rank: int | None = None
 
@@ -111,6 +134,12 @@ class Kernel:
             reasons.append("does not return the log-sum-exp (return_lse=True)")
         if call.backward and not self.supports_backward:
             reasons.append("no backward pass")
+        for mod in call.score_mods():
+            if mod == "sinks" and self.supports_lse:
+                continue
+            if mod not in self.supports_score_mods:
+                what = {"bias": "attn_bias", "softcap": "softcap", "sinks": "attention sinks (needs the log-sum-exp)"}
+                reasons.append(f"no {what[mod]}")
         if self.max_rank is not None and call.shapes.rank > self.max_rank:
             reasons.append(f"takes inputs of rank 2 to {self.max_rank}, not {call.shapes.rank}")
         return reasons + self._reasons(call)
@@ -203,10 +232,15 @@ def choose(call: Call, kernel: str = "auto") -> Plan:
             )
         prepared = call.get_prepared() if kernel == "tiled" and not call.empty else None
         reason = "forced by kernel="
+        if call.score_mods():
+            reason = f"{call.describe_mods()}; {reason}"
         if prepared is not None:
             reason += f", {prepared.kept:.0%} of blocks kept"
         return Plan(kernel, f"{kernel}: {reason}", call, refusals, prepared)
     name, reason = _auto(call, refusals)
+    mods = call.describe_mods()
+    if mods:
+        reason = f"{mods}; {reason}"
     return Plan(name, f"{name}: {reason}", call, refusals, call.prepared)
 
 
@@ -241,6 +275,12 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
         if can("sdpa"):
             return "sdpa", "under torch.compile (mask objects become dense masks in the graph)"
         return "reference", "under torch.compile"
+    if call.score_mods():
+        if can("tiled"):
+            return "tiled", f"{call.get_prepared().kept:.0%} of blocks kept, the modifications applied per tile"
+        if can("sdpa"):
+            return "sdpa", "the bias as a dense float mask"
+        return "reference", "the plain formula"
     if call.dropout_p > 0.0 or call.return_lse:
         why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"
         if can("tiled"):
@@ -270,10 +310,30 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
     return "sdpa", f"dense mask: {prepared.kept:.0%} of blocks kept"
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, weights: torch.Tensor | None = None):
+    """Put each head's sink logit in the softmax denominator: ``(out, lse, weights)`` rescaled.
+
+    A sink is an extra key per head with value 0 (gpt-oss): every weight is
+    multiplied by ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``, and
+    ``lse`` becomes ``logaddexp(lse, sink)``. A fully masked row (``lse = -inf``)
+    stays 0, with zero gradients. ``sinks: (Hq,)``; ``lse: (..., Hq, Lq)``.
+    """
+    sink = sinks.to(lse.dtype)
+    sink = sink.view(-1, 1) if lse.dim() >= 2 else sink.view(-1)  # (Hq, 1): broadcasts over Lq
+    factor = torch.sigmoid(lse - sink)  # (..., Hq, Lq)
+    out = (out.to(factor.dtype) * factor[..., None]).to(out.dtype)
+    if weights is not None:
+        weights = (weights.to(factor.dtype) * factor[..., None]).to(weights.dtype)
+    return out, torch.logaddexp(lse, sink), weights
+
+
 def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the chosen kernel; ``(out, lse or None)``."""
     if plan.prepared is not None and call.prepared is None:
         call.prepared = plan.prepared
-    if call.empty:  # every kernel's answer: zeros of the right shape (and lse -inf)
-        return KERNELS["reference"].run(call)
-    return KERNELS[plan.kernel].run(call)
+    kernel = KERNELS["reference" if call.empty else plan.kernel]  # empty: zeros (and lse -inf)
+    if call.sinks is None or "sinks" in kernel.supports_score_mods:
+        return kernel.run(call)
+    out, lse = kernel.run(replace(call, sinks=None, return_lse=True))
+    out, lse, _ = add_sinks(out, lse, call.sinks)
+    return out, lse if call.return_lse else None

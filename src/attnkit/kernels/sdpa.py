@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 
 from attnkit.kernels import reference
@@ -47,9 +48,17 @@ class SDPAKernel(Kernel):
     name = "sdpa"
     supports_dropout = True
     supports_float_mask = True
+    supports_score_mods = ("bias",)  # as a dense float mask
 
     def run(self, call: Call):
         kw = dict(scale=call.scale, dropout_p=call.dropout_p, shapes=call.shapes)
+        if call.bias is not None:
+            dense = reference.dense_mask(call)
+            k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
+            bias = reference.dense_bias(call).to(call.q.dtype)  # (B or 1, Hq or 1, Lq, Lk)
+            if dense is not None:
+                bias = bias.masked_fill(~dense, float("-inf")) if dense.dtype == torch.bool else bias + dense
+            return sdpa(call.q, k, v, bias, **kw), None
         if call.mask is None:
             return sdpa(call.q, call.k, call.v, None, **kw), None
         if _sdpa_causal(call) and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0

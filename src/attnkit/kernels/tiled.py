@@ -107,17 +107,25 @@ class _Select:
     q_heads: object  # None or (start, length) / index tensor of query heads
     kv_heads: object  # the K/V heads they read
     tile_heads: object
+    b_idx: torch.Tensor | None = None  # (Bs, 1, 1, 1) batch rows and (1, Hs, 1, 1) query heads,
+    h_idx: torch.Tensor | None = None  # the bias's index tensors (only when there is a bias)
 
 
-def _select(group: Group, prepared: PreparedMask, hq: int, hkv: int, device) -> _Select:
+def _select(group: Group, prepared: PreparedMask, b: int, hq: int, hkv: int, device, bias=None) -> _Select:
     batch = None if group.batch is None else _index(group.batch, device)
     tile_batch = batch if prepared.codes.shape[0] > 1 else None
+    b_idx = h_idx = None
+    if bias is not None:
+        rows = range(b) if group.batch is None else group.batch
+        heads = range(hq) if group.heads is None else group.heads
+        b_idx = torch.tensor(list(rows), device=device).view(-1, 1, 1, 1)
+        h_idx = torch.tensor(list(heads), device=device).view(1, -1, 1, 1)
     if group.heads is None:
-        return _Select(batch, tile_batch, None, None, None)
+        return _Select(batch, tile_batch, None, None, None, b_idx, h_idx)
     q_heads = _index(group.heads, device)
     kv = [h // (hq // hkv) for h in group.heads]
     kv_heads = q_heads if hq == hkv else torch.tensor(kv, device=device)
-    return _Select(batch, tile_batch, q_heads, kv_heads, q_heads)
+    return _Select(batch, tile_batch, q_heads, kv_heads, q_heads, b_idx, h_idx)
 
 
 # --- one call --------------------------------------------------------------------------
@@ -131,7 +139,14 @@ class _Call:
     scale: float
     dropout_p: float
     seed: int
-    fused: bool
+    fused: bool  # the fused engine runs the forward (and the backward unless bias_grad)
+    bias: object = None  # an attnkit.bias.Bias, evaluated per tile
+    softcap: float | None = None
+    params: tuple = ()  # the bias's tensors, inputs of the autograd function
+
+    @property
+    def bias_grad(self) -> bool:
+        return any(t.requires_grad for t in self.params)
 
 
 @dataclass(frozen=True)
@@ -191,12 +206,39 @@ def _run_inputs(call: _Call, gi, sel, q, k, v, row: RowBlock, run: Run):
     return qf, kr, vr, tile
 
 
-def _math_scores(call: _Call, qf, kr, tile: _Tile | None):
+def _bias_tile(call: _Call, sel: _Select, row: RowBlock, run: Run, hq: int, hkv: int):
+    """The bias of one run, laid out like the folded queries ``(Bs or 1, Hkv, g*n, S)``; None without bias."""
+    if call.bias is None:
+        return None
+    device = sel.b_idx.device
+    q_idx = torch.arange(row.q0, row.q1, device=device).view(1, 1, -1, 1)
+    kv_idx = torch.arange(run.k0, run.k1, device=device).view(1, 1, 1, -1)
+    t = _as4d(call.bias._elements(sel.b_idx, sel.h_idx, q_idx, kv_idx, call.prepared.q_len, call.prepared.kv_len))
+    t = t.expand(*t.shape[:2], row.q1 - row.q0, run.k1 - run.k0)  # (Bs or 1, Hs or 1, n, S)
+    return _fold_tile(t, hq, hkv)
+
+
+def _math_scores(call: _Call, qf, kr, tile: _Tile | None, bias_tile=None):
+    """Scores of one run in float32/64; also ``tanh(s / softcap)`` for the backward pass (else None)."""
     ct = _compute_dtype(qf.dtype)
     s = (qf.to(ct) @ kr.to(ct).transpose(-2, -1)) * call.scale  # (B, Hkv, g*n, D) x (B, Hkv, D, S)
+    capped = None
+    if call.softcap is not None:
+        capped = torch.tanh(s / call.softcap)
+        s = capped * call.softcap
+    if bias_tile is not None:
+        s = s + bias_tile.to(ct)
     if tile is not None:
         s = s.masked_fill(~tile.allowed, _NEG_INF)
-    return s
+    return s, capped
+
+
+def _fused_mask(tile: _Tile | None, bias_tile, dtype):
+    """The additive mask of the fused engine: -inf where hidden, plus the bias."""
+    if bias_tile is None:
+        return None if tile is None else tile.additive
+    bias_tile = bias_tile.to(dtype)
+    return bias_tile if tile is None else bias_tile + tile.additive
 
 
 def _merge(parts):
@@ -226,12 +268,13 @@ def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
         parts = []
         for run in row.runs:
             qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
+            bias_tile = _bias_tile(call, sel, row, run, hq, k.shape[1])
             if call.fused:
                 o, lse_r = _aten.flash_forward(
-                    qf, kr, vr, attn_mask=None if tile is None else tile.additive, scale=call.scale
+                    qf, kr, vr, attn_mask=_fused_mask(tile, bias_tile, q.dtype), scale=call.scale
                 )
             else:
-                s = _math_scores(call, qf, kr, tile)
+                s, _ = _math_scores(call, qf, kr, tile, bias_tile)
                 lse_r = torch.logsumexp(s, dim=-1)
                 p = torch.exp(s - torch.where(lse_r == _NEG_INF, 0.0, lse_r)[..., None])
                 if call.dropout_p > 0.0:
@@ -260,14 +303,14 @@ def _forward(call: _Call, q, k, v):
     """Returns ``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` (-inf for fully masked rows)."""
     hq, hkv = q.shape[1], k.shape[1]
     groups = call.prepared.groups
-    if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
-        sel = _select(groups[0], call.prepared, hq, hkv, q.device)
-        return _forward_group(call, 0, groups[0], sel, q, k, v)
     b, _, lq, _ = q.shape
+    if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
+        sel = _select(groups[0], call.prepared, b, hq, hkv, q.device, call.bias)
+        return _forward_group(call, 0, groups[0], sel, q, k, v)
     out = q.new_zeros(b, hq, lq, v.shape[-1])
     lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
     for gi, group in enumerate(groups):
-        sel = _select(group, call.prepared, hq, hkv, q.device)
+        sel = _select(group, call.prepared, b, hq, hkv, q.device, call.bias)
         og, lg = _forward_group(call, gi, group, sel, *_group_inputs(sel, q, k, v))
         _put_rows(out, sel, og)
         _put_rows(lse, sel, lg)
@@ -284,14 +327,15 @@ def _put_rows(dst, sel: _Select, src) -> None:
             dst.index_copy_(0, sel.batch, part)
 
 
-def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, lse, grad_out, grad_lse):
+def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, lse, grad_out, grad_lse, grads):
+    """``(dq, dk, dv)`` of one group; bias gradients are added to ``grads`` (by tensor id)."""
     hq, hkv = q.shape[1], k.shape[1]
     ct = _compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     lse_safe = torch.where(lse == _NEG_INF, 0.0, lse)
-    fused = call.fused and grad_lse is None
+    fused = call.fused and grad_lse is None and not call.bias_grad
     for row in group.rows:
         if not row.runs:
             continue
@@ -305,14 +349,15 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
             delta = delta - _fold(grad_lse[:, :, rows, None].to(ct), hkv)
         for run in row.runs:
             qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
+            bias_tile = _bias_tile(call, sel, row, run, hq, hkv)
             keys = slice(run.k0, run.k1)
             if fused:
                 g_q, g_k, g_v = _aten.flash_backward(
                     go.contiguous(), qf, kr, vr, of, lf,
-                    attn_mask=None if tile is None else tile.additive, scale=call.scale,
+                    attn_mask=_fused_mask(tile, bias_tile, q.dtype), scale=call.scale,
                 )
             else:
-                s = _math_scores(call, qf, kr, tile)
+                s, capped = _math_scores(call, qf, kr, tile, bias_tile)
                 p = torch.exp(s - lf[..., None])  # (B, Hkv, g*n, S)
                 if tile is not None and tile.hidden_rows is not None:
                     p = p.masked_fill(tile.hidden_rows[..., None], 0.0)
@@ -322,7 +367,14 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
                     keep = _keep_mask(call, gi, row, run, p.shape, q.device).to(ct) / (1.0 - call.dropout_p)
                     pd, dp = p * keep, dp * keep
                 g_v = pd.transpose(-2, -1) @ go.to(ct)
-                ds = p * (dp - delta) * call.scale
+                ds = p * (dp - delta)  # d loss / d (modified score)
+                if call.bias_grad:
+                    index = (sel.b_idx, sel.h_idx, torch.arange(row.q0, row.q1, device=q.device).view(1, 1, -1, 1),
+                             torch.arange(run.k0, run.k1, device=q.device).view(1, 1, 1, -1))
+                    call.bias._add_grad(grads, _unfold(ds, hq), *index, call.prepared.q_len, call.prepared.kv_len)
+                if capped is not None:
+                    ds = ds * (1.0 - capped * capped)  # d (c tanh(s / c)) / ds
+                ds = ds * call.scale
                 g_q = ds @ kr.to(ct)
                 g_k = ds.transpose(-2, -1) @ qf.to(ct)
             dqf = dqf + g_q.to(ct)
@@ -332,27 +384,27 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
     return dq, dk, dv
 
 
-def _backward(call: _Call, q, k, v, out, lse, grad_out, grad_lse):
+def _backward(call: _Call, q, k, v, out, lse, grad_out, grad_lse, grads):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    hq, hkv = q.shape[1], k.shape[1]
+    b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
     groups = call.prepared.groups
     if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
-        sel = _select(groups[0], call.prepared, hq, hkv, q.device)
-        dq, dk, dv = _backward_group(call, 0, groups[0], sel, q, k, v, out, lse, grad_out, grad_lse)
+        sel = _select(groups[0], call.prepared, b, hq, hkv, q.device, call.bias)
+        dq, dk, dv = _backward_group(call, 0, groups[0], sel, q, k, v, out, lse, grad_out, grad_lse, grads)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     ct = _compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     for gi, group in enumerate(groups):
-        sel = _select(group, call.prepared, hq, hkv, q.device)
+        sel = _select(group, call.prepared, b, hq, hkv, q.device, call.bias)
         qg, kg, vg = _group_inputs(sel, q, k, v)
         og = _take(_take(out, 0, sel.batch), 1, sel.q_heads)
         lg = _take(_take(lse, 0, sel.batch), 1, sel.q_heads)
         gg = _take(_take(grad_out, 0, sel.batch), 1, sel.q_heads)
         gl = None if grad_lse is None else _take(_take(grad_lse, 0, sel.batch), 1, sel.q_heads)
-        g_q, g_k, g_v = _backward_group(call, gi, group, sel, qg, kg, vg, og, lg, gg, gl)
+        g_q, g_k, g_v = _backward_group(call, gi, group, sel, qg, kg, vg, og, lg, gg, gl, grads)
         for dst, src, heads in ((dq, g_q, sel.q_heads), (dk, g_k, sel.kv_heads), (dv, g_v, sel.kv_heads)):
             if heads is None:
                 _put(dst, 0, sel.batch, src, add=True)
@@ -366,7 +418,7 @@ def _backward(call: _Call, q, k, v, out, lse, grad_out, grad_lse):
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, call: _Call):
+    def forward(ctx, q, k, v, call: _Call, *params):
         out, lse = _forward(call, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
@@ -381,8 +433,15 @@ class _TiledAttention(torch.autograd.Function):
                 "for (create_graph=True). Use kernel='reference' for double backward."
             )
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.call, q, k, v, out, lse, grad_out, grad_lse)
-        return dq, dk, dv, None
+        call, grads = ctx.call, {}
+        dq, dk, dv = _backward(call, q, k, v, out, lse, grad_out, grad_lse, grads)
+        param_grads = []
+        for t in call.params:
+            g = grads.get(id(t)) if t.requires_grad else None
+            if g is None and t.requires_grad:
+                g = torch.zeros_like(t)
+            param_grads.append(None if g is None else g.reshape(t.shape).to(t.dtype))
+        return dq, dk, dv, None, *param_grads
 
 
 def draw_seed() -> int:
@@ -390,19 +449,24 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float = 0.0, seed: int | None = None):
+def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float = 0.0, seed: int | None = None,
+              bias=None, softcap: float | None = None):
     """Block-sparse attention on 4-D inputs; returns ``(out, lse)``.
 
     q: (B, Hq, Lq, D), k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv); ``prepared`` from
     :func:`attnkit.prepare` for these lengths. ``out: (B, Hq, Lq, Dv)``,
     ``lse: (B, Hq, Lq)`` in float32 (float64 for float64 inputs), -inf where a query
-    may attend no key. Both are differentiable.
+    may attend no key. Both are differentiable, as are the tensors of ``bias`` (an
+    :class:`attnkit.bias.Bias`, evaluated one tile at a time). ``softcap`` caps the
+    scaled scores with ``softcap * tanh(s / softcap)`` before the bias.
     """
     if dropout_p > 0.0 and seed is None:
         seed = draw_seed()
-    call = _Call(prepared, scale, dropout_p, seed or 0, dropout_p == 0.0 and fused_available(q, v))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _TiledAttention.apply(q, k, v, call)
+    fused = dropout_p == 0.0 and softcap is None and fused_available(q, v)
+    params = () if bias is None else tuple(bias.params())
+    call = _Call(prepared, scale, dropout_p, seed or 0, fused, bias, softcap, params)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
+        return _TiledAttention.apply(q, k, v, call, *params)
     return _forward(call, q, k, v)
 
 
@@ -412,6 +476,7 @@ class TiledKernel(Kernel):
     name = "tiled"
     supports_dropout = True
     supports_lse = True
+    supports_score_mods = ("bias", "softcap")  # sinks: added by the registry from the lse
     max_rank = 4
 
     def _reasons(self, call: Call) -> list[str]:
@@ -424,5 +489,6 @@ class TiledKernel(Kernel):
         s = call.shapes
         lead = (1,) * (4 - s.rank)
         q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))  # (B, H, L, D)
-        out, lse = attention(q4, k4, v4, call.get_prepared(), scale=call.scale, dropout_p=call.dropout_p)
+        out, lse = attention(q4, k4, v4, call.get_prepared(), scale=call.scale, dropout_p=call.dropout_p,
+                             bias=call.bias, softcap=call.softcap)
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None

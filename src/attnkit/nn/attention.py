@@ -46,6 +46,9 @@ class MultiHeadAttention(nn.Module):
             width); default ``d_model``.
         num_kv_heads: number of K/V heads (grouped-query attention); must divide
             ``num_heads``. Defaults to ``num_heads``.
+        softcap: soft-cap the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2).
+        sinks: give each head a learnable sink logit ``self.sinks: (num_heads,)``, an
+            extra key with value 0 in every softmax denominator (gpt-oss); starts at 0.
 
     Shapes: ``query: (B, Lq, d_model)``, ``key: (B, Lk, kdim)``, ``value: (B, Lk, vdim)``
     (or unbatched ``(L, E)``); returns ``(out, weights)`` with ``out: (B, Lq, d_model)``
@@ -69,6 +72,8 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         num_kv_heads: int | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
         device=None,
         dtype=None,
     ):
@@ -99,6 +104,12 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+            raise AttnkitValueError(f"softcap must be a positive number or None, but got {softcap!r}.")
+        self.softcap = None if softcap is None else float(softcap)
+        if not isinstance(sinks, bool):
+            raise AttnkitTypeError(f"sinks must be True or False (a learnable logit per head), but got {sinks!r}.")
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self._attention_hooks: OrderedDict = OrderedDict()
 
     def register_attention_hook(self, hook) -> RemovableHandle:
@@ -131,6 +142,10 @@ class MultiHeadAttention(nn.Module):
             extra += f", num_kv_heads={self.num_kv_heads}"
         if self.kdim != self.d_model or self.vdim != self.d_model:
             extra += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.softcap is not None:
+            extra += f", softcap={self.softcap:g}"
+        if self.sinks is not None:
+            extra += ", sinks=True"
         return extra + f", dropout={self.dropout}"
 
     @staticmethod
@@ -222,7 +237,7 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *,
-                cache=None, counts=None, kv=None):
+                cache=None, counts=None, kv=None, attn_bias=None):
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``).
 
         ``mask`` is any mask :func:`attnkit.attention` takes (True = may attend),
@@ -237,6 +252,9 @@ class MultiHeadAttention(nn.Module):
           and the queries attend over everything stored; a mask object (e.g.
           ``masks.causal()``) is aligned with each sequence's own end.
         - ``kv``: keys and values from :meth:`project_kv`, reused across calls.
+
+        ``attn_bias``: an :mod:`attnkit.bias` object (or float tensor) added to the
+        scores of this call, e.g. ``attnkit.bias.alibi(slopes)``.
         """
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if cache is not None or kv is not None:
@@ -256,10 +274,11 @@ class MultiHeadAttention(nn.Module):
         for hook in self._attention_hooks.values():
             hook(self, q, k, v, mask)
         p = self._dropout_p() if self.training else 0.0
+        mods = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=p)
         if need_weights:
-            out, weights = functional.attention_with_weights(q, k, v, mask, dropout_p=p)
+            out, weights = functional.attention_with_weights(q, k, v, mask, **mods)
         else:
-            out, weights = functional.attention(q, k, v, mask, dropout_p=p), None
+            out, weights = functional.attention(q, k, v, mask, **mods), None
         out = self.out_proj(self.merge_heads(out))  # (B, H, Lq, hd) -> (B, Lq, d_model)
         if unbatched:
             out = out[0]

@@ -1,0 +1,433 @@
+"""Score biases: how much each (query, key) pair counts, beside masks (which pairs count).
+
+A bias is added to the scaled (and soft-capped) score of every kept pair::
+
+    s = q . k * scale
+    s = softcap * tanh(s / softcap)          if softcap is given
+    s = s + attn_bias(b, h, i, j)
+
+- :func:`alibi`: ``-slope[h] * |p(i) - j|`` (ALiBi; ``causal=True``: ``-slope[h] * (p(i) - j)``);
+  :func:`alibi_slopes` gives the published geometric slopes;
+- :func:`relative`: T5's bucketed relative position bias from a learnable table;
+- :func:`from_fn`: any ``fn(b, h, q_idx, kv_idx) -> float tensor``;
+- :func:`dense`: a float tensor broadcastable to ``(B, Hq, Lq, Lk)``;
+- sums of these with ``+``.
+
+Biases are evaluated one tile at a time by the block-sparse kernel (never as an
+``Lq x Lk`` tensor) and are differentiable: gradients reach the slopes, tables,
+dense tensors and the tensors passed to :func:`from_fn`. Unlike masks, a bias holds
+*references* to its tensors (they are parameters being learned), not copies.
+
+Positions follow the masks' rules: with ``align="bottom_right"`` (the default) the
+last query sits at the last key (decoding), ``q_offset``/``kv_offset`` (int or
+``(B,)``) shift the query and key positions.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, short
+from attnkit.masks import _check_align, _check_offset, _fmt
+
+__all__ = ["Bias", "alibi", "alibi_slopes", "dense", "from_fn", "relative"]
+
+
+class Bias:
+    """Base class of score biases. Combine them with ``+``.
+
+    Subclasses implement :meth:`_elements`; the kernels call it with broadcasting
+    index tensors ``b: (Bs, 1, 1, 1)``, ``h: (1, Hs, 1, 1)``, ``q_idx: (1, 1, n, 1)``,
+    ``kv_idx: (1, 1, 1, S)`` and get a float tensor broadcastable to ``(Bs, Hs, n, S)``.
+    """
+
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the bias is computed from (gradients flow to those that require grad)."""
+        return ()
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check(self, batch: int, num_heads: int, q_len: int, kv_len: int, device) -> None:
+        """Raise a clear error if the bias cannot serve a call with these sizes."""
+        for t in self.params():
+            if t.device != device:
+                raise AttnkitValueError(
+                    f"{self.describe()} holds a tensor on {t.device} but q is on {device}: move it with .to()."
+                )
+
+    def describe(self) -> str:
+        """A short name for :func:`attnkit.explain`."""
+        return type(self).__name__.lower()
+
+    def _add_grad(self, grads: dict, dtile: torch.Tensor, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> None:
+        """Add this tile's contribution ``d loss / d params`` to ``grads`` (keyed by id)."""
+        wanted = [t for t in self.params() if t.requires_grad]
+        if not wanted:
+            return
+        with torch.enable_grad():
+            tile = self._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+            tile = tile.expand(dtile.shape).to(dtile.dtype)
+            found = torch.autograd.grad(tile, wanted, dtile, allow_unused=True)
+        for t, g in zip(wanted, found):
+            if g is not None:
+                grads[id(t)] = g if id(t) not in grads else grads[id(t)] + g
+
+    def dense(self, batch: int, num_heads: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+        """The whole bias ``(B or 1, Hq or 1, Lq, Lk)``, differentiable (for the reference kernel)."""
+        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(num_heads, device=device).view(1, -1, 1, 1)
+        q_idx = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+        kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+        out = self._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+        while out.dim() < 4:
+            out = out[None]
+        return out
+
+    def __add__(self, other) -> Bias:
+        if not isinstance(other, Bias):
+            return NotImplemented
+        return _Sum((*_parts(self), *_parts(other)))
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def _parts(bias: Bias) -> tuple[Bias, ...]:
+    return bias.parts if isinstance(bias, _Sum) else (bias,)
+
+
+class _Sum(Bias):
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+
+    def params(self):
+        seen, out = set(), []
+        for part in self.parts:
+            for t in part.params():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return tuple(out)
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        total = self.parts[0]._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+        for part in self.parts[1:]:
+            total = total + part._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+        return total
+
+    def check(self, batch, num_heads, q_len, kv_len, device):
+        for part in self.parts:
+            part.check(batch, num_heads, q_len, kv_len, device)
+
+    def _add_grad(self, grads, dtile, *index):
+        for part in self.parts:
+            part._add_grad(grads, dtile, *index)
+
+    def describe(self):
+        return " + ".join(part.describe() for part in self.parts)
+
+
+# --- positions -------------------------------------------------------------------------
+
+
+class _Positional(Bias):
+    """Query and key positions with the masks' alignment and offsets."""
+
+    def _set_positions(self, align, q_offset, kv_offset):
+        self.align = _check_align(align)
+        self.q_offset = _check_offset(q_offset, "q_offset")
+        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+
+    @staticmethod
+    def _offset(x, b):
+        if isinstance(x, torch.Tensor):
+            return x.to(b.device)[b] if x.numel() > 1 else x.to(b.device).reshape(1, 1, 1, 1)
+        return x
+
+    def _positions(self, b, q_idx, kv_idx, q_len, kv_len):
+        p = q_idx + self._offset(self.q_offset, b)
+        if self.align == "bottom_right":
+            p = p + (kv_len - q_len)
+        return p, kv_idx + self._offset(self.kv_offset, b)
+
+    def check(self, batch, num_heads, q_len, kv_len, device):
+        super().check(batch, num_heads, q_len, kv_len, device)
+        for name in ("q_offset", "kv_offset"):
+            x = getattr(self, name)
+            if isinstance(x, torch.Tensor) and x.numel() not in (1, batch):
+                raise AttnkitValueError(f"{self.describe()}: {name} has {x.numel()} entries but the batch has {batch}.")
+
+    def _position_repr(self) -> str:
+        extra = f"align={self.align!r}"
+        for name in ("q_offset", "kv_offset"):
+            x = getattr(self, name)
+            if not (isinstance(x, int) and x == 0):
+                extra += f", {name}={_fmt(x)}"
+        return extra
+
+
+def _float_tensor(t, name: str, shape_doc: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise AttnkitTypeError(f"{name} must be a float tensor {shape_doc}, but got {type(t).__name__}.")
+    if not t.is_floating_point():
+        raise AttnkitTypeError(f"{name} must be a float tensor {shape_doc}, but got dtype {t.dtype}.")
+    return t
+
+
+def _check_heads(t: torch.Tensor, axis: int, num_heads: int, what: str) -> None:
+    if t.shape[axis] != num_heads:
+        raise AttnkitValueError(
+            f"{what} has {t.shape[axis]} heads (shape {tuple(t.shape)}) but q has {num_heads} heads."
+        )
+
+
+# --- ALiBi -----------------------------------------------------------------------------
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The published ALiBi slopes ``(num_heads,)``: a geometric sequence from ``2^(-8/n)``.
+
+    For a power of two ``n`` the slopes are ``2^(-8/n)``, ``2^(-16/n)``, ... For
+    other ``n``, the slopes of the nearest lower power of two ``m`` followed by every
+    other slope of ``2m`` (as in the BLOOM and ALiBi code).
+
+    >>> alibi_slopes(4).tolist()
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads <= 0:
+        raise AttnkitValueError(f"num_heads must be a positive int, but got {short(num_heads)}.")
+
+    def powers(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    m = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = powers(m)
+    if m < num_heads:
+        slopes += powers(2 * m)[0::2][: num_heads - m]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class _Alibi(_Positional):
+    def __init__(self, slopes, causal, align, q_offset, kv_offset):
+        self.slopes = _float_tensor(slopes, "slopes", "of shape (num_heads,)")
+        if self.slopes.dim() != 1:
+            raise AttnkitValueError(f"slopes must have shape (num_heads,), but got {tuple(self.slopes.shape)}.")
+        self.causal = bool(causal)
+        self._set_positions(align, q_offset, kv_offset)
+
+    def params(self):
+        return (self.slopes,)
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
+        dist = qp - kp  # (Bs or 1, 1, n, S)
+        dist = dist if self.causal else dist.abs()
+        return -self.slopes[h] * dist.to(self.slopes.dtype)  # (1, Hs, 1, 1) * (Bs or 1, 1, n, S)
+
+    def check(self, batch, num_heads, q_len, kv_len, device):
+        super().check(batch, num_heads, q_len, kv_len, device)
+        _check_heads(self.slopes, 0, num_heads, "the ALiBi slopes")
+
+    def describe(self):
+        return "alibi(causal)" if self.causal else "alibi"
+
+
+def alibi(slopes, *, causal: bool = False, align: str = "bottom_right", q_offset=0, kv_offset=0) -> Bias:
+    """ALiBi: ``-slopes[h] * |p(i) - j|``, a penalty linear in the distance.
+
+    ``slopes: (Hq,)`` float tensor (it may require grad); :func:`alibi_slopes` gives
+    the published ones. ``causal=True`` uses ``-slopes[h] * (p(i) - j)``, the form of
+    decoder models (equal to the symmetric one on every pair a causal mask keeps,
+    and, up to a constant per row, to BLOOM's ``slopes[h] * j``).
+    """
+    return _Alibi(slopes, causal, align, q_offset, kv_offset)
+
+
+# --- T5's relative position bias -------------------------------------------------------
+
+
+def relative_buckets(relative_position: torch.Tensor, num_buckets: int, max_distance: int,
+                     bidirectional: bool) -> torch.Tensor:
+    """T5's bucket of each ``key position - query position`` (an int64 tensor).
+
+    Half the buckets (``num_buckets // 2``) hold exact distances; the rest grow
+    logarithmically up to ``max_distance``, beyond which all distances share the
+    last bucket. With ``bidirectional`` keys after the query get buckets of their own.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    exact = num_buckets // 2
+    log_ratio = torch.log(distance.clamp(min=1).float() / exact) / math.log(max_distance / exact)
+    far = exact + (log_ratio * (num_buckets - exact)).long()
+    far = far.clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < exact, distance, far)
+
+
+class _Relative(_Positional):
+    def __init__(self, table, num_buckets, max_distance, bidirectional, align, q_offset, kv_offset):
+        self.table = _float_tensor(table, "table", "of shape (num_buckets, num_heads)")
+        if self.table.dim() != 2 or self.table.shape[0] != num_buckets:
+            raise AttnkitValueError(
+                f"table must have shape (num_buckets={num_buckets}, num_heads), but got {tuple(self.table.shape)}."
+            )
+        for name, value, low in (("num_buckets", num_buckets, 4 if bidirectional else 2), ("max_distance", max_distance, 1)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise AttnkitValueError(f"{name} must be an int >= {low}, but got {short(value)}.")
+        self.num_buckets, self.max_distance, self.bidirectional = int(num_buckets), int(max_distance), bool(bidirectional)
+        if self.max_distance <= (self.num_buckets // (2 if bidirectional else 1)) // 2:
+            raise AttnkitValueError(
+                f"max_distance={max_distance} must exceed the exact range, num_buckets // "
+                f"{4 if bidirectional else 2} = {self.num_buckets // (4 if bidirectional else 2)}."
+            )
+        self._set_positions(align, q_offset, kv_offset)
+
+    def params(self):
+        return (self.table,)
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
+        bucket = relative_buckets(kp - qp, self.num_buckets, self.max_distance, self.bidirectional)  # (Bs or 1, 1, n, S)
+        return self.table.t()[h, bucket]  # (Hq, nb)[(1, Hs, 1, 1), (Bs or 1, 1, n, S)] -> (Bs or 1, Hs, n, S)
+
+    def check(self, batch, num_heads, q_len, kv_len, device):
+        super().check(batch, num_heads, q_len, kv_len, device)
+        _check_heads(self.table, 1, num_heads, "the relative position table")
+
+    def describe(self):
+        return f"relative({self.num_buckets} buckets)"
+
+
+def relative(table, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True, *,
+             align: str = "bottom_right", q_offset=0, kv_offset=0) -> Bias:
+    """T5's relative position bias: ``table[bucket(j - p(i)), h]``.
+
+    ``table: (num_buckets, Hq)`` float tensor, learnable (T5's
+    ``relative_attention_bias.weight``); :func:`relative_buckets` is the bucket
+    function. ``bidirectional=False`` for decoders (keys after the query share
+    bucket 0).
+    """
+    return _Relative(table, num_buckets, max_distance, bidirectional, align, q_offset, kv_offset)
+
+
+# --- any function, any dense tensor -------------------------------------------------------
+
+
+class _FromFn(_Positional):
+    def __init__(self, fn, params, q_offset, kv_offset):
+        if not callable(fn):
+            raise AttnkitTypeError(f"fn must be callable as fn(b, h, q_idx, kv_idx), but got {type(fn).__name__}.")
+        for i, t in enumerate(params):
+            if not isinstance(t, torch.Tensor):
+                raise AttnkitTypeError(f"params must be tensors (those fn closes over), but params[{i}] is {type(t).__name__}.")
+        self.fn, self._params = fn, tuple(params)
+        self._set_positions("top_left", q_offset, kv_offset)
+
+    def params(self):
+        return self._params
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
+        out = self.fn(b, h, qp, kp)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise AttnkitTypeError(
+                f"the bias function must return a float tensor, but returned {type(out).__name__}"
+                f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}."
+            )
+        shape = (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3])
+        if not broadcasts_to(tuple(out.shape), shape):
+            raise AttnkitValueError(
+                f"the bias function returned shape {tuple(out.shape)}, which does not broadcast to "
+                f"(B, H, n, S) = {shape} for index tensors b {tuple(b.shape)}, h {tuple(h.shape)}, "
+                f"q_idx {tuple(q_idx.shape)}, kv_idx {tuple(kv_idx.shape)}."
+            )
+        return out
+
+    def describe(self):
+        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+
+
+def from_fn(fn, *params, q_offset=0, kv_offset=0) -> Bias:
+    """Any bias ``fn(b, h, q_idx, kv_idx) -> float tensor``, evaluated one tile at a time.
+
+    The arguments are broadcasting int64 index tensors ``b: (Bs, 1, 1, 1)``,
+    ``h: (1, Hs, 1, 1)``, ``q_idx: (1, 1, n, 1)`` (plus ``q_offset``) and
+    ``kv_idx: (1, 1, 1, S)`` (plus ``kv_offset``); the result must broadcast to
+    ``(Bs, Hs, n, S)``. Pass the tensors ``fn`` closes over as ``params`` for their
+    gradients to flow (``fn`` is recomputed tile by tile in the backward pass).
+
+    >>> import torch
+    >>> scale = torch.tensor(0.5, requires_grad=True)
+    >>> distance = from_fn(lambda b, h, i, j: -scale * (i - j).abs(), scale)
+    """
+    return _FromFn(fn, params, q_offset, kv_offset)
+
+
+class _Dense(Bias):
+    def __init__(self, tensor):
+        self.tensor = _float_tensor(tensor, "the dense bias", "broadcastable to (B, Hq, Lq, Lk)")
+        if not 2 <= self.tensor.dim() <= 4:
+            raise AttnkitValueError(
+                f"a dense bias must have 2 to 4 dims, broadcastable to (B, Hq, Lq, Lk), but got {tuple(tensor.shape)}."
+            )
+
+    def params(self):
+        return (self.tensor,)
+
+    def _t4(self):
+        t = self.tensor
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
+    def _index(self, b, h, q_idx, kv_idx):
+        t = self._t4()
+        bi = b if t.shape[0] > 1 else torch.zeros_like(b)
+        hi = h if t.shape[1] > 1 else torch.zeros_like(h)
+        qi = q_idx if t.shape[2] > 1 else torch.zeros_like(q_idx)
+        ki = kv_idx if t.shape[3] > 1 else torch.zeros_like(kv_idx)
+        return t, (bi, hi, qi, ki)
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        t, index = self._index(b, h, q_idx, kv_idx)
+        return t[index]
+
+    def _add_grad(self, grads, dtile, b, h, q_idx, kv_idx, q_len, kv_len):
+        if not self.tensor.requires_grad:
+            return
+        t, index = self._index(b, h, q_idx, kv_idx)
+        key = id(self.tensor)
+        if key not in grads:
+            grads[key] = torch.zeros(t.shape, dtype=dtile.dtype, device=dtile.device)
+        index = tuple(i.expand(dtile.shape) for i in index)
+        grads[key].index_put_(index, dtile, accumulate=True)  # (B, H, Lq, Lk) += one tile
+
+    def dense(self, batch, num_heads, q_len, kv_len, device):
+        return self._t4()
+
+    def check(self, batch, num_heads, q_len, kv_len, device):
+        super().check(batch, num_heads, q_len, kv_len, device)
+        if not broadcasts_to(tuple(self._t4().shape), (batch, num_heads, q_len, kv_len)):
+            raise AttnkitValueError(
+                f"the dense bias has shape {tuple(self.tensor.shape)}, which does not broadcast to "
+                f"(B, Hq, Lq, Lk) = {(batch, num_heads, q_len, kv_len)}."
+            )
+
+    def describe(self):
+        return f"dense{tuple(self.tensor.shape)}"
+
+
+def dense(tensor: torch.Tensor) -> Bias:
+    """A float tensor broadcastable to ``(B, Hq, Lq, Lk)``, added to the scores (with gradient).
+
+    This is what an additive float mask is, as a bias: the block-sparse kernel reads
+    only the tiles it visits, and masks still decide which pairs count.
+    """
+    return _Dense(tensor)

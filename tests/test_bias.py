@@ -1,0 +1,413 @@
+"""Score modifications: attn_bias (alibi, relative, from_fn, dense, sums), softcap and sinks.
+
+The oracle is the formula written out here in float64, with each bias computed the
+way the model it comes from defines it (BLOOM's ALiBi, T5's buckets, gpt-oss's sink
+softmax, Gemma 2's soft-capping), independently of attnkit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_oracle, randn
+from test_tiled import MaxNumel
+
+import attnkit
+from attnkit import bias, masks
+
+B, HQ, HKV, L, D = 2, 4, 2, 150, 16  # 150: several row blocks (128) and key blocks (64)
+
+
+# --- the formulas, written plainly -------------------------------------------------------
+
+
+def oracle(q, k, v, allowed=None, add=None, softcap=None, sinks=None, scale=None):
+    """softmax over [scores, sink] of (softcap(q k^T * scale) + add, masked) @ v; empty rows 0."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = q @ k.transpose(-2, -1) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap  # Gemma 2: before the mask
+    if add is not None:
+        s = s + add
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # gpt-oss: the sink is one more logit per head, its value 0
+        s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    w = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    if sinks is not None:
+        w = w[..., :-1]
+    return w @ v
+
+
+def bloom_slopes(n):
+    """The slopes of the ALiBi paper / BLOOM: 2^(-8 i / n) for a power of two n, interleaved otherwise."""
+    def geometric(m):
+        first = 2 ** (-(2 ** -(math.log2(m) - 3)))
+        return [first ** (i + 1) for i in range(m)]
+
+    if math.log2(n).is_integer():
+        return geometric(n)
+    below = 2 ** math.floor(math.log2(n))
+    return geometric(below) + geometric(2 * below)[0::2][: n - below]
+
+
+def alibi_formula(slopes, lq, lk, causal=False, q_offset=0, kv_offset=0):
+    i = torch.arange(lq, dtype=torch.float64)[:, None] + (lk - lq) + q_offset
+    j = torch.arange(lk, dtype=torch.float64)[None, :] + kv_offset
+    d = (i - j) if causal else (i - j).abs()
+    return -slopes.double().view(-1, 1, 1) * d  # (H, Lq, Lk)
+
+
+def t5_bucket(rel, num_buckets, max_distance, bidirectional):
+    """T5's bucket of one relative position (key minus query), one integer at a time."""
+    out = 0
+    if bidirectional:
+        num_buckets //= 2
+        if rel > 0:
+            out += num_buckets
+        n = abs(rel)
+    else:
+        n = max(-rel, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return out + n
+    far = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return out + min(far, num_buckets - 1)
+
+
+def relative_formula(table, lq, lk, num_buckets=32, max_distance=128, bidirectional=True):
+    idx = torch.tensor([[t5_bucket(j - (i + lk - lq), num_buckets, max_distance, bidirectional) for j in range(lk)]
+                        for i in range(lq)])
+    return table.double()[idx].permute(2, 0, 1)  # (Lq, Lk, H) -> (H, Lq, Lk)
+
+
+MASKS = {
+    "none": lambda: None,
+    "causal": lambda: masks.causal(),
+    "window": lambda: masks.sliding_window(16),
+    "document": lambda: masks.document(torch.tensor([[0] * 50 + [1] * 70 + [2] * 30, [0] * 100 + [1] * 50])),
+    "padding": lambda: masks.padding(torch.tensor([150, 97])),
+}
+
+
+def allowed_of(mask, lq, lk):
+    return None if mask is None else attnkit.prepare(mask, lq, lk).materialize()
+
+
+def make_mods(kind, dtype=torch.float64, lq=L, lk=L):
+    """(attnkit kwargs, oracle kwargs, learnable tensors) for one kind of modification."""
+    slopes = bias.alibi_slopes(HQ).to(dtype).requires_grad_()
+    table = (0.5 * torch.randn(32, HQ, dtype=torch.float64)).to(dtype).requires_grad_()
+    sinks = torch.randn(HQ, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = torch.randn(HQ, dtype=torch.float64).to(dtype).requires_grad_()
+    dense_t = torch.randn(B, 1, lq, lk, dtype=torch.float64).to(dtype).requires_grad_()
+    fn = lambda b, h, i, j: weight[h] * torch.cos(0.1 * (i - j).to(weight.dtype))  # noqa: E731
+    fn_formula = weight.double().view(-1, 1, 1) * torch.cos(
+        0.1 * (torch.arange(lq)[:, None] - torch.arange(lk)[None, :]).double())
+    table_ = {
+        "alibi": (dict(attn_bias=bias.alibi(slopes)), dict(add=alibi_formula(slopes, lq, lk)), [slopes]),
+        "alibi_causal": (dict(attn_bias=bias.alibi(slopes, causal=True)),
+                         dict(add=alibi_formula(slopes, lq, lk, causal=True)), [slopes]),
+        "relative": (dict(attn_bias=bias.relative(table)), dict(add=relative_formula(table, lq, lk)), [table]),
+        "relative_uni": (dict(attn_bias=bias.relative(table, bidirectional=False)),
+                         dict(add=relative_formula(table, lq, lk, bidirectional=False)), [table]),
+        "from_fn": (dict(attn_bias=bias.from_fn(fn, weight)), dict(add=fn_formula), [weight]),
+        "dense": (dict(attn_bias=bias.dense(dense_t)), dict(add=dense_t.double()), [dense_t]),
+        "softcap": (dict(softcap=2.0), dict(softcap=2.0), []),
+        "sinks": (dict(sinks=sinks), dict(sinks=sinks.double()), [sinks]),
+        "all": (dict(attn_bias=bias.alibi(slopes) + bias.relative(table), softcap=3.0, sinks=sinks),
+                dict(add=alibi_formula(slopes, lq, lk) + relative_formula(table, lq, lk), softcap=3.0,
+                     sinks=sinks.double()), [slopes, table, sinks]),
+    }
+    return table_[kind]
+
+
+KINDS = ["alibi", "alibi_causal", "relative", "relative_uni", "from_fn", "dense", "softcap", "sinks", "all"]
+
+
+def _grads(out, tensors, seed=0):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, tensors, g, allow_unused=True)
+
+
+# --- every modification with every mask, against the formula -----------------------------
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_float64_every_kernel_equals_the_formula(kind, mask_name):
+    q = randn(B, HQ, L, D, dtype=torch.float64, requires_grad=True)
+    k, v = (randn(B, HKV, L, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ours, theirs, learned = make_mods(kind)
+    mask = MASKS[mask_name]()
+    want = oracle(q, k, v, allowed_of(mask, L, L), **theirs)
+    want_grads = _grads(want, [q, k, v, *learned])
+    kernels = ["tiled", "reference"] + (["sdpa"] if set(ours) == {"attn_bias"} else [])
+    for kernel in kernels:
+        out = attnkit.attention(q, k, v, mask, kernel=kernel, **ours)
+        assert (out - want).abs().max() < 1e-12, kernel
+        for got, exp in zip(_grads(out, [q, k, v, *learned]), want_grads):
+            assert (got - exp).abs().max() < 1e-10, kernel
+    assert attnkit.explain(q, k, v, mask, **ours).kernel == "tiled"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["alibi_causal", "relative", "softcap", "sinks", "all"])
+def test_low_precision_within_the_oracle_rule(kind, dtype):
+    q = randn(B, HQ, L, D, dtype=dtype, requires_grad=True)
+    k, v = (randn(B, HKV, L, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    ours, theirs, learned = make_mods(kind, dtype)
+    mask = masks.sliding_window(40)
+    allowed = allowed_of(mask, L, L)
+    gold = oracle(q.double(), k.double(), v.double(), allowed, **theirs)
+    naive = oracle(q, k, v, allowed, **{n: (t.to(dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()})
+    out = attnkit.attention(q, k, v, mask, **ours)
+    assert_oracle(out, gold, naive, what=f"{kind} {dtype}")
+    gold_g, naive_g, out_g = (_grads(o, [q, k, v]) for o in (gold, naive, out))
+    for name, o, g, n in zip("qkv", out_g, gold_g, naive_g):
+        assert_oracle(o, g, n, factor=3.0, what=f"d{name} {kind} {dtype}")
+
+
+@pytest.mark.parametrize("kind", ["alibi", "relative", "from_fn", "all"])
+def test_offsets_decoding_and_gqa(kind):
+    """Lq != Lk (bottom-right: the queries are the last positions) and per-sequence offsets."""
+    lq = 5
+    q = randn(B, HQ, lq, D, dtype=torch.float64)
+    k, v = (randn(B, HKV, L, D, dtype=torch.float64) for _ in range(2))
+    ours, theirs, _ = make_mods(kind, lq=lq)
+    for kernel in ["tiled", "reference"]:
+        out = attnkit.attention(q, k, v, masks.causal(), kernel=kernel, **ours)
+        want = oracle(q, k, v, torch.ones(lq, L, dtype=torch.bool).tril(L - lq), **theirs)
+        assert (out - want).abs().max() < 1e-12
+    slopes = bias.alibi_slopes(HQ).double()
+    offsets = torch.tensor([3, 11])
+    got = attnkit.attention(q, k, v, attn_bias=bias.alibi(slopes, q_offset=offsets, kv_offset=2))
+    for b in range(B):
+        want = oracle(q[b : b + 1], k[b : b + 1], v[b : b + 1],
+                      add=alibi_formula(slopes, lq, L, q_offset=int(offsets[b]), kv_offset=2))
+        assert (got[b : b + 1] - want).abs().max() < 1e-12
+
+
+def test_rank_2_and_3_inputs():
+    q, k, v = (randn(37, 8, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.3], dtype=torch.float64)
+    out = attnkit.attention(q, k, v, masks.causal(), attn_bias=bias.alibi(slopes), softcap=4.0,
+                            sinks=torch.tensor([0.5], dtype=torch.float64))
+    want = oracle(q[None, None], k[None, None], v[None, None], torch.ones(37, 37, dtype=torch.bool).tril(),
+                  add=alibi_formula(slopes, 37, 37), softcap=4.0, sinks=torch.tensor([0.5], dtype=torch.float64))
+    assert out.shape == (37, 8) and (out - want[0, 0]).abs().max() < 1e-12
+    q3 = randn(3, 20, 8, dtype=torch.float64)
+    table = torch.randn(32, 3, dtype=torch.float64)
+    out = attnkit.attention(q3, q3, q3, attn_bias=bias.relative(table))
+    assert (out - oracle(q3[None], q3[None], q3[None], add=relative_formula(table, 20, 20))[0]).abs().max() < 1e-12
+
+
+# --- gradients ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["alibi_softcap_sinks_causal", "relative_dense_document", "from_fn_window"])
+def test_gradcheck_every_learnable_tensor(case):
+    lq = lk = 24
+    q = randn(2, 2, lq, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (randn(2, 1, lk, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    slopes = torch.tensor([0.25, 0.0625], dtype=torch.float64, requires_grad=True)
+    table = randn(8, 2, dtype=torch.float64, requires_grad=True)
+    sinks = randn(2, dtype=torch.float64, requires_grad=True)
+    dense_t = randn(1, 2, lq, lk, dtype=torch.float64, requires_grad=True)
+    weight = randn(2, dtype=torch.float64, requires_grad=True)
+    if case == "alibi_softcap_sinks_causal":
+        mask, tensors = masks.causal(), (q, k, v, slopes, sinks)
+        mods = lambda t: dict(attn_bias=bias.alibi(t[3]), softcap=1.5, sinks=t[4])  # noqa: E731
+    elif case == "relative_dense_document":
+        mask, tensors = masks.document(torch.tensor([0] * 10 + [1] * 14)), (q, k, v, table, dense_t)
+        mods = lambda t: dict(attn_bias=bias.relative(t[3], 8, 16) + bias.dense(t[4]))  # noqa: E731
+    else:
+        mask, tensors = masks.sliding_window(5), (q, k, v, weight)
+        mods = lambda t: dict(attn_bias=bias.from_fn(lambda b, h, i, j: t[3][h] * (i - j).double().sin(), t[3]))  # noqa: E731
+    prepared = attnkit.prepare(mask, lq, lk, block_size=(8, 8))  # several tiles, full and partial
+    for kernel in ["tiled", "reference"]:
+        fn = lambda *t: attnkit.attention(t[0], t[1], t[2], prepared, kernel=kernel, **mods(t))  # noqa: E731
+        assert torch.autograd.gradcheck(fn, tensors, atol=1e-8)
+
+
+def test_tiled_bias_gradient_of_a_parameter_used_twice():
+    slopes = bias.alibi_slopes(HQ).double().requires_grad_()
+    q, k, v = (randn(1, HQ, 90, 8, dtype=torch.float64) for _ in range(3))
+    attn_bias = bias.alibi(slopes) + bias.alibi(slopes, causal=True)
+    for kernel in ["tiled", "reference"]:
+        slopes.grad = None
+        attnkit.attention(q, k, v, masks.causal(), attn_bias=attn_bias, kernel=kernel).square().sum().backward()
+        if kernel == "tiled":
+            tiled_grad = slopes.grad.clone()
+    assert torch.allclose(tiled_grad, slopes.grad, atol=1e-12)
+
+
+# --- edge values ----------------------------------------------------------------------------
+
+
+def test_softcap_with_huge_scores_stays_finite():
+    q, k, v = (randn(1, 2, 130, 16, requires_grad=True) for _ in range(3))
+    qs, ks = q * 100, k * 100  # |q . k| * scale ~ 1e4
+    out = attnkit.attention(qs, ks, v, masks.causal(), softcap=30.0)
+    want = oracle(qs.double(), ks.double(), v.double(), torch.ones(130, 130, dtype=torch.bool).tril(), softcap=30.0)
+    assert torch.isfinite(out).all() and (out.double() - want).abs().max() < 1e-4
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_sinks_with_fully_masked_rows_give_zero_and_zero_gradients():
+    q, k, v = (randn(2, HQ, 70, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = randn(HQ, dtype=torch.float64, requires_grad=True)
+    mask = masks.padding(torch.tensor([0, 50]))  # sequence 0 may see no key
+    for kernel in ["tiled", "reference"]:
+        for t in (q, k, v, sinks):
+            t.grad = None
+        out, lse = attnkit.attention(q, k, v, mask, sinks=sinks, kernel=kernel, return_lse=True)
+        assert (out[0] == 0).all()
+        assert torch.allclose(lse[0], sinks.detach().view(-1, 1).expand(HQ, 70))  # only the sink is left
+        (out * randn(*out.shape, dtype=torch.float64)).sum().backward()
+        assert (q.grad[0] == 0).all() and (k.grad[0] == 0).all() and torch.isfinite(sinks.grad).all()
+    w = attnkit.attention_weights(q, k, v, mask, sinks=sinks)
+    assert (w[0] == 0).all() and (w[1, :, :, :50].sum(-1) < 1).all() and (w[1, :, :, 50:] == 0).all()
+
+
+def test_masked_pairs_get_no_bias_gradient():
+    dense_t = randn(1, 1, 80, 80, dtype=torch.float64, requires_grad=True)
+    q, k, v = (randn(1, 2, 80, 8, dtype=torch.float64) for _ in range(3))
+    attnkit.attention(q, k, v, masks.causal(), attn_bias=bias.dense(dense_t)).sum().backward()
+    assert (dense_t.grad[0, 0].triu(1) == 0).all() and dense_t.grad[0, 0].tril().abs().sum() > 0
+
+
+# --- parity with the models' definitions -----------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 12, 16, 24, 32, 40])
+def test_alibi_slopes_are_bloom_slopes(n):
+    assert torch.allclose(bias.alibi_slopes(n).double(), torch.tensor(bloom_slopes(n), dtype=torch.float64), rtol=1e-6)
+
+
+def test_causal_alibi_equals_bloom_bias_per_key():
+    """BLOOM adds slope * key position; with a causal mask that is softmax-equal to -slope * (i - j)."""
+    q, k, v = (randn(2, 8, 100, 16, dtype=torch.float64) for _ in range(3))
+    slopes = bias.alibi_slopes(8).double()
+    bloom = slopes.view(-1, 1, 1) * torch.arange(100, dtype=torch.float64).view(1, 1, -1)  # (H, 1, Lk)
+    want = oracle(q, k, v, torch.ones(100, 100, dtype=torch.bool).tril(), add=bloom)
+    got = attnkit.attention(q, k, v, masks.causal(), attn_bias=bias.alibi(slopes, causal=True))
+    assert (got - want).abs().max() < 1e-12
+
+
+def test_t5_buckets_match_a_plain_reimplementation():
+    rel = torch.arange(-300, 301)
+    for nb, md, bidir in [(32, 128, True), (32, 128, False), (16, 64, True), (8, 20, False)]:
+        got = bias.relative_buckets(rel, nb, md, bidir)
+        want = torch.tensor([t5_bucket(int(r), nb, md, bidir) for r in rel])
+        assert torch.equal(got, want), (nb, md, bidir)
+
+
+# --- MultiHeadAttention, explain, bad input -------------------------------------------------
+
+
+def test_multihead_attention_softcap_sinks_and_per_call_bias():
+    mha = attnkit.MultiHeadAttention(32, 4, softcap=10.0, sinks=True, dtype=torch.float64)
+    assert isinstance(mha.sinks, torch.nn.Parameter) and mha.sinks.shape == (4,)
+    assert "sinks.weight" not in dict(mha.named_parameters()) and "sinks" in dict(mha.named_parameters())
+    with torch.no_grad():
+        mha.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    x = randn(2, 20, 32, dtype=torch.float64)
+    slopes = bias.alibi_slopes(4).double()
+    out, w = mha(x, mask=masks.causal(), attn_bias=bias.alibi(slopes), need_weights=True)
+    q, k, v = mha.project(x)
+    want = oracle(q, k, v, torch.ones(20, 20, dtype=torch.bool).tril(), add=alibi_formula(slopes, 20, 20),
+                  softcap=10.0, sinks=mha.sinks.detach())
+    assert torch.allclose(out, mha.out_proj(mha.merge_heads(want)), atol=1e-12)
+    assert torch.allclose(mha(x, mask=masks.causal(), attn_bias=bias.alibi(slopes))[0], out, atol=1e-12)
+    assert (w.sum(-1) < 1).all()
+    mha(x, mask=masks.causal())[0].pow(2).sum().backward()
+    assert mha.sinks.grad is not None and torch.isfinite(mha.sinks.grad).all() and mha.sinks.grad.abs().sum() > 0
+    assert "softcap=10, sinks=True" in repr(mha)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        attnkit.MultiHeadAttention(32, 4, softcap=-1.0)
+
+
+def test_explain_names_the_modifications():
+    q = randn(1, HQ, 300, 16)
+    sinks = torch.zeros(HQ)
+    plan = attnkit.explain(q, q, q, masks.sliding_window(32), attn_bias=bias.alibi(bias.alibi_slopes(HQ)),
+                           softcap=50.0, sinks=sinks)
+    assert plan.kernel == "tiled"
+    assert str(plan).startswith("tiled: softcap=50, attn_bias=alibi, sinks;")
+    assert plan.rejected["sdpa"] == ("no softcap", "no attention sinks (needs the log-sum-exp)")
+    assert attnkit.explain(q, q, q, attn_bias=torch.zeros(300, 300)).kernel == "tiled"
+
+
+def test_a_float_tensor_is_a_dense_bias():
+    q, k, v = (randn(1, 2, 70, 8, dtype=torch.float64) for _ in range(3))
+    t = randn(70, 70, dtype=torch.float64)
+    a = attnkit.attention(q, k, v, masks.causal(), attn_bias=t)
+    b = attnkit.attention(q, k, v, masks.causal(), attn_bias=bias.dense(t))
+    assert torch.equal(a, b)
+
+
+def test_bad_modifications_raise_clear_errors():
+    q = randn(2, 4, 10, 8)
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        attnkit.attention(q, q, q, softcap=0.0)
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        attnkit.attention(q, q, q, softcap=float("inf"))
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        attnkit.attention(q, q, q, softcap=True)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\) = \(4,\)"):
+        attnkit.attention(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match="sinks must be a float tensor"):
+        attnkit.attention(q, q, q, sinks=[0.0] * 4)
+    with pytest.raises(ValueError, match=r"the ALiBi slopes has 3 heads \(shape \(3,\)\) but q has 4 heads"):
+        attnkit.attention(q, q, q, attn_bias=bias.alibi(torch.ones(3)))
+    with pytest.raises(ValueError, match="the relative position table has 2 heads"):
+        attnkit.attention(q, q, q, attn_bias=bias.relative(torch.ones(32, 2)))
+    with pytest.raises(ValueError, match=r"table must have shape \(num_buckets=16, num_heads\)"):
+        bias.relative(torch.ones(32, 4), num_buckets=16)
+    with pytest.raises(ValueError, match=r"does not broadcast to \(B, Hq, Lq, Lk\) = \(2, 4, 10, 10\)"):
+        attnkit.attention(q, q, q, attn_bias=bias.dense(torch.ones(3, 10, 10)))
+    with pytest.raises(TypeError, match="attn_bias must be an attnkit.bias object"):
+        attnkit.attention(q, q, q, attn_bias="alibi")
+    with pytest.raises(TypeError, match="the bias function must return a float tensor"):
+        attnkit.attention(q, q, q, attn_bias=bias.from_fn(lambda b, h, i, j: i - j))
+    with pytest.raises(ValueError, match="the bias function returned shape"):
+        attnkit.attention(q, q, q, attn_bias=bias.from_fn(lambda b, h, i, j: torch.zeros(3, 3, 3, 3)))
+    with pytest.raises(TypeError, match="slopes must be a float tensor"):
+        bias.alibi(torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        bias.alibi_slopes(0)
+    with pytest.raises(ValueError, match="attn_bias takes inputs of rank 2 to 4"):
+        q5 = randn(1, 2, 4, 10, 8)
+        attnkit.attention(q5, q5, q5, attn_bias=bias.alibi(torch.ones(4)))
+    with pytest.raises(ValueError, match="kernel='sdpa' cannot run this call: no attention sinks"):
+        attnkit.attention(q, q, q, sinks=torch.zeros(4), kernel="sdpa")
+
+
+# --- memory at long context ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["alibi_causal", "relative_document", "softcap_window", "sinks_window"])
+def test_no_lq_by_lk_tensor_at_16384(case):
+    length = 16384
+    q, k, v = (randn(1, 1, length, 8, requires_grad=True) for _ in range(3))
+    learned = torch.tensor([0.01], requires_grad=True)
+    mods = {
+        "alibi_causal": (masks.causal(), dict(attn_bias=bias.alibi(learned, causal=True))),
+        "relative_document": (masks.document(torch.arange(length) // (length // 8)),
+                              dict(attn_bias=bias.relative(torch.randn(32, 1, requires_grad=True)))),
+        "softcap_window": (masks.sliding_window(256), dict(softcap=20.0)),
+        "sinks_window": (masks.sliding_window(256), dict(sinks=learned)),
+    }
+    mask, kw = mods[case]
+    assert attnkit.explain(q, k, v, mask, **kw).kernel == "tiled"
+    with MaxNumel() as seen:
+        out = attnkit.attention(q, k, v, mask, **kw)
+        out.sum().backward()
+    assert seen.largest <= length * 256, seen.largest  # one row block of keys at most
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
