@@ -7,6 +7,7 @@ import *``; the examples below call its names with its signatures, in its order.
 Prints the shapes of each step and writes the heatmap to DIR/attention.png.
 """
 
+# ruff: noqa: F403, F405  (the star import is the point: the tutorial's names, one line)
 import argparse
 import math
 from pathlib import Path

@@ -411,3 +411,15 @@ def test_no_lq_by_lk_tensor_at_16384(case):
         out.sum().backward()
     assert seen.largest <= length * 256, seen.largest  # one row block of keys at most
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_readme_examples_run():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("One example each", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    q, k, v = (randn(1, 8, 300, 64) for _ in range(3))
+    namespace = {"torch": torch, "attnkit": attnkit, "q": q, "k": k, "v": v, "num_heads": 8,
+                 "ids": torch.arange(300) // 100, "float_tensor": randn(300, 300), "x": randn(1, 300, 512)}
+    exec(compile(block, "README score modifications", "exec"), namespace)
+    assert namespace["out"].shape == (1, 300, 512)

@@ -154,6 +154,30 @@ class _Positional(Bias):
             p = p + (kv_len - q_len)
         return p, kv_idx + self._offset(self.kv_offset, b)
 
+    def _by_distance(self, distance: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``(Hs, m)`` bias of each head for each ``key position - query position``."""
+        raise NotImplementedError
+
+    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        # A bias of the distance alone is a Toeplitz matrix per head: evaluate it on the
+        # n + S - 1 distances of the tile and lay those out as (n, S) with unfold.
+        # q_idx and kv_idx are consecutive ranges (the kernels' tiles, dense()).
+        if isinstance(self.q_offset, torch.Tensor) or isinstance(self.kv_offset, torch.Tensor):
+            qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
+            return self._elementwise(kp - qp, h)
+        n, span = q_idx.shape[2], kv_idx.shape[3]
+        if n == 0 or span == 0:
+            return torch.zeros(1, h.shape[1], n, span, device=q_idx.device)
+        qp, kp = self._positions(b, q_idx.view(-1)[-1:], kv_idx.view(-1)[:1], q_len, kv_len)
+        first = kp - qp  # distance at (last query, first key)
+        distance = first.view(-1) + torch.arange(n + span - 1, device=q_idx.device)  # (n + S - 1,)
+        values = self._by_distance(distance, h.view(-1))  # (Hs, n + S - 1)
+        return values.unfold(-1, span, 1).flip(-2)[None]  # [i, j] = values[n - 1 - i + j]: (1, Hs, n, S)
+
+    def _elementwise(self, distance: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The bias for a ``(Bs, 1, n, S)`` tensor of distances (per-sequence offsets)."""
+        raise NotImplementedError
+
     def check(self, batch, num_heads, q_len, kv_len, device):
         super().check(batch, num_heads, q_len, kv_len, device)
         for name in ("q_offset", "kv_offset"):
@@ -224,10 +248,12 @@ class _Alibi(_Positional):
         return (self.slopes,)
 
     def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        # One broadcast pass is cheaper here than the Toeplitz layout of _Positional.
         qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
-        dist = qp - kp  # (Bs or 1, 1, n, S)
-        dist = dist if self.causal else dist.abs()
-        return -self.slopes[h] * dist.to(self.slopes.dtype)  # (1, Hs, 1, 1) * (Bs or 1, 1, n, S)
+        dt = self.slopes.dtype
+        distance = kp.to(dt) - qp.to(dt)  # (Bs or 1, 1, n, S)
+        penalty = distance.neg_() if self.causal else distance.abs_()
+        return penalty * -self.slopes[h]  # (Bs or 1, 1, n, S) * (1, Hs, 1, 1)
 
     def check(self, batch, num_heads, q_len, kv_len, device):
         super().check(batch, num_heads, q_len, kv_len, device)
@@ -294,10 +320,14 @@ class _Relative(_Positional):
     def params(self):
         return (self.table,)
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
-        qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
-        bucket = relative_buckets(kp - qp, self.num_buckets, self.max_distance, self.bidirectional)  # (Bs or 1, 1, n, S)
-        return self.table.t()[h, bucket]  # (Hq, nb)[(1, Hs, 1, 1), (Bs or 1, 1, n, S)] -> (Bs or 1, Hs, n, S)
+    def _bucket(self, distance):
+        return relative_buckets(distance, self.num_buckets, self.max_distance, self.bidirectional)
+
+    def _by_distance(self, distance, h):
+        return self.table.t()[h][:, self._bucket(distance)]  # (Hs, nb)[:, (m,)] -> (Hs, m)
+
+    def _elementwise(self, distance, h):
+        return self.table.t()[h, self._bucket(distance)]  # (Hq, nb)[(1, Hs, 1, 1), (Bs or 1, 1, n, S)]
 
     def check(self, batch, num_heads, q_len, kv_len, device):
         super().check(batch, num_heads, q_len, kv_len, device)

@@ -218,18 +218,21 @@ def _bias_tile(call: _Call, sel: _Select, row: RowBlock, run: Run, hq: int, hkv:
     return _fold_tile(t, hq, hkv)
 
 
-def _math_scores(call: _Call, qf, kr, tile: _Tile | None, bias_tile=None):
-    """Scores of one run in float32/64; also ``tanh(s / softcap)`` for the backward pass (else None)."""
+def _math_scores(call: _Call, qf, kr, tile: _Tile | None, bias_tile=None, keep_capped: bool = False):
+    """Scores of one run in float32/64, and ``tanh(s / softcap)`` if ``keep_capped`` (else None)."""
     ct = _compute_dtype(qf.dtype)
-    s = (qf.to(ct) @ kr.to(ct).transpose(-2, -1)) * call.scale  # (B, Hkv, g*n, D) x (B, Hkv, D, S)
+    s = torch.matmul(qf.to(ct), kr.to(ct).transpose(-2, -1)).mul_(call.scale)  # (B, Hkv, g*n, S)
     capped = None
     if call.softcap is not None:
-        capped = torch.tanh(s / call.softcap)
-        s = capped * call.softcap
+        s = s.div_(call.softcap).tanh_()
+        if keep_capped:
+            capped, s = s, s * call.softcap
+        else:
+            s = s.mul_(call.softcap)
     if bias_tile is not None:
-        s = s + bias_tile.to(ct)
+        s = s.add_(bias_tile.to(ct))
     if tile is not None:
-        s = s.masked_fill(~tile.allowed, _NEG_INF)
+        s = s.masked_fill_(~tile.allowed, _NEG_INF)
     return s, capped
 
 
@@ -275,11 +278,14 @@ def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
                 )
             else:
                 s, _ = _math_scores(call, qf, kr, tile, bias_tile)
-                lse_r = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - torch.where(lse_r == _NEG_INF, 0.0, lse_r)[..., None])
+                m = s.amax(dim=-1, keepdim=True)
+                m = torch.where(m == _NEG_INF, 0.0, m)  # rows this run hides entirely
+                p = s.sub_(m).exp_()  # one exp pass: unnormalised weights
+                total = p.sum(dim=-1, keepdim=True)
+                lse_r = (m + total.log()).squeeze(-1)  # -inf where every key is hidden
                 if call.dropout_p > 0.0:
                     p = p * _keep_mask(call, gi, row, run, p.shape, q.device) / (1.0 - call.dropout_p)
-                o = p @ vr.to(p.dtype)  # (B, Hkv, g*n, S) x (B, Hkv, S, Dv)
+                o = (p @ vr.to(p.dtype)).div_(torch.where(total == 0, 1.0, total))  # (B, Hkv, g*n, S) x (B, Hkv, S, Dv)
             if tile is not None and tile.hidden_rows is not None:
                 lse_r = lse_r.masked_fill(tile.hidden_rows, _NEG_INF)  # rows this run hides entirely
                 o = o.masked_fill(tile.hidden_rows[..., None], 0.0)
@@ -357,8 +363,8 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
                     attn_mask=_fused_mask(tile, bias_tile, q.dtype), scale=call.scale,
                 )
             else:
-                s, capped = _math_scores(call, qf, kr, tile, bias_tile)
-                p = torch.exp(s - lf[..., None])  # (B, Hkv, g*n, S)
+                s, capped = _math_scores(call, qf, kr, tile, bias_tile, keep_capped=True)
+                p = s.sub_(lf[..., None]).exp_()  # (B, Hkv, g*n, S)
                 if tile is not None and tile.hidden_rows is not None:
                     p = p.masked_fill(tile.hidden_rows[..., None], 0.0)
                 dp = go.to(ct) @ vr.to(ct).transpose(-2, -1)
