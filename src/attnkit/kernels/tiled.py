@@ -155,6 +155,7 @@ class _Tile:
 
     allowed: torch.Tensor  # bool, True = may attend
     additive: torch.Tensor  # 0 / -inf in the inputs' dtype, for the fused engine
+    keep: torch.Tensor  # 1 / 0 in the math engine's dtype: zeroes hidden weights after exp
     hidden_rows: torch.Tensor | None  # (Bm, Hkv or 1, g*n): rows with no key here; None if none
     used_keys: torch.Tensor | None  # (Bm, Hkv or 1, S, 1): keys some row uses; None if all
 
@@ -178,8 +179,9 @@ def _tile(call: _Call, gi: int, sel: _Select, row: RowBlock, run: Run, hq: int, 
     visible = allowed.any(dim=-1)
     zero, ninf = torch.zeros((), dtype=dtype, device=device), torch.full((), _NEG_INF, dtype=dtype, device=device)
     additive = torch.where(allowed, zero, ninf)
-    result = _Tile(allowed, additive, None if visible.all() else ~visible, None if used.all() else used)
-    call.prepared.tiles.put(key, result, allowed.numel() * (1 + additive.element_size()))
+    keep = allowed.to(_compute_dtype(dtype))
+    result = _Tile(allowed, additive, keep, None if visible.all() else ~visible, None if used.all() else used)
+    call.prepared.tiles.put(key, result, allowed.numel() * (1 + additive.element_size() + keep.element_size()))
     return result
 
 
@@ -221,10 +223,11 @@ def _bias_tile(call: _Call, sel: _Select, row: RowBlock, run: Run, hq: int, hkv:
 def _math_scores(call: _Call, qf, kr, tile: _Tile | None, bias_tile=None, keep_capped: bool = False):
     """Scores of one run in float32/64, and ``tanh(s / softcap)`` if ``keep_capped`` (else None)."""
     ct = _compute_dtype(qf.dtype)
-    s = torch.matmul(qf.to(ct), kr.to(ct).transpose(-2, -1)).mul_(call.scale)  # (B, Hkv, g*n, S)
+    pre = call.scale if call.softcap is None else call.scale / call.softcap  # applied to q: n x D, not n x S
+    s = torch.matmul(qf.to(ct) * pre, kr.to(ct).transpose(-2, -1))  # (B, Hkv, g*n, S)
     capped = None
     if call.softcap is not None:
-        s = s.div_(call.softcap).tanh_()
+        s = s.tanh_()
         if keep_capped:
             capped, s = s, s * call.softcap
         else:
@@ -232,16 +235,24 @@ def _math_scores(call: _Call, qf, kr, tile: _Tile | None, bias_tile=None, keep_c
     if bias_tile is not None:
         s = s.add_(bias_tile.to(ct))
     if tile is not None:
-        s = s.masked_fill_(~tile.allowed, _NEG_INF)
+        s = s.add_(tile.additive)  # 0 / -inf: a broadcast add is faster than masked_fill_ here
     return s, capped
 
 
-def _fused_mask(tile: _Tile | None, bias_tile, dtype):
-    """The additive mask of the fused engine: -inf where hidden, plus the bias."""
-    if bias_tile is None:
-        return None if tile is None else tile.additive
-    bias_tile = bias_tile.to(dtype)
-    return bias_tile if tile is None else bias_tile + tile.additive
+#: exp() of float32 values below about -87.3 is subnormal, and so are the products of
+#: weights near that with values in the next matmul: x86 CPUs compute subnormals
+#: 20-70x slower. Weights below exp(-60) = 9e-27 of the row's largest are kept at that
+#: floor (far below float32's resolution); hidden pairs are still exactly 0.
+_EXP_FLOOR = -60.0
+
+
+def _weights(s: torch.Tensor, shift: torch.Tensor, tile: _Tile | None) -> torch.Tensor:
+    """``exp(s - shift)`` in place, hidden pairs exactly 0 (the softmax numerator)."""
+    s = s.sub_(shift)
+    if s.dtype == torch.float32:
+        s = s.clamp_(min=_EXP_FLOOR)
+    p = s.exp_()
+    return p if tile is None else p.mul_(tile.keep)
 
 
 def _merge(parts):
@@ -274,13 +285,13 @@ def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
             bias_tile = _bias_tile(call, sel, row, run, hq, k.shape[1])
             if call.fused:
                 o, lse_r = _aten.flash_forward(
-                    qf, kr, vr, attn_mask=_fused_mask(tile, bias_tile, q.dtype), scale=call.scale
+                    qf, kr, vr, attn_mask=None if tile is None else tile.additive, scale=call.scale
                 )
             else:
                 s, _ = _math_scores(call, qf, kr, tile, bias_tile)
                 m = s.amax(dim=-1, keepdim=True)
                 m = torch.where(m == _NEG_INF, 0.0, m)  # rows this run hides entirely
-                p = s.sub_(m).exp_()  # one exp pass: unnormalised weights
+                p = _weights(s, m, tile)  # one exp pass: unnormalised weights
                 total = p.sum(dim=-1, keepdim=True)
                 lse_r = (m + total.log()).squeeze(-1)  # -inf where every key is hidden
                 if call.dropout_p > 0.0:
@@ -360,11 +371,11 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
             if fused:
                 g_q, g_k, g_v = _aten.flash_backward(
                     go.contiguous(), qf, kr, vr, of, lf,
-                    attn_mask=_fused_mask(tile, bias_tile, q.dtype), scale=call.scale,
+                    attn_mask=None if tile is None else tile.additive, scale=call.scale,
                 )
             else:
                 s, capped = _math_scores(call, qf, kr, tile, bias_tile, keep_capped=True)
-                p = s.sub_(lf[..., None]).exp_()  # (B, Hkv, g*n, S)
+                p = _weights(s, lf[..., None], tile)  # (B, Hkv, g*n, S)
                 if tile is not None and tile.hidden_rows is not None:
                     p = p.masked_fill(tile.hidden_rows[..., None], 0.0)
                 dp = go.to(ct) @ vr.to(ct).transpose(-2, -1)
@@ -468,7 +479,10 @@ def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float
     """
     if dropout_p > 0.0 and seed is None:
         seed = draw_seed()
-    fused = dropout_p == 0.0 and softcap is None and fused_available(q, v)
+    # With a bias the math engine is as fast or faster: the fused kernel would take the
+    # bias as an additive mask tile, and biases that grow with distance (ALiBi) push its
+    # exp() into subnormal numbers, which the math engine floors (see _EXP_FLOOR).
+    fused = dropout_p == 0.0 and softcap is None and bias is None and fused_available(q, v)
     params = () if bias is None else tuple(bias.params())
     call = _Call(prepared, scale, dropout_p, seed or 0, fused, bias, softcap, params)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
