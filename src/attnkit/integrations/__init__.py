@@ -1,0 +1,1 @@
+"""Integrations of attnkit with other libraries (import the one you need)."""
