@@ -20,7 +20,7 @@ $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed
-	$(PIP) -e '.[viz,models,test]'
+	$(PIP) -e '.[viz,models,hf,test]'
 	touch $@
 
 demo: $(VENV)/.demo-installed

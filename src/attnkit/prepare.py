@@ -148,6 +148,16 @@ class PreparedMask:
     def device(self) -> torch.device:
         return self.codes.device
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(Bm, Hm, Lq, Lk)``: the shape of the dense mask it stands for (see :meth:`materialize`)."""
+        return (*self.lead_shape, self.q_len, self.kv_len)
+
+    @property
+    def ndim(self) -> int:
+        """4, like the dense mask it stands for (code that checks a mask's rank can hold one)."""
+        return 4
+
     def to(self, device) -> PreparedMask:
         """The same prepared mask with its tensors on ``device`` (a new value)."""
         return prepare(self.mask, self.q_len, self.kv_len, device=device, block_size=self.block_size)

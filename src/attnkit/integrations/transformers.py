@@ -26,6 +26,9 @@ attention themselves (ALiBi models such as Bloom and Falcon) are refused by
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 import warnings
 
 import torch
@@ -34,6 +37,7 @@ from attnkit import bias as _bias
 from attnkit import masks
 from attnkit._validate import AttnkitValueError
 from attnkit.functional import attention, attention_with_weights
+from attnkit.prepare import prepare
 
 try:
     import transformers
@@ -139,9 +143,10 @@ def _key_mask(padding, kv_offset, kv_length):
 
 def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                   mask_function=_mu.causal_mask_function, attention_mask=None, **kwargs):
-    """transformers' mask interface for ``"attnkit"``: an attnkit mask object (or None).
+    """transformers' mask interface for ``"attnkit"``: a :class:`~attnkit.PreparedMask` or None.
 
-    None means "no mask" (bidirectional attention without padding).
+    None means "no mask" (bidirectional attention without padding). A pattern that
+    cannot be translated comes back as transformers' own dense bool mask.
     """
     device = kwargs.get("device", "cpu")
     padding = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
@@ -158,8 +163,38 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
             use_vmap=kwargs.get("use_vmap", False), device=device,
         )
-        return masks.dense(dense)
-    return None if pattern is _ALL else pattern
+        return dense  # transformers' own bool mask (B, 1, Lq, Lk): exact, but dense
+    if pattern is _ALL:
+        return None
+    # Prepared once here, shared by every layer of this forward.
+    return _carrier(prepare(pattern, q_length, kv_length, device=device), batch_size)
+
+
+def _carrier(prepared, batch_size: int) -> torch.Tensor:
+    """A meta bool tensor of the mask's shape ``(B, 1, Lq, Lk)`` that carries the prepared mask.
+
+    transformers passes masks between its functions as 4-D tensors (generation with a
+    static cache reads ``.ndim`` and ``.shape`` and hands the mask back in), so the
+    mask travels as a tensor that has the shape and no data; the attention function
+    reads the prepared mask from it. Used as data anywhere else, a meta tensor fails
+    loudly instead of silently meaning "attend everywhere".
+    """
+    carrier = torch.empty(batch_size, 1, prepared.q_len, prepared.kv_len, dtype=torch.bool, device="meta")
+    carrier.attnkit_mask = prepared
+    return carrier
+
+
+def _unwrap(mask):
+    if isinstance(mask, torch.Tensor) and mask.device.type == "meta":
+        prepared = getattr(mask, "attnkit_mask", None)
+        if prepared is None:
+            raise AttnkitValueError(
+                "attnkit's transformers attention got a mask without data (a meta tensor) that "
+                "lost its prepared attnkit mask: the model sliced or copied the mask. Please report "
+                "the model; attn_implementation='sdpa' runs it meanwhile."
+            )
+        return prepared
+    return mask
 
 
 def _offset(x):
@@ -180,7 +215,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``(out: (B, Lq, Hq, D), weights or None)`` as transformers expects, the weights
     ``(B, Hq, Lq, Lk)`` when ``output_attentions`` is asked for.
     """
-    mask = attention_mask
+    mask = _unwrap(attention_mask)
     if mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         if causal and query.shape[2] > 1:
@@ -194,34 +229,82 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         "scale": scaling,
         "dropout_p": dropout,
     }
-    if kwargs.get("output_attentions"):
+    if kwargs.get("output_attentions") or _capturing_attentions():
         out, weights = attention_with_weights(query, key, value, mask, **mods)
     else:
         out, weights = attention(query, key, value, mask, **mods), None
     return out.transpose(1, 2).contiguous(), weights  # (B, Hq, Lq, D) -> (B, Lq, Hq, D)
 
 
+def _capturing_attentions() -> bool:
+    """Whether transformers is collecting attention weights in this forward (``output_attentions``)."""
+    if _collector is None:
+        return False
+    collected = _collector.get()
+    return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
+
+
+try:  # transformers records outputs through a context variable, not through kwargs
+    from transformers.utils.output_capturing import _active_collector as _collector
+except ImportError:  # pragma: no cover - other transformers versions
+    _collector = None
+
+
 # --- models that bypass the interface ----------------------------------------------------------
 
 
-def check_model(model) -> None:
-    """Raise if ``model`` would not run its attention through attnkit.
+def uses_attention_interface(model_class) -> bool:
+    """Whether a transformers model class runs its attention through ``ALL_ATTENTION_FUNCTIONS``.
 
-    Some architectures (ALiBi models such as Bloom and Falcon, GPT-2-era code
-    paths) compute attention themselves and ignore ``attn_implementation``.
+    Some architectures (the ALiBi models Bloom, Falcon and MPT among them) compute
+    attention in their own code and would ignore ``attn_implementation="attnkit"``.
     """
+    module = sys.modules.get(getattr(model_class, "__module__", ""), None)
+    if module is None:
+        return False
+    if module.__name__ not in _USES_INTERFACE:
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            source = ""
+        _USES_INTERFACE[module.__name__] = "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
+    return _USES_INTERFACE[module.__name__]
+
+
+_USES_INTERFACE: dict[str, bool] = {}
+
+
+def check_model(model) -> None:
+    """Raise a clear error if ``model`` would not run its attention through attnkit."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != NAME:
         raise AttnkitValueError(
             f"{type(model).__name__} is not set to attn_implementation={NAME!r}: load it with "
             f"attn_implementation={NAME!r} (after `import attnkit.integrations.transformers`)."
         )
-    if not getattr(type(model), "_supports_attention_backend", False):
+    _refuse_bypassing(type(model))
+
+
+def _refuse_bypassing(model_class) -> None:
+    if not uses_attention_interface(model_class):
         raise AttnkitValueError(
-            f"{type(model).__name__} computes attention itself and does not call transformers' "
-            "attention interface, so attn_implementation='attnkit' would not run attnkit. "
-            "attnkit cannot run this architecture through transformers."
+            f"{model_class.__name__} computes attention in its own code (it never calls transformers' "
+            "attention interface), so attn_implementation='attnkit' would silently run without attnkit. "
+            "attnkit cannot run this architecture through transformers; use attn_implementation='sdpa'."
         )
+
+
+def _refusing(get_correct):
+    """Wrap ``PreTrainedModel.get_correct_attn_implementation`` to refuse bypassing models."""
+
+    @functools.wraps(get_correct)
+    def wrapper(self, requested_attention=None, *args, **kwargs):
+        if requested_attention == NAME:
+            _refuse_bypassing(type(self))
+        return get_correct(self, requested_attention, *args, **kwargs)
+
+    wrapper._attnkit_refusing = True
+    return wrapper
 
 
 def _register() -> None:
@@ -233,6 +316,9 @@ def _register() -> None:
         )
     AttentionInterface.register(NAME, attention_forward)
     _mu.AttentionMaskInterface.register(NAME, mask_function)
+    base = transformers.PreTrainedModel
+    if not getattr(base.get_correct_attn_implementation, "_attnkit_refusing", False):
+        base.get_correct_attn_implementation = _refusing(base.get_correct_attn_implementation)
 
 
 _register()

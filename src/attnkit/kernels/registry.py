@@ -209,7 +209,7 @@ TILED_MAX_KEPT_FULL = 0.85
 
 def _sdpa_causal(call: Call) -> bool:
     """Whether the mask is exactly SDPA's ``is_causal=True`` (top-left aligned) here."""
-    m = call.mask
+    m = call.mask.mask if isinstance(call.mask, PreparedMask) else call.mask
     return (
         isinstance(m, _masks._Causal)
         and m._position_key() is not None

