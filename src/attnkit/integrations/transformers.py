@@ -150,6 +150,10 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     """
     device = kwargs.get("device", "cpu")
     padding = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if kwargs.get("allow_is_causal_skip") and _mu._ignore_causal_mask_sdpa(
+        padding, q_length, kv_length, q_offset, kv_offset, kwargs.get("local_size")
+    ):
+        return None  # plain causal attention over every key (the attention function applies it)
     q_off = _offset(q_offset)
     kv_off = _offset(kv_offset)
     try:
