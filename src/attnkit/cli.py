@@ -14,26 +14,68 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def show(args) -> int:
-    import numpy as np
-
+def _run_minilm(text):
+    """(weights (layers, heads, L, L), tokens, special tokens) of the packaged MiniLM."""
     import attnkit
-    from attnkit.inspect.summary import summarize
     from attnkit.models import MiniLM
-    from attnkit.viz import attention_grid, save_html, visualize_attention
 
     _say("loading all-MiniLM-L6-v2 (attnkit.models.MiniLM) ...")
     model = MiniLM.from_package()
-    tokens = model.tokens(args.text)
-    ids, lengths = model.tokenize([args.text])
-    layers, heads = len(model.layers), model.layers[0].attention.num_heads
-    for name, value, limit in (("--layer", args.layer, layers), ("--head", args.head, heads)):
-        if value is not None and not 0 <= value < limit:
-            raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
+    tokens = model.tokens(text)
+    ids, lengths = model.tokenize([text])
     _say(f"running the model on {len(tokens)} tokens ...")
     with attnkit.capture(model) as cap:
         model(ids, lengths)
-    weights = cap.stack()  # (layers, heads, L, L)
+    return cap.stack(), tokens, ("[CLS]", "[SEP]")
+
+
+def _run_checkpoint(path, text):
+    """The same from a local HuggingFace checkpoint folder, run with attn_implementation='attnkit'."""
+    import torch
+
+    import attnkit
+    from attnkit._validate import AttnkitValueError
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise AttnkitValueError(f"--model must be a folder with a config.json (a saved checkpoint), but got {path!r}.")
+    import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    if getattr(config, "is_encoder_decoder", False):
+        raise AttnkitValueError(
+            f"attnkit show takes encoder or decoder checkpoints; {folder} holds an encoder-decoder "
+            f"({config.model_type}). Use attnkit.capture in Python to look at it."
+        )
+    _say(f"loading {folder} (attn_implementation='attnkit') ...")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModel.from_pretrained(folder, attn_implementation="attnkit").eval()
+    except OSError as err:
+        raise AttnkitValueError(f"cannot load the checkpoint in {folder}: {str(err).splitlines()[0]}") from None
+    encoded = tokenizer(text, return_tensors="pt")
+    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
+    _say(f"running the model on {len(tokens)} tokens ...")
+    with attnkit.capture(model) as cap, torch.no_grad():
+        model(**encoded)
+    return cap.stack(), tokens, tuple(tokenizer.all_special_tokens)
+
+
+def show(args) -> int:
+    import numpy as np
+
+    from attnkit.inspect.summary import summarize
+    from attnkit.viz import attention_grid, save_html, visualize_attention
+
+    if args.model is None:
+        weights, tokens, special = _run_minilm(args.text)
+    else:
+        weights, tokens, special = _run_checkpoint(args.model, args.text)
+    layers, heads = weights.shape[:2]  # (layers, heads, L, L)
+    for name, value, limit in (("--layer", args.layer, layers), ("--head", args.head, heads)):
+        if value is not None and not 0 <= value < limit:
+            raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,12 +92,13 @@ def show(args) -> int:
         path = out / f"attention_layer{layer}_head{head}.png"
         visualize_attention(weights[layer, head], tokens, path, title=f"layer {layer}, head {head}")
         written.append(path)
-    np.savez_compressed(out / "attention.npz", tokens=np.array(tokens), weights=weights.numpy(), layers=np.array(cap.names))
+    np.savez_compressed(out / "attention.npz", tokens=np.array(tokens), weights=weights.numpy(),
+                        layers=np.array([f"layer {i}" for i in range(layers)]))
     written.append(out / "attention.npz")
 
     print(f"tokens ({len(tokens)}): {' '.join(tokens)}")
     print()
-    print(summarize(weights, tokens, special=("[CLS]", "[SEP]")))
+    print(summarize(weights, tokens, special=special))
     print()
     for path in written:
         print(f"wrote {path}")
@@ -111,12 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "show",
-        help="run all-MiniLM-L6-v2 on a text and write its attention as HTML, PNG and NPZ",
-        description="Run all-MiniLM-L6-v2 (built from attnkit parts) on TEXT and write "
-        "attention.html (interactive), attention.png (every layer and head), attention.npz "
-        "(tokens and weights) and, with --layer/--head, one PNG per head.",
+        help="run all-MiniLM-L6-v2 (or --model DIR) on a text and write its attention as HTML, PNG and NPZ",
+        description="Run all-MiniLM-L6-v2 (built from attnkit parts), or any local HuggingFace "
+        "encoder or decoder checkpoint with --model, on TEXT and write attention.html "
+        "(interactive), attention.png (every layer and head), attention.npz (tokens and weights) "
+        "and, with --layer/--head, one PNG per head.",
     )
     p.add_argument("text", help="the sentence to look at")
+    p.add_argument("--model", help="a local checkpoint folder (config.json, weights, tokenizer); run "
+                   "through transformers with attn_implementation='attnkit'")
     p.add_argument("--out", default="attention", help="output folder (default: ./attention)")
     p.add_argument("--layer", type=int, help="draw the heads of this layer as PNGs (0-based)")
     p.add_argument("--head", type=int, help="draw this head (of --layer, or of every layer) as PNG")

@@ -31,9 +31,16 @@ class Capture:
         if not isinstance(model, nn.Module):
             raise AttnkitTypeError(f"capture expects a torch.nn.Module, but got {type(model).__name__}.")
         self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-        if not self.layers:
+        self._hf_names = None
+        config = getattr(model, "config", None)
+        if not self.layers and getattr(config, "_attn_implementation", None) == "attnkit":
+            # a HuggingFace model run through attnkit.integrations.transformers
+            self._hf_names = {id(m): name for name, m in model.named_modules()}
+        elif not self.layers:
             raise AttnkitValueError(
-                f"{type(model).__name__} has no attnkit.MultiHeadAttention layer to capture."
+                f"{type(model).__name__} has no attnkit.MultiHeadAttention layer to capture (a HuggingFace "
+                "model must be loaded with attn_implementation='attnkit' after "
+                "`import attnkit.integrations.transformers`)."
             )
         self.weights: list[torch.Tensor] = []
         self.names: list[str] = []
@@ -47,7 +54,21 @@ class Capture:
 
         return hook
 
+    def _hf_hook(self, module, q, k, v, mask, mods):
+        name = self._hf_names.get(id(module))
+        if name is None:  # attention of another model
+            return
+        kw = {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale")}
+        with torch.no_grad():
+            self.weights.append(functional.attention_weights(q, k, v, mask, **kw).detach())
+        self.names.append(name)
+
     def __enter__(self) -> Capture:
+        if self._hf_names is not None:
+            from attnkit.integrations.transformers import register_attention_hook
+
+            self._handles.append(register_attention_hook(self._hf_hook))
+            return self
         for name, layer in self.layers:
             self._handles.append(layer.register_attention_hook(self._hook(name or type(layer).__name__)))
         return self

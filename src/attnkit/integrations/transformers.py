@@ -26,12 +26,14 @@ attention themselves (ALiBi models such as Bloom and Falcon) are refused by
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import sys
 import warnings
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from attnkit import bias as _bias
 from attnkit import masks
@@ -48,7 +50,7 @@ except ModuleNotFoundError as err:  # pragma: no cover - depends on the environm
         "attnkit.integrations.transformers needs HuggingFace transformers: pip install 'attnkit[hf]'"
     ) from err
 
-__all__ = ["NAME", "attention_forward", "check_model", "mask_function", "translate"]
+__all__ = ["NAME", "attention_forward", "check_model", "mask_function", "register_attention_hook", "translate"]
 
 #: The name to pass as ``attn_implementation``.
 NAME = "attnkit"
@@ -233,11 +235,29 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         "scale": scaling,
         "dropout_p": dropout,
     }
+    for hook in tuple(_attention_hooks.values()):
+        hook(module, query, key, value, mask, mods)
     if kwargs.get("output_attentions") or _capturing_attentions():
         out, weights = attention_with_weights(query, key, value, mask, **mods)
     else:
         out, weights = attention(query, key, value, mask, **mods), None
     return out.transpose(1, 2).contiguous(), weights  # (B, Hq, Lq, D) -> (B, Lq, Hq, D)
+
+
+_attention_hooks: collections.OrderedDict = collections.OrderedDict()
+
+
+def register_attention_hook(hook) -> RemovableHandle:
+    """Call ``hook(module, q, k, v, mask, mods)`` before every attention this integration runs.
+
+    ``q: (B, Hq, Lq, D)``, ``k``/``v: (B, Hkv, Lk, D)``; ``mask`` is what
+    :func:`attnkit.attention` gets and ``mods`` its keyword arguments (``attn_bias``,
+    ``softcap``, ``sinks``, ``scale``, ``dropout_p``). :func:`attnkit.capture` uses it.
+    Returns a handle whose ``remove()`` unregisters the hook.
+    """
+    handle = RemovableHandle(_attention_hooks)
+    _attention_hooks[handle.id] = hook
+    return handle
 
 
 def _capturing_attentions() -> bool:
