@@ -283,3 +283,78 @@ def test_show_runs_a_local_checkpoint(tmp_path):
     t5 = T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=1, num_heads=4)
     t5.save_pretrained(tmp_path / "t5")
     assert main(["show", text, "--model", str(tmp_path / "t5")]) == 2
+
+
+# --- the mask function against transformers' own dense masks -------------------------------
+
+
+def _dense_of(result, batch_size, lq, lk):
+    if result is None:
+        return torch.ones(batch_size, 1, lq, lk, dtype=torch.bool)
+    if result.device.type == "meta":
+        return result.attnkit_mask.materialize().expand(batch_size, 1, lq, lk)
+    return result
+
+
+@pytest.mark.parametrize("case", ["causal", "sliding", "bidirectional_window", "padded_left", "padded_right",
+                                  "packed", "cache_offset", "chunked_fallback"])
+def test_mask_function_equals_transformers_dense_mask(case):
+    from transformers import masking_utils as mu
+
+    b, lq, lk, q_off, kv_off = 2, 12, 12, 0, 0
+    fn, attention_mask = mu.causal_mask_function, None
+    if case == "sliding":
+        fn = mu.sliding_window_causal_mask_function(4)
+    elif case == "bidirectional_window":
+        fn = mu.sliding_window_bidirectional_mask_function(3)
+    elif case == "padded_left":
+        attention_mask = torch.ones(b, lk, dtype=torch.bool)
+        attention_mask[1, :4] = False
+    elif case == "padded_right":
+        attention_mask = torch.ones(b, lk, dtype=torch.bool)
+        attention_mask[0, 9:] = False
+    elif case == "packed":
+        ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 3 + [2] * 6])
+        pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
+                           torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)])])
+        fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
+                          mu.packed_sequence_mask_function(ids))
+    elif case == "cache_offset":  # a chunk of 5 queries after 7 cached tokens, in a static cache of 16
+        lq, lk, q_off = 5, 16, 7
+    elif case == "chunked_fallback":
+        fn = mu.chunked_causal_mask_function(3, torch.zeros(b, dtype=torch.long))
+    kw = dict(batch_size=b, q_length=lq, kv_length=lk, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
+              attention_mask=attention_mask)
+    want = mu.sdpa_mask(**kw, allow_is_causal_skip=False)
+    got = hf.mask_function(**kw)
+    if case == "chunked_fallback":
+        assert isinstance(got, torch.Tensor) and got.device.type == "cpu"  # transformers' dense mask
+    else:
+        assert got.device.type == "meta" and isinstance(got.attnkit_mask, attnkit.PreparedMask)
+    assert torch.equal(_dense_of(got, b, lq, lk), want.expand(b, 1, lq, lk))
+
+
+def test_chunked_prefill_equals_one_pass():
+    eager, ours = pair(DECODERS["mistral"]())
+    ids = torch.randint(3, V, (1, 14), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        full = eager(ids).logits
+        first = ours(ids[:, :8], use_cache=True)
+        rest = ours(ids[:, 8:], cache=first.past_key_values, use_cache=True).logits
+    close(torch.cat([first.logits, rest], dim=1), full)
+
+
+def test_bfloat16_is_as_close_as_sdpa():
+    eager, ours = pair(DECODERS["llama"]())
+    torch.manual_seed(0)
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(DECODERS["llama"]()), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(ours.state_dict())
+    ids, _, left = batch(11, length=40)
+    keep = left.bool()
+    with torch.no_grad():
+        gold = eager(ids, attention_mask=left).logits[keep]
+        errors = {}
+        for name, model in (("attnkit", ours), ("sdpa", sdpa)):
+            low = model.to(torch.bfloat16)(ids, attention_mask=left).logits[keep].float()
+            errors[name] = (low - gold).abs().max().item()
+    assert errors["attnkit"] <= 2 * errors["sdpa"] + 1e-2, errors
