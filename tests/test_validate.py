@@ -27,7 +27,7 @@ BAD = [
     ((q4, k4, t(2, 2, 6, 8)), {}, ValueError, r"k and v must have the same batch and head sizes"),
     ((q4, k4, v4), {"mask": torch.ones(5, 7, dtype=torch.bool)}, ValueError, r"mask of shape \(5, 7\) does not broadcast .* \(2, 4, 5, 6\)"),
     ((q4, k4, v4), {"mask": torch.ones(3, 4, 5, 6, dtype=torch.bool)}, ValueError, r"mask of shape \(3, 4, 5, 6\) does not broadcast"),
-    ((q4, k4, v4), {"mask": torch.ones(1, 2, 4, 5, 6, dtype=torch.bool)}, ValueError, r"does not broadcast"),
+    ((q4, k4, v4), {"mask": torch.ones(2, 2, 4, 5, 6, dtype=torch.bool)}, ValueError, r"does not broadcast"),
     ((q4, k4, v4), {"mask": torch.ones(5, 6, dtype=torch.int64)}, TypeError, r"mask must be bool .* got torch.int64. Use a bool mask"),
     ((q4, k4, v4), {"mask": torch.ones(5, 6, dtype=torch.float64)}, TypeError, r"query's dtype torch.float32, but got torch.float64. Cast it"),
     ((q4, k4, v4), {"mask": [[True]]}, TypeError, r"mask must be None, a bool tensor .* got list"),

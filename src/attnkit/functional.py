@@ -66,12 +66,31 @@ def _check_mask(mask, q: torch.Tensor, shapes: Shapes):
             check_broadcast((*mask.lead_shape, shapes.lq, shapes.lk), shapes, "the prepared mask")
         return mask
     if isinstance(mask, _masks.Mask):
+        for t in mask._held():
+            if t.device != q.device and t.device.type != "cpu":  # CPU tensors are moved as needed
+                raise AttnkitValueError(
+                    f"the {type(mask).__name__.strip('_').lower()} mask holds a tensor on {t.device} but q is "
+                    f"on {q.device}: build the mask "
+                    f"from tensors on {q.device} or on the CPU."
+                )
         mask.check(shapes.lq, shapes.lk)
         if not _lead_fits(mask.lead_shape(), shapes):
             check_broadcast((*mask.lead_shape(), shapes.lq, shapes.lk), shapes, repr(mask))
         return mask
     if isinstance(mask, torch.Tensor):
+        if mask.dim() < 2:  # (Lk,) or a scalar: broadcast like SDPA's attn_mask
+            mask = mask.reshape(1, -1) if mask.dim() == 1 else mask.reshape(1, 1)
+        while mask.dim() > len(shapes.scores) and mask.shape[0] == 1:  # e.g. (1, Lq, Lk) for 2-D inputs
+            mask = mask[0]
         check_tensor_mask(mask, q, shapes)
+        if mask.is_floating_point() and not compiling():
+            bad = torch.isnan(mask) | (mask == float("inf"))
+            if bool(bad.any()):
+                index = tuple(int(i) for i in bad.nonzero()[0])
+                raise AttnkitValueError(
+                    f"the additive float mask holds {mask[index].item()} at {index}: a float mask is "
+                    "added to the scores, so it may hold finite values and -inf (hidden), not NaN or +inf."
+                )
         return mask
     raise AttnkitTypeError(
         "mask must be None, a bool tensor (True = may attend), a float tensor added to the "

@@ -46,6 +46,16 @@ def used_keys(allowed: torch.Tensor, hkv: int | None) -> torch.Tensor:
     return used
 
 
+def zero_hidden_queries(q: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero the query rows that may attend no key, so junk there (NaN in padded queries)
+    cannot reach the output or the key gradients; those rows give 0 either way."""
+    allowed = allowed_pairs(mask)
+    if allowed is None:
+        return q
+    visible = allowed.any(dim=-1, keepdim=True)  # (..., Lq or 1, 1)
+    return torch.where(visible, q, q.new_zeros(()))
+
+
 def zero_unused_keys(
     k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, sync: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +197,7 @@ def run_with_weights(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = call.q, call.k, call.v
     dense = dense_mask(call)
     k, v = zero_unused_keys(k, v, dense, sync=not call.compiling)
+    q = zero_hidden_queries(q, dense)
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
         q, k, v = q.float(), k.float(), v.float()

@@ -55,10 +55,11 @@ class SDPAKernel(Kernel):
         if call.bias is not None:
             dense = reference.dense_mask(call)
             k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
+            q = reference.zero_hidden_queries(call.q, dense)
             bias = reference.dense_bias(call).to(call.q.dtype)  # (B or 1, Hq or 1, Lq, Lk)
             if dense is not None:
                 bias = bias.masked_fill(~dense, float("-inf")) if dense.dtype == torch.bool else bias + dense
-            return sdpa(call.q, k, v, bias, **kw), None
+            return sdpa(q, k, v, bias, **kw), None
         if call.mask is None:
             return sdpa(call.q, call.k, call.v, None, **kw), None
         if _sdpa_causal(call) and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
@@ -68,4 +69,5 @@ class SDPAKernel(Kernel):
             return sdpa(call.q, call.k, call.v, None, **kw), None
         dense = reference.dense_mask(call)
         k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
-        return sdpa(call.q, k, v, dense, **kw), None
+        q = reference.zero_hidden_queries(call.q, dense)
+        return sdpa(q, k, v, dense, **kw), None

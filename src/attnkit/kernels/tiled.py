@@ -205,6 +205,8 @@ def _run_inputs(call: _Call, gi, sel, q, k, v, row: RowBlock, run: Run):
         zero = k.new_zeros(())
         kr, vr = torch.where(tile.used_keys, kr, zero), torch.where(tile.used_keys, vr, zero)
     qf = _fold(q[:, :, row.q0 : row.q1], hkv)  # (B, Hkv, group * n, D)
+    if tile is not None and tile.hidden_rows is not None:  # junk (NaN) in queries that see no key here
+        qf = torch.where(tile.hidden_rows[..., None], q.new_zeros(()), qf)
     return qf, kr, vr, tile
 
 

@@ -181,6 +181,11 @@ class MultiHeadAttention(nn.Module):
     def _check_input(self, x, name: str, width: int) -> None:
         if not isinstance(x, torch.Tensor):
             raise AttnkitTypeError(f"{name} must be a torch.Tensor, but got {type(x).__name__}.")
+        if not x.is_floating_point():
+            raise AttnkitTypeError(
+                f"{name} must be a floating point tensor (embeddings), but got {x.dtype}. Token ids go "
+                "through an nn.Embedding first."
+            )
         if x.dim() not in (2, 3) or x.shape[-1] != width:
             raise AttnkitValueError(
                 f"{name} must have shape (B, L, {width}) or (L, {width}), but got "
@@ -257,6 +262,14 @@ class MultiHeadAttention(nn.Module):
         scores of this call, e.g. ``attnkit.bias.alibi(slopes)``.
         """
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
+        if counts is not None and cache is None:
+            raise AttnkitValueError("counts= says how many new entries of a KV cache are real: pass it with cache=.")
+        if kv is not None and (not isinstance(kv, (tuple, list)) or len(kv) != 2
+                               or not all(isinstance(t, torch.Tensor) for t in kv)):
+            raise AttnkitTypeError(
+                "kv must be the pair (k, v) of tensors returned by project_kv, but got "
+                f"{type(kv).__name__}{f' of length {len(kv)}' if isinstance(kv, (tuple, list)) else ''}."
+            )
         if cache is not None or kv is not None:
             if key is not None or value is not None:
                 raise AttnkitValueError("pass key/value, or cache= / kv=, not both.")

@@ -100,6 +100,8 @@ class KVCache:
                 raise AttnkitTypeError(f"{name} must be a tensor (B, Hkv, T, D), but got {type(t).__name__}.")
             if t.dim() != 4:
                 raise AttnkitValueError(f"{name} must have 4 dimensions (B, Hkv, T, D), but got shape {tuple(t.shape)}.")
+            if not t.is_floating_point():
+                raise AttnkitTypeError(f"{name} must be a floating point tensor (keys and values), but got {t.dtype}.")
             if t.dtype != self.dtype:
                 raise AttnkitTypeError(
                     f"the cache holds {self.dtype} but {name} is {t.dtype}. Build the cache with "

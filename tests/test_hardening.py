@@ -1,0 +1,159 @@
+"""Regression tests for the defects adversarial testing found (one test per finding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import naive_attention, randn
+
+import attnkit
+from attnkit import masks
+from attnkit.nn import KVCache
+
+KERNELS = ["auto", "tiled", "reference", "sdpa"]
+
+
+def test_3d_bool_tensor_means_the_same_alone_and_combined():
+    q, k, v = (randn(2, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    t = torch.rand(2, 4, 4) > 0.3
+    t[..., 0] = True
+    alone = attnkit.attention(q, k, v, t)
+    combined = attnkit.attention(q, k, v, masks.prefix_lm(4) & t)  # prefix_lm(4) allows everything here
+    assert torch.allclose(alone, combined, atol=1e-12)
+    want = naive_attention(q, k, v, t)[0]  # SDPA's rule: (2, 4, 4) is (H, Lq, Lk)
+    assert torch.allclose(alone, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_causal_with_zero_or_negative_scale_is_not_nan(scale):
+    q, k, v = (randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    want = naive_attention(q, k, v, torch.ones(9, 9, dtype=torch.bool).tril(), scale=scale)[0]
+    for kernel in KERNELS:
+        assert torch.allclose(attnkit.attention(q, k, v, masks.causal(), scale=scale, kernel=kernel), want, atol=1e-12)
+
+
+def test_double_backward_through_the_tiled_kernel_raises_a_clear_error():
+    q, k, v = (randn(1, 1, 80, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = attnkit.attention(q, k, v, masks.sliding_window(8), kernel="tiled")
+    with pytest.raises(ValueError, match="first derivatives only.*kernel='reference'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = attnkit.attention(q, k, v, masks.sliding_window(8), kernel="reference")  # the one that can
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    g.square().sum().backward()
+    assert torch.isfinite(k.grad).all()
+
+
+def test_a_mask_reused_with_inputs_of_another_rank_gives_their_shape():
+    m = masks.causal()
+    assert attnkit.attention_weights(randn(1, 2, 5, 8), randn(1, 2, 7, 8), randn(1, 2, 7, 8), m).shape == (1, 2, 5, 7)
+    assert attnkit.attention_weights(randn(5, 8), randn(7, 8), randn(7, 8), m).shape == (5, 7)
+
+
+def test_a_mask_does_not_change_when_its_source_tensor_does():
+    lengths = torch.tensor([3, 5])
+    m = masks.padding(lengths)
+    q, k, v = (randn(2, 1, 6, 8, dtype=torch.float64) for _ in range(3))
+    before = attnkit.attention(q, k, v, m)
+    lengths.numpy()[0] = 300  # no version bump
+    assert torch.equal(attnkit.attention(q, k, v, m), before)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_in_keys_and_values_no_query_attends_never_reaches_the_output(kernel):
+    """What holds on every kernel: K/V rows hidden from every query are never read (or zeroed)."""
+    q, k, v = (randn(2, 2, 150, 8, dtype=torch.float64) for _ in range(3))
+    lengths = torch.tensor([150, 90])
+    k[1, :, 90:] = float("nan")
+    v[1, :, 90:] = float("inf")
+    out = attnkit.attention(q, k, v, masks.padding(lengths) & masks.causal(), kernel=kernel)
+    assert torch.isfinite(out).all()
+    clean_k, clean_v = k.clone(), v.clone()
+    clean_k[1, :, 90:], clean_v[1, :, 90:] = 0.0, 0.0
+    assert torch.allclose(out, attnkit.attention(q, clean_k, clean_v, masks.padding(lengths) & masks.causal(),
+                                                 kernel="reference"), atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fully_masked_rows_give_zero_and_zero_gradients_whatever_their_query_holds(kernel):
+    length = 200
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[50:60] = False  # ten queries that may see nothing, inside partial tiles
+    q = randn(1, 2, length, 8)
+    q[:, :, 50:60] = float("nan")
+    q.requires_grad_()
+    k, v = (randn(1, 2, length, 8, requires_grad=True) for _ in range(2))
+    out = attnkit.attention(q, k, v, allowed, kernel=kernel)
+    assert (out[:, :, 50:60] == 0).all() and torch.isfinite(out).all()
+    out.sum().backward()
+    assert (q.grad[:, :, 50:60] == 0).all()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_float_masks_holding_plus_inf_or_nan_are_refused(bad):
+    q = randn(1, 1, 4, 8)
+    mask = torch.zeros(4, 4)
+    mask[2, 1] = bad
+    with pytest.raises(ValueError, match=r"holds (inf|nan) at \(2, 1\).*not NaN or \+inf"):
+        attnkit.attention(q, q, q, mask)
+    mask[2, 1] = float("-inf")  # -inf is "hidden"
+    assert torch.isfinite(attnkit.attention(q, q, q, mask)).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_1d_and_0d_bool_masks_broadcast_like_sdpa(kernel):
+    q, k, v = (randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    keys = torch.tensor([True, True, False, True, False, True])
+    assert torch.allclose(attnkit.attention(q, k, v, keys, kernel=kernel), naive_attention(q, k, v, keys[None])[0], atol=1e-12)
+    assert torch.allclose(attnkit.attention(q, k, v, torch.tensor(True), kernel=kernel), naive_attention(q, k, v)[0], atol=1e-12)
+    assert attnkit.attention_weights(q, k, v, keys)[..., 2].abs().max() == 0
+
+
+def test_a_leading_1_mask_for_2d_inputs_is_accepted():
+    q, k, v = (randn(6, 8, dtype=torch.float64) for _ in range(3))
+    t = torch.ones(1, 6, 6, dtype=torch.bool).tril()
+    assert torch.allclose(attnkit.attention(q, k, v, t), attnkit.attention(q, k, v, masks.causal()), atol=1e-12)
+
+
+def test_bad_inputs_from_deep_inside_torch_now_have_clear_errors():
+    q = randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="the padding mask holds a tensor on meta but q is on cpu"):
+        attnkit.attention(q, q, q, masks.padding(torch.tensor([3], device="meta")))
+    with pytest.raises(TypeError, match="lengths must be a sequence of ints"):
+        masks.padding("34")
+    with pytest.raises(TypeError, match="lengths must be a sequence of ints"):
+        masks.padding(None)
+    cache = KVCache(2, 2, 16, 8)
+    with pytest.raises(TypeError, match="k must be a floating point tensor"):
+        cache.append(torch.ones(2, 2, 3, 8, dtype=torch.long), torch.ones(2, 2, 3, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="counts must hold integers"):
+        cache.append(randn(2, 2, 3, 8), randn(2, 2, 3, 8), counts=torch.tensor([1.5, 2.9]))
+    with pytest.raises(TypeError, match="counts must hold integers"):
+        cache.append(randn(2, 2, 3, 8), randn(2, 2, 3, 8), counts=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"k must have 4 dimensions \(B, Hkv, T, D\)"):
+        cache.append(randn(2, 3, 8), randn(2, 3, 8))
+    with pytest.raises(ValueError, match="v_dim must be >= 0"):
+        KVCache(2, 2, 16, 8, v_dim=-3)
+    mha = attnkit.MultiHeadAttention(16, 2)
+    x = randn(2, 3, 16)
+    with pytest.raises(ValueError, match="counts= .* pass it with cache="):
+        mha(x, counts=torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match=r"kv must be the pair \(k, v\)"):
+        mha(x, kv=(randn(2, 2, 3, 8),))
+    with pytest.raises(TypeError, match="query must be a floating point tensor"):
+        mha(torch.ones(2, 3, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch=-7 is out of range"):
+        masks.padding(torch.tensor([2, 3])).picture(4, 4, batch=-7)
+    with pytest.raises(ValueError, match="batch=5 is out of range"):
+        masks.padding(torch.tensor([2, 3])).picture(4, 4, batch=5)
+    assert "prefix_len=3" in repr(masks.prefix_lm(np.int64(3)))
+    bf16 = attnkit.MultiHeadAttention(16, 2, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"KVCache\(..., dtype=torch.bfloat16\)"):
+        bf16(x.bfloat16(), cache=KVCache(2, 2, 16, 8))
+
+
+def test_error_messages_quote_at_most_about_80_characters_of_input():
+    with pytest.raises(ValueError) as err:
+        masks.causal(align="x" * 500)
+    assert len(str(err.value)) < 200
