@@ -183,3 +183,97 @@ def test_math_engine_dq_error_is_within_twice_sdpas():
         ours = dq(lambda a, b, c: attnkit.attention(a, b, c, mask, kernel="tiled"), torch.float32)
         ratios.append((ours - gold).abs().max().item() / (sdpa - gold).abs().max().item())
     assert statistics.median(ratios) <= 2.0 and max(ratios) <= 3.0, ratios
+
+
+# --- the CLI and the page -------------------------------------------------------------------
+
+
+def _cli(*args):
+    from attnkit.cli import main
+
+    return main(list(args))
+
+
+def test_cli_gives_one_line_errors_and_exit_code_2(tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["translate", "2019-03-25", "--out", str(a_file)], "is an existing file"),
+        (["translate", "2019-03-25", "--out", str(a_file / "below")], "cannot create the --out folder"),
+        (["translate", "2019-03-25", "--weights", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "o")],
+         "is not a file"),
+        (["translate", "2019-03-25", "--weights", str(a_file), "--out", str(tmp_path / "o")],
+         "is not a DateTranslator weights file"),
+        (["translate", "", "--out", str(tmp_path / "o")], "'' is not a date attnkit can read: the text is empty"),
+        (["translate", "hello world", "--out", str(tmp_path / "o")], "not a date in a supported format"),
+    ]
+    for args, message in cases:
+        assert _cli(*args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    for bad in (["--batch-size", "0"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            _cli("train", "translator", *bad, "--out", str(tmp_path / "t"))
+        assert exit_info.value.code == 2
+        assert "must be >= 1, but got 0" in capsys.readouterr().err
+
+
+def test_show_says_what_it_cut_and_keeps_outputs_bounded(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    text = "word " * 1500
+    assert _cli("show", text, "--out", str(tmp_path)) == 0
+    err = capsys.readouterr().err
+    assert "reads at most 256 tokens: showing the text up to character" in err and "of 1500 words" in err
+    assert (tmp_path / "attention.npz").stat().st_size < 10_000_000
+    assert (tmp_path / "attention.html").stat().st_size < 8_000_000
+
+
+def test_save_html_refuses_zero_tokens(tmp_path):
+    from attnkit.viz import save_html
+
+    with pytest.raises(ValueError, match="hold nothing to draw"):
+        save_html(tmp_path / "a.html", torch.zeros(1, 1, 0, 0), [])
+
+
+# --- the DateTranslator does not answer when it should not ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def translator():
+    from attnkit.models import DateTranslator
+
+    return DateTranslator.from_package()
+
+
+def test_translator_refuses_what_is_not_a_date(translator):
+    texts = ["", "hello world", "31 February 2019", "2019-13-01", "32 March 2019", "25 March 1850",
+             "25 March 2150", "1" * 48, "03/25/2019", "20190325", "Monday, March 26, 2019", "3th of May 2000"]
+    assert translator.translate(texts) == [None] * len(texts)
+    reasons = {a.text: a.reason for a in translator.answers(texts)}
+    assert reasons["31 February 2019"] == "there is no 31 February 2019"
+    assert reasons["25 March 1850"].startswith("the year 1850 is outside 1900-2099")
+    assert "is a Tuesday, not a monday" in reasons["Monday, March 26, 2019"]
+    with pytest.raises(ValueError, match="'hello world' is not a date attnkit can read"):
+        translator.translate(["25 March 2019", "hello world"], strict=True)
+
+
+def test_translator_normalises_whitespace_and_case_and_reports_confidence(translator):
+    assert translator.translate(["  25 March 2019  ", "25   MARCH   2019", "2019年3月25日"]) == ["2019-03-25"] * 3
+    (answer,) = translator.answers(["25th of March 2019"])
+    assert answer.iso == "2019-03-25" and 0.5 < answer.confidence <= 1.0 and answer.reason == ""
+
+
+def test_translator_keeps_99_percent_of_valid_dates_and_rejects_99_percent_of_garbage(translator):
+    import random
+    import string
+
+    from attnkit.models import dates
+
+    pairs = dates.dataset(600, seed=321)
+    out = translator.translate([t for t, _ in pairs])
+    assert sum(o == iso for o, (_, iso) in zip(out, pairs)) / len(pairs) >= 0.99
+    rng = random.Random(0)
+    chars = string.ascii_letters + string.digits + string.punctuation + " 年月日"
+    garbage = ["".join(rng.choice(chars) for _ in range(rng.randint(0, 40))) for _ in range(2000)]
+    rejected = translator.translate(garbage)
+    assert sum(r is None for r in rejected) / len(rejected) >= 0.99

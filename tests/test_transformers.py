@@ -277,7 +277,7 @@ def test_show_runs_a_local_checkpoint(tmp_path):
     assert main(["show", text, "--out", str(tmp_path / "own")]) == 0
     hf_run, own = np.load(tmp_path / "hf" / "attention.npz"), np.load(tmp_path / "own" / "attention.npz")
     assert list(hf_run["tokens"]) == list(own["tokens"]) and hf_run["weights"].shape == (6, 12, 9, 9)
-    assert np.abs(hf_run["weights"] - own["weights"]).max() < 1e-5  # attnkit's MiniLM = the checkpoint via transformers
+    assert np.abs(hf_run["weights"].astype(np.float32) - own["weights"]).max() < 2e-3  # float16 files; same weights
     assert (tmp_path / "hf" / "attention.html").stat().st_size > 1000
     assert main(["show", text, "--model", str(tmp_path / "nowhere")]) == 2
     t5 = T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=1, num_heads=4)

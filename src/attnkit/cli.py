@@ -4,6 +4,7 @@ the work is done by the library."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,33 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _out_dir(path) -> Path:
+    """The --out folder, created; a clear error when it names a file or cannot be made."""
+    from attnkit._validate import AttnkitValueError
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise AttnkitValueError(f"--out {str(out)!r} is an existing file; give a folder for the outputs.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AttnkitValueError(f"cannot create the --out folder {str(out)!r}: {err.strerror or err}.") from None
+    if not os.access(out, os.W_OK):
+        raise AttnkitValueError(f"cannot write into the --out folder {str(out)!r} (permission denied).")
+    return out
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, but got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, but got {value}")
+    return value
+
+
 def _run_minilm(text):
     """(weights (layers, heads, L, L), tokens, special tokens) of the packaged MiniLM."""
     import attnkit
@@ -21,6 +49,11 @@ def _run_minilm(text):
 
     _say("loading all-MiniLM-L6-v2 (attnkit.models.MiniLM) ...")
     model = MiniLM.from_package()
+    encoding = model.tokenizer.encode(text)
+    if encoding.overflowing:  # the tokenizer cut the text at the model's limit
+        end = encoding.offsets[-2][1] if len(encoding.offsets) > 1 else 0
+        _say(f"note: all-MiniLM-L6-v2 reads at most {model.max_seq_length} tokens: showing the text up to "
+             f"character {end} of {len(text)} ({len(text[:end].split())} of {len(text.split())} words).")
     tokens = model.tokens(text)
     ids, lengths = model.tokenize([text])
     _say(f"running the model on {len(tokens)} tokens ...")
@@ -54,7 +87,11 @@ def _run_checkpoint(path, text):
         model = AutoModel.from_pretrained(folder, attn_implementation="attnkit").eval()
     except OSError as err:
         raise AttnkitValueError(f"cannot load the checkpoint in {folder}: {str(err).splitlines()[0]}") from None
-    encoded = tokenizer(text, return_tensors="pt")
+    limit = getattr(tokenizer, "model_max_length", None)
+    limit = limit if isinstance(limit, int) and limit < 1_000_000 else None
+    encoded = tokenizer(text, return_tensors="pt", truncation=limit is not None, max_length=limit)
+    if limit is not None and len(tokenizer(text)["input_ids"]) > limit:
+        _say(f"note: {folder.name} reads at most {limit} tokens: showing the first {limit}.")
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
     _say(f"running the model on {len(tokens)} tokens ...")
     with attnkit.capture(model) as cap, torch.no_grad():
@@ -68,6 +105,7 @@ def show(args) -> int:
     from attnkit.inspect.summary import summarize
     from attnkit.viz import attention_grid, save_html, visualize_attention
 
+    out = _out_dir(args.out)  # before the model runs: a bad --out fails fast
     if args.model is None:
         weights, tokens, special = _run_minilm(args.text)
     else:
@@ -77,8 +115,6 @@ def show(args) -> int:
         if value is not None and not 0 <= value < limit:
             raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     written = [save_html(out / "attention.html", weights, tokens, layer_names=[f"layer {i}" for i in range(layers)], title=args.text)]
     _say("drawing the figures ...")
     attention_grid(weights, out / "attention.png", tokens=tokens, title=args.text)
@@ -92,7 +128,8 @@ def show(args) -> int:
         path = out / f"attention_layer{layer}_head{head}.png"
         visualize_attention(weights[layer, head], tokens, path, title=f"layer {layer}, head {head}")
         written.append(path)
-    np.savez_compressed(out / "attention.npz", tokens=np.array(tokens), weights=weights.numpy(),
+    # float16 halves the file (weights in [0, 1] keep 3 significant digits)
+    np.savez_compressed(out / "attention.npz", tokens=np.array(tokens), weights=weights.numpy().astype(np.float16),
                         layers=np.array([f"layer {i}" for i in range(layers)]))
     written.append(out / "attention.npz")
 
@@ -109,6 +146,7 @@ def train(args) -> int:
     from attnkit.models.translator import WEIGHTS
     from attnkit.models.translator import train as train_translator
 
+    _out_dir(args.out)
     _say(f"training DateTranslator: {args.steps} steps, seed {args.seed}, batch {args.batch_size}")
     model, record = train_translator(args.steps, seed=args.seed, batch_size=args.batch_size)
     record["command"] = f"attnkit train translator --steps {args.steps} --seed {args.seed} --batch-size {args.batch_size}"
@@ -124,17 +162,30 @@ def _shown(chars):
     return ["\u2423" if ch == " " else ch for ch in chars]
 
 
+def _load_translator(path, cls):
+    from attnkit._validate import AttnkitValueError
+
+    if not Path(path).is_file():
+        raise AttnkitValueError(f"--weights {path!r} is not a file: give a .safetensors file written by attnkit train.")
+    try:
+        return cls.load(path)
+    except Exception as err:  # safetensors, json and state-dict errors: all mean "not our weights"
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise AttnkitValueError(
+            f"--weights {path!r} is not a DateTranslator weights file written by attnkit train ({first})."
+        ) from None
+
+
 def translate(args) -> int:
     from attnkit.models.translator import DateTranslator
     from attnkit.viz import attention_grid, save_html, visualize_attention
 
-    model = DateTranslator.load(args.weights) if args.weights else DateTranslator.from_package()
+    out = _out_dir(args.out)
+    model = _load_translator(args.weights, DateTranslator) if args.weights else DateTranslator.from_package()
     result = model.translate_with_attention(args.text)
     print(result["output"])
     weights = result["weights"]  # (layers, heads, L_out, L_in)
     inputs, outputs = _shown(result["input_tokens"]), result["output_tokens"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     last = weights[-1].mean(dim=0)
     written = [out / "alignment.png", out / "alignment_grid.png", out / "alignment.html"]
     visualize_attention(last, outputs, written[0], key_tokens=inputs, xlabel="input character",
@@ -170,9 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (translator: the date normalizer)")
     p.add_argument("model", choices=["translator"])
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
+    p.add_argument("--steps", type=_positive, default=1500, help="optimizer steps (default 1500)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=_positive, default=128)
     p.add_argument("--out", default="translator", help="output folder (default: ./translator)")
     p.set_defaults(run=train)
 
@@ -194,6 +245,9 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except (AttnkitError, ModuleNotFoundError) as err:
+        print(f"attnkit {args.command}: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file system error the checks above did not foresee
         print(f"attnkit {args.command}: {err}", file=sys.stderr)
         return 2
 

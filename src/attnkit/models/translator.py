@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import masks
-from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models import dates
 from attnkit.nn import KVCache, MultiHeadAttention
 
@@ -85,6 +85,16 @@ class DecoderLayer(nn.Module):
         y = y + self.self_attn(self.norm1(y), mask=masks.causal(), cache=cache)[0]
         y = y + self.cross_attn(self.norm2(y), mask=source_padding, kv=memory_kv)[0]
         return y + self.ff(self.norm3(y))
+
+
+@dataclass(frozen=True)
+class DateAnswer:
+    """One text's answer: ``iso`` (None when refused), ``confidence`` in [0, 1], ``reason``."""
+
+    text: str
+    iso: str | None
+    confidence: float
+    reason: str
 
 
 class DateTranslator(nn.Module):
@@ -193,8 +203,12 @@ class DateTranslator(nn.Module):
         return self.decode(target_in, memory, padding)
 
     @torch.no_grad()
-    def generate(self, source, lengths) -> torch.Tensor:
-        """Greedy decoding with a KV cache per decoder layer; ``(B, T)`` token ids after BOS."""
+    def generate(self, source, lengths, *, return_log_prob: bool = False):
+        """Greedy decoding with a KV cache per decoder layer; ``(B, T)`` token ids after BOS.
+
+        With ``return_log_prob``, also each sequence's log-probability ``(B,)`` (the sum of
+        its chosen tokens' log-probabilities up to and including EOS).
+        """
         b = source.shape[0]
         memory, padding = self.encode(source, lengths)
         memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]  # once per source
@@ -206,26 +220,69 @@ class DateTranslator(nn.Module):
         token = torch.full((b, 1), BOS, dtype=torch.long, device=memory.device)
         out = []
         done = torch.zeros(b, dtype=torch.bool, device=memory.device)
+        log_prob = torch.zeros(b, device=memory.device)
         for step in range(c.max_target_len - 1):
             y = self.target_embed(token) + self.target_pos.weight[step]
             for layer, cache, kv in zip(self.decoder, caches, memory_kv):
                 y = layer(y, kv, padding, cache=cache)
-            token = self.head(self.decoder_norm(y)).argmax(-1)  # (B, 1)
+            logits = self.head(self.decoder_norm(y))[:, 0]  # (B, vocab)
+            token = logits.argmax(-1, keepdim=True)  # (B, 1)
+            chosen = torch.log_softmax(logits.float(), -1).gather(1, token)[:, 0]
+            log_prob += torch.where(done, 0.0, chosen)  # sequences already ended add nothing
             out.append(token)
             done |= token[:, 0] == EOS
             if done.all():
                 break
-        return torch.cat(out, dim=1)
+        tokens = torch.cat(out, dim=1)
+        return (tokens, log_prob) if return_log_prob else tokens
 
-    def translate(self, texts: list[str], batch_size: int = 256) -> list[str]:
-        """ISO dates for ``texts``, decoded greedily in batches."""
-        if isinstance(texts, str):
-            raise AttnkitTypeError("translate takes a list of texts; wrap a single text in a list.")
+    def answers(self, texts: list[str], batch_size: int = 256) -> list[DateAnswer]:
+        """For each text, the model's ISO answer when it can be trusted, its confidence and why not.
+
+        Each text is normalised (whitespace collapsed, lower case) and read by
+        :func:`attnkit.models.dates.read`: a text that is not a date in a supported
+        format, names a day that does not exist, a year outside 1900-2099, or a wrong
+        weekday gets ``iso=None`` and the reason, without running the model. The
+        others are decoded greedily in batches; ``confidence`` is the probability of
+        the decoded sequence, and an answer that is not the date the text names (a
+        model mistake) is also refused (``iso=None``).
+        """
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise AttnkitTypeError("texts must be a list of str; wrap a single text in a list.")
+        readings = [dates.read(t) for t in texts]
+        runnable = [i for i, (date, _) in enumerate(readings) if date is not None]
+        decoded: dict[int, tuple[str, float]] = {}
+        for start in range(0, len(runnable), batch_size):
+            chunk = runnable[start : start + batch_size]
+            source, lengths = self.encode_source([dates.normalize(texts[i]) for i in chunk])
+            ids, log_prob = self.generate(source, lengths, return_log_prob=True)
+            for i, row, lp in zip(chunk, ids.tolist(), log_prob.exp().tolist()):
+                decoded[i] = (self.decode_target(row), lp)
         results = []
-        for start in range(0, len(texts), batch_size):
-            source, lengths = self.encode_source(texts[start : start + batch_size])
-            results += [self.decode_target(row.tolist()) for row in self.generate(source, lengths)]
+        for i, (text, (date, why)) in enumerate(zip(texts, readings)):
+            if date is None:
+                results.append(DateAnswer(text, None, 0.0, why))
+                continue
+            output, confidence = decoded[i]
+            if output != date.isoformat():
+                why = f"the model answered {output!r}, which is not the date the text names"
+                results.append(DateAnswer(text, None, confidence, why))
+            else:
+                results.append(DateAnswer(text, output, confidence, ""))
         return results
+
+    def translate(self, texts: list[str], batch_size: int = 256, *, strict: bool = False) -> list[str | None]:
+        """ISO dates for ``texts``; ``None`` for a text that is not a date the model can read.
+
+        See :meth:`answers` for what is refused and why (and for the confidence).
+        With ``strict=True`` a refusal raises ``ValueError`` naming the text and the reason.
+        """
+        results = self.answers(texts, batch_size)
+        if strict:
+            for answer in results:
+                if answer.iso is None:
+                    raise AttnkitValueError(f"{short(answer.text)} is not a date attnkit can read: {answer.reason}.")
+        return [answer.iso for answer in results]
 
     @torch.no_grad()
     def translate_with_attention(self, text: str) -> dict:
@@ -237,6 +294,12 @@ class DateTranslator(nn.Module):
         """
         import attnkit
 
+        if not isinstance(text, str):
+            raise AttnkitTypeError(f"text must be a str, but got {type(text).__name__}.")
+        date, why = dates.read(text)
+        if date is None:
+            raise AttnkitValueError(f"{short(text)} is not a date attnkit can read: {why}.")
+        text = dates.normalize(text)
         source, lengths = self.encode_source([text])
         ids = self.generate(source, lengths)[0].tolist()
         if EOS in ids:

@@ -67,6 +67,11 @@ def attention_html(weights, tokens, *, key_tokens=None, layer_names=None, title:
     if array.ndim != 4:
         raise AttnkitValueError(f"weights must have shape (layers, heads, Lq, Lk), but got {array.shape}.")
     layers, heads, lq, lk = array.shape
+    if min(array.shape) == 0:
+        raise AttnkitValueError(
+            f"weights of shape {array.shape} hold nothing to draw: the page needs at least one layer, "
+            "head, query token and key token."
+        )
     tokens = [str(t) for t in tokens]
     key_tokens = tokens if key_tokens is None else [str(t) for t in key_tokens]
     if len(tokens) != lq or len(key_tokens) != lk:
