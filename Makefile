@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   creates .venv, installs attnkit, runs the main job (attnkit show)
 #   make test   creates .venv, installs attnkit with its test extras, runs every test
-# and one more measures speed: make bench (benchmarks/cpu.py; long).
+# and one more measures speed: make bench (benchmarks/cpu.py; long); make fuzz fuzzes (10 minutes).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test bench tutorial clean
+.PHONY: demo test fuzz bench tutorial clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: $(VENV)/.test-installed
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		echo "NOTE: no chromium/chromedriver on PATH: the browser tests will be skipped (apt-get install chromium chromium-driver)"
 	$(BIN)/python -m pytest
+
+# make fuzz FUZZ_MINUTES=10: the fuzz suite (tests/fuzz) with fresh seeds until the time is up
+FUZZ_MINUTES ?= 10
+fuzz: $(VENV)/.test-installed
+	$(BIN)/python tests/fuzz/run.py --minutes $(FUZZ_MINUTES)
 
 bench: $(VENV)/.demo-installed
 	$(BIN)/python benchmarks/cpu.py

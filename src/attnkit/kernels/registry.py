@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attnkit import masks as _masks
-from attnkit._validate import AttnkitValueError, Shapes
+from attnkit._validate import AttnkitValueError, Shapes, short
 from attnkit.prepare import PreparedMask, prepare, prepared_for
 
 
@@ -221,8 +221,8 @@ def _sdpa_causal(call: Call) -> bool:
 
 def choose(call: Call, kernel: str = "auto") -> Plan:
     """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
-    if kernel != "auto" and kernel not in KERNELS:
-        raise AttnkitValueError(f"kernel must be 'auto' or one of {tuple(KERNELS)}, but got {kernel!r}.")
+    if not isinstance(kernel, str) or (kernel != "auto" and kernel not in KERNELS):
+        raise AttnkitValueError(f"kernel must be 'auto' or one of {tuple(KERNELS)}, but got {short(kernel)}.")
     refusals = _Refusals(call)
     if kernel != "auto":
         if refusals[kernel]:
