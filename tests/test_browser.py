@@ -156,3 +156,40 @@ def test_page_refuses_what_it_cannot_hold():
         attention_html(torch.zeros(64, 64, 512, 512), ["t"] * 512)
     with pytest.raises(ValueError, match=r"need 3 query tokens and 3 key tokens, but got 2 and 2"):
         attention_html(torch.zeros(1, 1, 3, 3), ["a", "b"])
+
+
+GLYPHS = """
+const family = arguments[0], chars = arguments[1], out = [];
+const c = document.createElement('canvas'); c.width = 48; c.height = 48;
+const ctx = c.getContext('2d');
+for (const ch of chars) {
+  ctx.clearRect(0, 0, 48, 48); ctx.font = '36px ' + family; ctx.fillStyle = '#000'; ctx.textBaseline = 'top';
+  ctx.fillText(ch, 4, 4);
+  const d = ctx.getImageData(0, 0, 48, 48).data; let bits = '';
+  for (let i = 3; i < d.length; i += 4) bits += d[i] > 127 ? '1' : '0';
+  out.push(bits);
+}
+return [document.fonts.check('36px "attnkit-glyphs"', chars), out];
+"""
+
+
+def test_cjk_tokens_render_without_system_cjk_fonts(browser, tmp_path):
+    """The page carries the glyphs it shows: distinct CJK characters draw as distinct shapes,
+    not as a row of identical empty boxes (a fresh machine has no CJK fonts)."""
+    tokens = ["[CLS]", "她", "说", "今天", "天气", "很", "好", "[SEP]"]
+    path = save_html(tmp_path / "cjk.html", fake_weights(1, 2, len(tokens)), tokens, title="她说今天天气很好")
+    assert "@font-face" in path.read_text(encoding="utf-8")
+    open_page(browser, path)
+    chars = "她说今天气很好"
+    loaded, bitmaps = browser.execute_script(GLYPHS, '"attnkit-glyphs", monospace', chars)
+    assert loaded
+    assert all("1" in b for b in bitmaps)  # something is drawn
+    assert len(set(bitmaps)) == len(chars)  # and each character differently (boxes would be identical)
+    family = browser.execute_script("return getComputedStyle(document.getElementById('title')).fontFamily")
+    assert "attnkit-glyphs" in family
+    assert severe_logs(browser) == []
+
+
+def test_ascii_pages_embed_no_font(tmp_path):
+    path = save_html(tmp_path / "ascii.html", fake_weights(1, 1, 3), ["a", "b", "c"], title="plain")
+    assert "@font-face" not in path.read_text(encoding="utf-8")

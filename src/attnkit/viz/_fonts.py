@@ -39,3 +39,52 @@ def font_families() -> tuple[str, ...]:
         return ("DejaVu Sans",)
     font_manager.fontManager.addfont(str(path))
     return ("DejaVu Sans", font_manager.FontProperties(fname=str(path)).get_name())
+
+
+@functools.lru_cache(maxsize=None)
+def cjk_font_path():
+    """A font file that covers CJK (the packaged Noto Sans CJK SC first), or None."""
+    try:
+        path = resources.files("mplfonts") / "fonts" / "NotoSansCJKsc-Regular.otf"
+        if path.is_file():
+            return str(path)
+    except ModuleNotFoundError:
+        pass
+    from matplotlib import font_manager
+
+    for family in _CJK_FAMILIES:
+        found = font_manager.findfont(family, fallback_to_default=False) if _has(family) else None
+        if found:
+            return found
+    return None
+
+
+def _has(family: str) -> bool:
+    from matplotlib import font_manager
+
+    return any(f.name == family for f in font_manager.fontManager.ttflist)
+
+
+def glyph_subset(text: str) -> bytes | None:
+    """An OpenType font holding only the glyphs of ``text`` that are not ASCII (None if none).
+
+    Pages embed it so that they show their CJK tokens on machines without CJK fonts.
+    """
+    chars = "".join(sorted({ch for ch in text if ord(ch) > 0x7E and not ch.isspace()}))
+    path = cjk_font_path()
+    if not chars or path is None:
+        return None
+    import io
+
+    from fontTools import subset
+    from fontTools.ttLib import TTFont
+
+    options = subset.Options()
+    options.layout_features, options.name_IDs, options.hinting = [], [1, 2], False
+    font = TTFont(path, lazy=True)
+    subsetter = subset.Subsetter(options)
+    subsetter.populate(text=chars)
+    subsetter.subset(font)
+    buffer = io.BytesIO()
+    font.save(buffer)
+    return buffer.getvalue()

@@ -105,10 +105,32 @@ def attention_html(weights, tokens, *, key_tokens=None, layer_names=None, title:
     return fill(
         _asset("attention.html"),
         title=html.escape(_printable(str(title))),
-        style=_asset("attention.css"),
+        style=_font_face(" ".join([str(title), *tokens, *key_tokens, *names])) + _asset("attention.css"),
         script=_asset("attention.js"),
         data=_script_json(data),
     )
+
+
+#: The family of the glyphs a page embeds (see :func:`_font_face`); the CSS and the
+#: canvases list it first, so characters the system fonts lack are drawn from it.
+GLYPH_FAMILY = "attnkit-glyphs"
+
+
+def _font_face(text: str) -> str:
+    """An ``@font-face`` carrying the page's non-ASCII glyphs ('' when it has none).
+
+    A fresh machine may have no CJK fonts: without this, the browser would draw the
+    tutorial's Chinese tokens as empty boxes. Only the glyphs the page shows are
+    embedded (a few hundred bytes each), cut from the Noto Sans CJK font that also
+    labels the PNGs.
+    """
+    from attnkit.viz._fonts import glyph_subset
+
+    font = glyph_subset(text)
+    if font is None:
+        return ""
+    encoded = base64.b64encode(font).decode("ascii")
+    return f'@font-face {{ font-family: "{GLYPH_FAMILY}"; src: url(data:font/otf;base64,{encoded}) format("opentype"); }}\n'
 
 
 def save_html(path, weights, tokens, **kwargs) -> Path:

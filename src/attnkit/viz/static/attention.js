@@ -3,6 +3,8 @@
   const data = JSON.parse(document.getElementById("attnkit-data").textContent);
   const L = data.layers, H = data.heads, NQ = data.lq, NK = data.lk;
   const $ = (id) => document.getElementById(id);
+  // the page's own glyphs (embedded by attnkit) first, then the system's
+  const FONT = '"attnkit-glyphs", system-ui, sans-serif';
   $("title").textContent = data.title;
   $("summary").textContent = L + " layers \u00d7 " + H + " heads, " + NQ + " \u00d7 " + NK + " tokens";
 
@@ -94,7 +96,7 @@
     headCanvas.width = COL + 2 * 160; headCanvas.height = rows * ROW + 2 * PAD;
     const ctx = headCanvas.getContext("2d");
     ctx.clearRect(0, 0, headCanvas.width, headCanvas.height);
-    ctx.font = "14px system-ui, sans-serif"; ctx.textBaseline = "middle";
+    ctx.font = "14px " + FONT; ctx.textBaseline = "middle";
     const y = (i) => PAD + i * ROW + ROW / 2, xl = 150, xr = 150 + COL;
     for (let h = 0; h < H; h++) {
       if (!active[h]) continue;
@@ -111,9 +113,9 @@
     }
     ctx.fillStyle = "#222";
     ctx.textAlign = "right";
-    for (let i = 0; i < NQ; i++) { ctx.font = (hover && hover.side === "q" && hover.index === i ? "bold " : "") + "14px system-ui, sans-serif"; ctx.fillText(data.tokens[i], xl - 4, y(i)); }
+    for (let i = 0; i < NQ; i++) { ctx.font = (hover && hover.side === "q" && hover.index === i ? "bold " : "") + "14px " + FONT; ctx.fillText(data.tokens[i], xl - 4, y(i)); }
     ctx.textAlign = "left";
-    for (let j = 0; j < NK; j++) { ctx.font = (hover && hover.side === "k" && hover.index === j ? "bold " : "") + "14px system-ui, sans-serif"; ctx.fillText(data.keyTokens[j], xr + 4, y(j)); }
+    for (let j = 0; j < NK; j++) { ctx.font = (hover && hover.side === "k" && hover.index === j ? "bold " : "") + "14px " + FONT; ctx.fillText(data.keyTokens[j], xr + 4, y(j)); }
   }
   headCanvas.addEventListener("mousemove", (e) => {
     const r = headCanvas.getBoundingClientRect(), x = e.clientX - r.left, row = Math.floor((e.clientY - r.top - PAD) / ROW);
@@ -141,7 +143,7 @@
     drawMatrix(m, l, h, cell);
     ctx.drawImage(m, left, top);
     if (labels) {
-      ctx.fillStyle = "#222"; ctx.font = Math.min(13, cell) + "px system-ui, sans-serif"; ctx.textBaseline = "middle";
+      ctx.fillStyle = "#222"; ctx.font = Math.min(13, cell) + "px " + FONT; ctx.textBaseline = "middle";
       ctx.textAlign = "right";
       for (let i = 0; i < NQ; i++) ctx.fillText(data.tokens[i], left - 4, top + i * cell + cell / 2);
       for (let j = 0; j < NK; j++) {
@@ -162,5 +164,11 @@
   hm.addEventListener("mouseleave", () => { tip.hidden = true; });
   $("hm-layer").addEventListener("change", drawHeatmap);
   $("hm-head").addEventListener("change", drawHeatmap);
-  document.body.dataset.ready = "1";
+  // canvases drawn before the embedded glyphs loaded are drawn again once they have
+  const glyphs = document.fonts ? document.fonts.load("14px attnkit-glyphs", data.tokens.join("") + data.keyTokens.join("")) : Promise.resolve();
+  glyphs.catch(() => null).then(() => {
+    if (!views.head.hidden) drawHeadView();
+    if (!views.heatmap.hidden) drawHeatmap();
+    document.body.dataset.ready = "1";
+  });
 })();
