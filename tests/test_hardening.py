@@ -277,3 +277,35 @@ def test_translator_keeps_99_percent_of_valid_dates_and_rejects_99_percent_of_ga
     garbage = ["".join(rng.choice(chars) for _ in range(rng.randint(0, 40))) for _ in range(2000)]
     rejected = translator.translate(garbage)
     assert sum(r is None for r in rejected) / len(rejected) >= 0.99
+
+
+@pytest.mark.parametrize("placeholder", ["{{data}}", "{{title}}", "{{style}}", "{{script}}"])
+def test_page_fills_its_template_once(placeholder):
+    from attnkit.viz import attention_html
+
+    page = attention_html(torch.full((1, 1, 2, 2), 0.5), [placeholder, "b"], title=placeholder)
+    head = page.split("</title>", 1)[0]
+    assert head.endswith(f"<title>{placeholder}")  # the user's text, not a second substitution
+    assert page.count('id="attnkit-data"') == 1 and len(head) < 300
+
+
+def test_page_title_drops_bidi_and_control_characters():
+    from attnkit.viz import attention_html
+
+    page = attention_html(torch.full((1, 1, 1, 1), 1.0), ["x"], title="abc\u202edef\x07")
+    assert "<title>abcdef</title>" in page
+
+
+def test_kv_cache_counts_may_be_a_list():
+    cache = KVCache(2, 2, 16, 8)
+    cache.append(randn(2, 2, 3, 8), randn(2, 2, 3, 8), counts=[1, 2])
+    assert cache.lengths.tolist() == [1, 2]
+
+
+def test_inputs_with_two_batch_dims_line_padding_up_with_the_inner_one():
+    """Masks broadcast from the right, like SDPA's: with q (B1, B2, H, L, D), a padding mask's
+    batch axis is B2 (documented in attnkit.masks)."""
+    q = randn(2, 3, 1, 5, 8)
+    w = attnkit.attention_weights(q, q, q, masks.padding(torch.tensor([2, 4, 5])))
+    for inner, n in enumerate([2, 4, 5]):
+        assert (w[:, inner, :, :, n:] == 0).all() and torch.allclose(w[:, inner].sum(-1), torch.ones(2, 1, 5))

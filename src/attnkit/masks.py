@@ -17,6 +17,11 @@ a shard of a sequence keep the mask's structure.
 Masks are values: a mask copies the tensors it is built from, so changing those
 tensors afterwards does not change the mask.
 
+Batch axes. A mask's shape is ``(B or 1, H or 1, Lq, Lk)`` and it broadcasts from the
+right, like SDPA's ``attn_mask``: with inputs of several batch dimensions
+``(B1, B2, H, L, D)``, a per-sequence mask (``padding(lengths)``, ``document(ids)``,
+offsets of shape ``(B,)``) lines up with the innermost one, ``B2``.
+
 >>> from attnkit import masks
 >>> m = masks.causal() & masks.sliding_window(1)
 >>> m
