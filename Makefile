@@ -25,6 +25,9 @@ $(VENV)/.test-installed: $(VENV)/.demo-installed
 
 demo: $(VENV)/.demo-installed
 	$(BIN)/attnkit show "$(SENTENCE)" --out attention
+	$(BIN)/attnkit translate "25th of March 2019" --out attention/translation
+	$(BIN)/attnkit caption --digits 7,3,1 --out attention/caption
+	$(BIN)/python -m attnkit.viz.gallery attention
 
 tutorial: $(VENV)/.demo-installed
 	$(BIN)/python examples/tutorial.py

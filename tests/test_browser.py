@@ -193,3 +193,29 @@ def test_cjk_tokens_render_without_system_cjk_fonts(browser, tmp_path):
 def test_ascii_pages_embed_no_font(tmp_path):
     path = save_html(tmp_path / "ascii.html", fake_weights(1, 1, 3), ["a", "b", "c"], title="plain")
     assert "@font-face" not in path.read_text(encoding="utf-8")
+
+
+def test_region_page_shows_a_words_region_on_hover(browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    from attnkit.viz.regions import save_region_html
+
+    image = torch.rand(8, 24) * 16
+    attention = torch.softmax(torch.randn(2, 4, 3, 12), dim=-1)
+    path = save_region_html(tmp_path / "regions.html", image, ["seven", "three", "one"], attention, (2, 6))
+    open_page(browser, path)
+    canvas = browser.find_element(By.ID, "image")
+    first = browser.execute_script(CANVAS_HASH, canvas)
+    buttons = browser.find_elements(By.CSS_SELECTOR, ".words button")
+    assert [b.text for b in buttons] == ["seven", "three", "one"]
+    ActionChains(browser).move_to_element(buttons[2]).perform()
+    assert browser.execute_script(CANVAS_HASH, canvas) != first  # another word, another region
+    assert "active" in buttons[2].get_attribute("class")
+    assert severe_logs(browser) == []
+
+
+CANVAS_HASH = """
+const d = arguments[0].getContext('2d').getImageData(0, 0, arguments[0].width, arguments[0].height).data;
+let h = 0; for (let i = 0; i < d.length; i += 7) h = (h * 31 + d[i]) % 1000000007; return h;
+"""

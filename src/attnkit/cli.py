@@ -143,6 +143,8 @@ def show(args) -> int:
 
 
 def train(args) -> int:
+    if args.model == "captioner":
+        return _train_captioner(args)
     from attnkit.models.translator import WEIGHTS
     from attnkit.models.translator import train as train_translator
 
@@ -154,6 +156,90 @@ def train(args) -> int:
     print(f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
           f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)")
     print(f"wrote {path}")
+    return 0
+
+
+def _train_captioner(args) -> int:
+    from attnkit.models.captioner import WEIGHTS
+    from attnkit.models.captioner import train as train_captioner
+
+    out = _out_dir(args.out)
+    steps = args.steps if args.steps is not None else 4000
+    batch_size = args.batch_size if args.batch_size is not None else 96
+    _say(f"training DigitCaptioner: {steps} steps, seed {args.seed}, batch {batch_size}")
+    model, record = train_captioner(steps, seed=args.seed, batch_size=batch_size)
+    record["command"] = f"attnkit train captioner --steps {steps} --seed {args.seed} --batch-size {batch_size}"
+    path = model.save(out / WEIGHTS, training=record)
+    print(f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
+          f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
+          f"({record['seconds']:.0f} s of training)")
+    print(f"wrote {path}")
+    return 0
+
+
+def _read_image(path):
+    """A (8, 8n) image in [0, 16] from a .npy file (load_digits' scale) or a .png (0-1 or 0-255 grey)."""
+    import numpy as np
+
+    from attnkit._validate import AttnkitValueError
+
+    file = Path(path)
+    if not file.is_file():
+        raise AttnkitValueError(f"--image {path!r} is not a file.")
+    if file.suffix.lower() == ".npy":
+        try:
+            return np.load(file, allow_pickle=False).astype(np.float32)
+        except ValueError as err:
+            raise AttnkitValueError(f"--image {path!r} is not a numpy array file: {err}.") from None
+    if file.suffix.lower() == ".png":
+        import matplotlib.image
+
+        pixels = matplotlib.image.imread(file)
+        if pixels.ndim == 3:
+            pixels = pixels[..., :3].mean(axis=-1)
+        top = 255.0 if pixels.max() > 1.0 else 1.0
+        return (pixels / top * 16.0).astype(np.float32)
+    raise AttnkitValueError(f"--image must be a .npy or .png file, but got {path!r}.")
+
+
+def caption(args) -> int:
+    import random
+
+    from attnkit._validate import AttnkitValueError
+    from attnkit.models.captioner import WORDS, DigitCaptioner, digits, split, strip_of
+    from attnkit.viz.regions import region_figure, save_region_html
+
+    out = _out_dir(args.out)
+    if (args.digits is None) == (args.image is None):
+        raise AttnkitValueError("give --digits (e.g. --digits 7,3,1) or --image FILE, one of them.")
+    if args.digits is not None:
+        try:
+            wanted = [int(d) for d in args.digits.split(",")]
+        except ValueError:
+            raise AttnkitValueError(f"--digits must be digits 0-9 separated by commas, but got {args.digits!r}.") from None
+        if not wanted or not all(0 <= d <= 9 for d in wanted) or len(wanted) > 8:
+            raise AttnkitValueError(f"--digits must be 1 to 8 digits 0-9 separated by commas, but got {args.digits!r}.")
+        _, labels = digits()
+        rng = random.Random(args.seed)
+        pool = split("test").tolist()
+        chosen = [rng.choice([i for i in pool if int(labels[i]) == d]) for d in wanted]
+        image = strip_of(chosen)
+        _say(f"test-split digits {chosen} ({' '.join(WORDS[d] for d in wanted)})")
+    else:
+        image = _read_image(args.image)
+    model = DigitCaptioner.from_package()
+    result = model.caption_with_attention(image)
+    words = result["words"]
+    print(" ".join(words))
+    last = result["weights"][-1].mean(0)  # (words, patches): last layer, mean of heads
+    written = [out / "caption.png", out / "caption.html"]
+    region_figure(result["image"], words, last, result["grid"], written[0],
+                  title=f"{' '.join(words)} (last layer, mean of heads)")
+    save_region_html(written[1], result["image"], words, result["weights"], result["grid"],
+                     layers=[f"decoder layer {i} (cross)" for i in range(len(result['weights']))],
+                     title=" ".join(words))
+    for path in written:
+        _say(f"wrote {path}")
     return 0
 
 
@@ -219,13 +305,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", type=int, help="draw this head (of --layer, or of every layer) as PNG")
     p.set_defaults(run=show)
 
-    p = sub.add_parser("train", help="train a model (translator: the date normalizer)")
-    p.add_argument("model", choices=["translator"])
-    p.add_argument("--steps", type=_positive, default=1500, help="optimizer steps (default 1500)")
+    p = sub.add_parser("train", help="train a model (translator: the date normalizer; captioner: the digit captioner)")
+    p.add_argument("model", choices=["translator", "captioner"])
+    p.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default 1500; captioner 4000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    p.add_argument("--batch-size", type=_positive, default=128)
-    p.add_argument("--out", default="translator", help="output folder (default: ./translator)")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96")
+    p.add_argument("--out", default=None, help="output folder (default: ./translator or ./captioner)")
     p.set_defaults(run=train)
+
+    p = sub.add_parser(
+        "caption",
+        help="caption a strip of handwritten digits and draw where each word looked",
+        description="Caption a strip of test-split digits (--digits 7,3,1) or an image (--image FILE.npy|.png, "
+        "8 x 8n pixels) and write caption.png (each word's cross-attention over the image) and caption.html.",
+    )
+    p.add_argument("--digits", help="digits 0-9 separated by commas, drawn from the test split")
+    p.add_argument("--image", help="an (8, 8n) image: .npy in [0, 16] or a grey .png")
+    p.add_argument("--seed", type=int, default=0, help="which test-split images of those digits (default 0)")
+    p.add_argument("--out", default="caption", help="output folder (default: ./caption)")
+    p.set_defaults(run=caption)
 
     p = sub.add_parser(
         "translate",
@@ -242,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train":  # defaults that depend on the model
+        args.out = args.out or args.model
+        if args.model == "translator":
+            args.steps = args.steps or 1500
+            args.batch_size = args.batch_size or 128
     try:
         return args.run(args)
     except (AttnkitError, ModuleNotFoundError) as err:

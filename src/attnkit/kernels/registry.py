@@ -198,8 +198,11 @@ class Plan:
         return "\n".join(lines)
 
 
-#: Below this many (query, key) pairs one fused call beats tiling a masked plan.
+#: Below this many (query, key) pairs one fused call beats tiling a masked plan ...
 TILED_MIN_PAIRS = 256 * 256
+#: ... unless the keys are many (decoding over a long padded cache reads only each
+#: sequence's own keys in the tiled kernel).
+TILED_MIN_KEYS = 1024
 #: The tiled kernel runs masked plans when at most this fraction of blocks is kept, by
 #: (half precision, with backward); plans of full blocks only get TILED_MAX_KEPT_FULL.
 #: Measured with benchmarks/cpu.py (see the README's table).
@@ -294,6 +297,8 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
         what = "additive float mask" if call.float_mask else f"rank {s.rank}" if s.rank > 4 else "tiled cannot run"
         return "sdpa", f"dense mask ({what})"
     if isinstance(call.mask, torch.Tensor) and s.lq * s.lk < TILED_MIN_PAIRS:
+        return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
+    if s.lq * s.lk < TILED_MIN_PAIRS and s.lk <= TILED_MIN_KEYS:
         return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
     prepared = call.get_prepared()
     if prepared.everything:

@@ -1,6 +1,7 @@
 """Real models built only from attnkit parts."""
 
+from attnkit.models.captioner import DigitCaptioner
 from attnkit.models.minilm import MiniLM
 from attnkit.models.translator import DateTranslator
 
-__all__ = ["DateTranslator", "MiniLM"]
+__all__ = ["DateTranslator", "DigitCaptioner", "MiniLM"]

@@ -1,0 +1,103 @@
+"""Attention over image regions: each word's cross-attention over the patches of an image.
+
+``region_figure`` draws one panel per word (the image, its attention as a heatmap on
+top); ``region_html`` writes a self-contained page where hovering a word shows its
+region. Both take ``attention: (words, patches)`` with patches on a ``(rows, cols)``
+grid ordered column by column (top to bottom), as :class:`attnkit.models.DigitCaptioner`
+gives them.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import torch
+
+from attnkit._validate import AttnkitValueError
+from attnkit.viz.heatmap import _figure, as_array, save
+
+
+def _check(image, words, attention, grid):
+    image, attention = as_array(image), as_array(attention)
+    rows, cols = grid
+    if image.ndim != 2 or attention.ndim != 2:
+        raise AttnkitValueError(f"image must be 2-D and attention (words, patches), but got {image.shape} and {attention.shape}.")
+    if attention.shape != (len(words), rows * cols):
+        raise AttnkitValueError(
+            f"attention must be (words, patches) = ({len(words)}, {rows * cols}) for {len(words)} words on a "
+            f"{rows} x {cols} grid, but got {attention.shape}."
+        )
+    if image.shape[0] % rows or image.shape[1] % cols:
+        raise AttnkitValueError(f"an image of shape {image.shape} does not split into a {rows} x {cols} patch grid.")
+    return image, attention
+
+
+def patch_map(attention_row, grid, shape):
+    """One word's attention ``(patches,)`` as a pixel map of ``shape`` (patches column by column)."""
+    import numpy as np
+
+    rows, cols = grid
+    per_patch = np.asarray(attention_row).reshape(cols, rows).T  # (rows, cols)
+    return np.kron(per_patch, np.ones((shape[0] // rows, shape[1] // cols)))
+
+
+def region_figure(image, words, attention, grid, save_path=None, *, title: str | None = None):
+    """One panel per word: the image in grey with the word's attention over it. Returns the Figure."""
+    import numpy as np
+
+    Figure = _figure()
+    image, attention = _check(image, words, attention, grid)
+    n = len(words)
+    fig = Figure(figsize=(max(3.0, image.shape[1] / 8 * 1.1 + 1), 1.0 + 1.35 * max(n, 1)), layout="constrained")
+    axes = fig.subplots(max(n, 1), 1, squeeze=False)[:, 0]
+    for ax, word, row in zip(axes, words, attention):
+        ax.imshow(image, cmap="gray_r", vmin=0, vmax=16)
+        heat = patch_map(row, grid, image.shape)
+        overlay = np.zeros((*heat.shape, 4))
+        overlay[..., :3] = (1.0, 0.35, 0.0)  # orange, as opaque as the weight is high
+        overlay[..., 3] = 0.7 * heat / max(float(heat.max()), 1e-9)
+        ax.imshow(overlay)
+        ax.set_xticks([]), ax.set_yticks([])
+        ax.set_title(word, loc="left", fontsize=12)
+    if title:
+        fig.suptitle(title)
+    save(fig, save_path)
+    return fig
+
+
+def region_html(image, words, attention, grid, *, layers=None, title: str = "attention over regions") -> str:
+    """A page: the image, the words; hovering (or clicking) a word shows its attention over the image.
+
+    ``attention`` is ``(words, patches)`` or, to choose among them on the page,
+    ``(layers, heads, words, patches)`` (the page offers each layer's heads and their mean).
+    """
+    from attnkit.viz.html import _asset, _printable, _script_json, fill
+
+    full = as_array(attention)
+    if full.ndim == 2:
+        full = full[None, None]
+    if full.ndim != 4:
+        raise AttnkitValueError(f"attention must be (words, patches) or (layers, heads, words, patches), but got {full.shape}.")
+    image, _ = _check(image, words, full[0, 0], grid)
+    names = [str(n) for n in layers] if layers is not None else [f"layer {i}" for i in range(full.shape[0])]
+    data = {
+        "title": str(title),
+        "words": [str(w) for w in words],
+        "image": [[round(float(v), 2) for v in row] for row in image],
+        "grid": list(grid),
+        "layerNames": names,
+        "attention": [[[[round(float(v), 4) for v in w] for w in h] for h in layer] for layer in full],
+    }
+    return fill(_asset("regions.html"), title=html.escape(_printable(str(title))), data=_script_json(data))
+
+
+def save_region_html(path, image, words, attention, grid, **kwargs) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(region_html(image, words, attention, grid, **kwargs), encoding="utf-8")
+    return path
+
+
+__all__ = ["patch_map", "region_figure", "region_html", "save_region_html"]
+_ = torch  # tensors are accepted through as_array
