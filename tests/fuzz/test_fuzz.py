@@ -100,11 +100,17 @@ def test_every_kernel_and_mask_against_the_formula(sizes, data, dtype, kernel, s
     mask, what = data.draw(mask_objects(b, lq, lk))
     note(f"{sizes} {dtype} {kernel} {what}")
     q, k, v = _tensors(sizes, dtype, seed)
-    gold, naive = gold_and_naive(q, k, v, _dense(mask, lq, lk))
+    dense = _dense(mask, lq, lk)
+    gold, naive = gold_and_naive(q, k, v, dense)
     out = attnkit.attention(q, k, v, mask, kernel=kernel)
-    # 2.5x rather than TESTING.md's 2x: PyTorch's fused SDPA, which attnkit calls where it is
-    # the best kernel, lands up to ~2.1x the naive formula's error at some shapes (fuzzing found it).
-    assert_oracle(out, gold, naive, factor=2.5, what=f"{kernel} {what}")
+    # Where attnkit calls PyTorch's fused SDPA (the best kernel there), it is as exact as SDPA
+    # itself, which fuzzing found lands up to several times the naive formula's error in
+    # float32 at some shapes; so the bound is 2x the larger of the naive formula's and
+    # SDPA's own errors on the same dense problem (TESTING.md's rule when SDPA is the better one).
+    torch_out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense, enable_gqa=hq != hkv).nan_to_num(0.0)
+    reference = naive if (naive.double() - gold).abs().max() >= (torch_out.double() - gold).abs().max() else torch_out
+    assert_oracle(out, gold, reference, factor=2.0, what=f"{kernel} {what}")
 
 
 @given(shapes(max_len=70), st.data(), st.sampled_from(["tiled", "reference", "sdpa", "auto"]), st.integers(0, 2**31 - 1))
