@@ -17,6 +17,7 @@ $(BIN)/python:
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[viz,models]'
+	$(PIP) --no-deps recbole==1.2.1  # only for MovieLens-100K's files, read without importing recbole
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed
@@ -27,6 +28,7 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/attnkit show "$(SENTENCE)" --out attention
 	$(BIN)/attnkit translate "25th of March 2019" --out attention/translation
 	$(BIN)/attnkit caption --digits 7,3,1 --out attention/caption
+	$(BIN)/attnkit recommend --user 1 --out attention/recommend
 	$(BIN)/python -m attnkit.viz.gallery attention
 
 tutorial: $(VENV)/.demo-installed

@@ -145,6 +145,8 @@ def show(args) -> int:
 def train(args) -> int:
     if args.model == "captioner":
         return _train_captioner(args)
+    if args.model == "recommender":
+        return _train_recommender(args)
     from attnkit.models.translator import WEIGHTS
     from attnkit.models.translator import train as train_translator
 
@@ -174,6 +176,58 @@ def _train_captioner(args) -> int:
           f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
           f"({record['seconds']:.0f} s of training)")
     print(f"wrote {path}")
+    return 0
+
+
+def _train_recommender(args) -> int:
+    from attnkit.models.recommender import WEIGHTS
+    from attnkit.models.recommender import train as train_recommender
+
+    out = _out_dir(args.out)
+    epochs = args.steps if args.steps is not None else 120
+    batch_size = args.batch_size if args.batch_size is not None else 128
+    _say(f"training SASRec on MovieLens-100K: {epochs} epochs, seed {args.seed}, batch {batch_size}")
+    model, record = train_recommender(epochs, seed=args.seed, batch_size=batch_size, log=_say)
+    record["command"] = f"attnkit train recommender --steps {epochs} --seed {args.seed} --batch-size {batch_size}"
+    path = model.save(out / WEIGHTS, training=record)
+    print(f"test: HR@10 {record['test_HR@10']:.3f}, NDCG@10 {record['test_NDCG@10']:.3f} "
+          f"(best validation NDCG@10 {record['best_valid_NDCG@10']:.3f}, {record['seconds']:.0f} s)")
+    print(f"wrote {path}")
+    return 0
+
+
+def recommend(args) -> int:
+    from attnkit._validate import AttnkitValueError
+    from attnkit.models import movielens
+    from attnkit.models.recommender import SASRec
+    from attnkit.viz import save_html, visualize_attention
+
+    out = _out_dir(args.out)
+    users = movielens.split().test
+    if args.user not in users:
+        raise AttnkitValueError(f"--user must be a MovieLens-100K user id (1 to {max(users)}), but got {args.user}.")
+    history = movielens.history(args.user, "test")  # everything but the held-out last item
+    names = movielens.titles()
+    model = SASRec.from_package()
+    top = model.recommend([history], k=args.k)[0]
+    print(f"user {args.user}: the last {min(5, len(history))} of {len(history)} movies")
+    for item in history[-5:]:
+        print(f"  {names.get(item, item)}")
+    print(f"top {args.k}:")
+    for rank, item in enumerate(top, 1):
+        print(f"  {rank:2d}. {names.get(item, item)}")
+    explained = model.explain(history)
+    shown = min(args.last, len(explained["items"]))
+    weights = explained["weights"][..., -shown:]  # (layers, heads, shown)
+    labels = [t[:40] for t in explained["titles"][-shown:]]
+    written = [out / "recommend.png", out / "recommend.html"]
+    visualize_attention(weights.mean(1), [f"layer {i}" for i in range(len(weights))], written[0],
+                        key_tokens=labels, xlabel="history (oldest to newest)", ylabel="",
+                        title=f"user {args.user}: the next-item query's attention (mean of heads)")
+    save_html(written[1], weights[:, :, None, :], ["next item"], key_tokens=labels,
+              layer_names=[f"layer {i}" for i in range(len(weights))], title=f"user {args.user}: attention over the history")
+    for path in written:
+        _say(f"wrote {path}")
     return 0
 
 
@@ -306,12 +360,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=show)
 
     p = sub.add_parser("train", help="train a model (translator: the date normalizer; captioner: the digit captioner)")
-    p.add_argument("model", choices=["translator", "captioner"])
-    p.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default 1500; captioner 4000)")
+    p.add_argument("model", choices=["translator", "captioner", "recommender"])
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="optimizer steps (default 1500; captioner 4000); for the recommender, epochs (default 120)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96")
     p.add_argument("--out", default=None, help="output folder (default: ./translator or ./captioner)")
     p.set_defaults(run=train)
+
+    p = sub.add_parser(
+        "recommend",
+        help="recommend movies to a MovieLens-100K user and draw which past movies the model attended to",
+        description="Print a user's last movies and the top-k next movies from SASRec, and write "
+        "recommend.png and recommend.html (the next-item query's attention over the history).",
+    )
+    p.add_argument("--user", type=int, required=True, help="a MovieLens-100K user id (1-943)")
+    p.add_argument("-k", type=_positive, default=10, help="how many movies (default 10)")
+    p.add_argument("--last", type=_positive, default=30, help="how many recent history items to draw (default 30)")
+    p.add_argument("--out", default="recommend", help="output folder (default: ./recommend)")
+    p.set_defaults(run=recommend)
 
     p = sub.add_parser(
         "caption",

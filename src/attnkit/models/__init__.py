@@ -2,6 +2,7 @@
 
 from attnkit.models.captioner import DigitCaptioner
 from attnkit.models.minilm import MiniLM
+from attnkit.models.recommender import SASRec
 from attnkit.models.translator import DateTranslator
 
-__all__ = ["DateTranslator", "DigitCaptioner", "MiniLM"]
+__all__ = ["DateTranslator", "DigitCaptioner", "MiniLM", "SASRec"]

@@ -14,6 +14,7 @@ TITLES = {
     "attention.html": "MiniLM: every layer and head (attnkit show)",
     "alignment.html": "DateTranslator: cross-attention alignment (attnkit translate)",
     "caption.html": "DigitCaptioner: where each word looked (attnkit caption)",
+    "recommend.html": "SASRec: which past movies the recommendation attended to (attnkit recommend)",
 }
 
 

@@ -1,0 +1,255 @@
+"""SASRec: sequential recommendation with causal self-attention over a user's history.
+
+The tutorial's fourth use of attention ("modelling user-item interactions"): each
+position of a user's history attends to the movies before it, and the last position
+scores every movie as the next one. Trained and evaluated on MovieLens-100K with the
+leave-one-out, full-ranking protocol of :mod:`attnkit.models.movielens`.
+
+The shipped weights (``attnkit train recommender --steps 120 --seed 0``) reach HR@10
+0.203 and NDCG@10 0.109 on the test split, against 0.146 / 0.081 for the first-order
+Markov baseline. For a history of Star Wars and its two sequels (items 50, 172, 181),
+``SASRec.from_package().recommend([[50, 172, 181]], k=3)`` gives Raiders of the Lost Ark,
+The Terminator and Das Boot.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnkit import masks
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
+from attnkit.models import movielens
+from attnkit.nn import MultiHeadAttention
+
+WEIGHTS = "sasrec_ml100k.safetensors"
+
+
+@dataclass(frozen=True)
+class Config:
+    num_items: int = movielens.NUM_ITEMS
+    d_model: int = 64
+    num_heads: int = 2
+    layers: int = 2
+    d_ff: int = 128
+    max_len: int = 200
+    dropout: float = 0.3
+
+
+class Block(nn.Module):
+    """Pre-norm: causal self-attention over the history so far, then a feed-forward."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(c.d_model), nn.LayerNorm(c.d_model)
+        self.attention = MultiHeadAttention(c.d_model, c.num_heads)  # dropout on the residual branches below
+        self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x, mask):
+        x = x + self.drop(self.attention(self.norm1(x), mask=mask)[0])
+        return x + self.drop(self.ff(self.norm2(x)))
+
+
+class SASRec(nn.Module):
+    """Item ids in time order in, a score for every item as the next one out."""
+
+    def __init__(self, config: Config = Config()):
+        super().__init__()
+        c = self.config = config
+        self.items = nn.Embedding(c.num_items + 1, c.d_model, padding_idx=0)
+        self.positions = nn.Embedding(c.max_len, c.d_model)  # counted back from the latest item
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = nn.LayerNorm(c.d_model)
+        nn.init.normal_(self.items.weight, std=0.05)
+        nn.init.normal_(self.positions.weight, std=0.05)
+        with torch.no_grad():
+            self.items.weight[0].zero_()
+
+    # --- weights ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_package(cls) -> SASRec:
+        path = resources.files("attnkit.models") / "weights" / WEIGHTS
+        with resources.as_file(path) as file:
+            return cls.load(file)
+
+    @classmethod
+    def load(cls, path) -> SASRec:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+        model = cls(Config(**json.loads(metadata.get("config", "{}"))))
+        model.load_state_dict(load_file(str(path)))
+        model.training_info = json.loads(metadata.get("training", "{}"))
+        return model.eval()
+
+    def save(self, path, training: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path), metadata={"config": json.dumps(asdict(self.config)), "training": json.dumps(training or {})})
+        return path
+
+    # --- the network ------------------------------------------------------------------------
+
+    def pad(self, histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids: (B, L)`` right-padded with 0 (the last ``max_len`` items of each) and ``lengths: (B,)``."""
+        cut = [h[-self.config.max_len :] for h in histories]
+        lengths = torch.tensor([len(h) for h in cut])
+        ids = torch.zeros(len(cut), max(1, int(lengths.max())) if cut else 1, dtype=torch.long)
+        for row, h in enumerate(cut):
+            ids[row, : len(h)] = torch.tensor(h, dtype=torch.long)
+        return ids, lengths
+
+    def mask(self, lengths):
+        return masks.causal() & masks.padding(lengths)
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """States ``(B, L, d)``: position i has seen items 0..i of its history."""
+        back = (lengths[:, None] - 1 - torch.arange(ids.shape[1])[None]).clamp(min=0)  # 0 = the latest item
+        x = self.drop(self.items(ids) + self.positions(back))
+        mask = self.mask(lengths)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+    def scores(self, states: torch.Tensor) -> torch.Tensor:
+        """Logits over every item id (column 0, padding, is -inf)."""
+        logits = states @ self.items.weight.T
+        logits[..., 0] = float("-inf")
+        return logits
+
+    # --- using it ---------------------------------------------------------------------------
+
+    def _check(self, histories):
+        if not isinstance(histories, (list, tuple)) or any(not isinstance(h, (list, tuple)) for h in histories):
+            raise AttnkitTypeError("histories must be a list of lists of MovieLens item ids (in time order).")
+        for i, h in enumerate(histories):
+            if not h:
+                raise AttnkitValueError(f"histories[{i}] is empty: a recommendation needs at least one item.")
+            bad = [x for x in h if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= self.config.num_items]
+            if bad:
+                raise AttnkitValueError(
+                    f"histories[{i}] holds {short(bad[:5])}, which are not MovieLens-100K item ids (1 to {self.config.num_items})."
+                )
+
+    @torch.no_grad()
+    def next_scores(self, histories: list[list[int]]) -> torch.Tensor:
+        """``(B, num_items + 1)`` scores of every item as each history's next one."""
+        self._check(histories)
+        ids, lengths = self.pad(histories)
+        states = self(ids, lengths)
+        last = states[torch.arange(len(histories)), lengths - 1]  # (B, d)
+        return self.scores(last)
+
+    def recommend(self, histories: list[list[int]], k: int = 10) -> list[list[int]]:
+        """The ``k`` best next items for each history, never one of its own items."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.config.num_items:
+            raise AttnkitValueError(f"k must be an int in 1..{self.config.num_items}, but got {short(k)}.")
+        scores = self.next_scores(histories)
+        for row, h in enumerate(histories):
+            scores[row, torch.tensor(sorted(set(h)))] = float("-inf")
+        return scores.topk(k, dim=-1).indices.tolist()
+
+    @torch.no_grad()
+    def explain(self, history: list[int]) -> dict:
+        """What the last position attended to: ``weights (layers, heads, L)`` over the (last max_len) history."""
+        import attnkit
+
+        self._check([history])
+        ids, lengths = self.pad([history])
+        with attnkit.capture(self) as cap:
+            self(ids, lengths)
+        weights = torch.stack([w[0, :, -1] if w.shape[2] == 1 else w[0, :, int(lengths[0]) - 1] for w in cap.weights])
+        kept = history[-self.config.max_len :]
+        names = movielens.titles()
+        return {"items": kept, "titles": [names.get(i, str(i)) for i in kept], "weights": weights[..., : len(kept)]}
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def evaluate(model: SASRec, target: str = "test", batch_size: int = 256) -> dict[str, float]:
+    """HR@10 and NDCG@10 with the full-ranking protocol of :mod:`attnkit.models.movielens`."""
+    s = movielens.split()
+    goal = s.test if target == "test" else s.valid
+    users = list(goal)
+    ranks = []
+    model.eval()
+    for start in range(0, len(users), batch_size):
+        chunk = users[start : start + batch_size]
+        histories = [movielens.history(u, target) for u in chunk]
+        scores = model.next_scores(histories)
+        ranks += [movielens.rank_of(scores[i], goal[u], histories[i]) for i, u in enumerate(chunk)]
+    return movielens.rank_metrics(ranks)
+
+
+def _batches(rng: random.Random, sequences: list[list[int]], batch_size: int, max_len: int):
+    """Training pairs ``(input, next item)`` from each user's training items, cut at a random end."""
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    for start in range(0, len(order), batch_size):
+        inputs, targets = [], []
+        for i in order[start : start + batch_size]:
+            seq = sequences[i]
+            end = len(seq) if rng.random() < 0.5 else rng.randint(2, len(seq))  # also earlier cut points
+            piece = seq[max(0, end - max_len - 1) : end]
+            inputs.append(piece[:-1])
+            targets.append(piece[1:])
+        yield inputs, targets
+
+
+def train(epochs: int = 120, *, seed: int = 0, batch_size: int = 128, lr: float = 1.5e-3, config: Config = Config(),
+          evaluate_every: int = 10, progress: bool | None = True, log=print) -> tuple[SASRec, dict]:
+    """Train on the training split; keep the weights with the best validation NDCG@10."""
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = SASRec(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    sequences = [s for s in movielens.split().train.values() if len(s) >= 2]
+    best, best_state, history, start = -1.0, None, [], time.perf_counter()
+    bar = tqdm(range(epochs), desc="training", unit="epoch", disable=not progress)
+    for epoch in bar:
+        model.train()
+        total = count = 0
+        for inputs, targets in _batches(rng, sequences, batch_size, config.max_len):
+            ids, lengths = model.pad(inputs)
+            target, _ = model.pad(targets)
+            real = target != 0  # score only real positions: the full softmax over every item is the cost
+            logits = model.scores(model(ids, lengths)[real])  # (N, num_items + 1)
+            loss = F.cross_entropy(logits, target[real])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total, count = total + loss.item(), count + 1
+        bar.set_postfix(loss=f"{total / count:.3f}")
+        if (epoch + 1) % evaluate_every == 0 or epoch == epochs - 1:
+            metrics = evaluate(model, "valid")
+            history.append({"epoch": epoch + 1, "loss": total / count, **{f"valid_{k}": v for k, v in metrics.items()}})
+            if log is not None:
+                log(f"epoch {epoch + 1}: loss {total / count:.3f}, valid HR@10 {metrics['HR@10']:.3f}, NDCG@10 {metrics['NDCG@10']:.3f}")
+            if metrics["NDCG@10"] > best:
+                best = metrics["NDCG@10"]
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+    model.eval()
+    record = {"epochs": epochs, "seed": seed, "batch_size": batch_size, "lr": lr, "best_valid_NDCG@10": best,
+              "seconds": round(time.perf_counter() - start, 1), "history": history,
+              **{f"test_{k}": v for k, v in evaluate(model, "test").items()}}
+    return model, record
