@@ -16,13 +16,10 @@ a multiple of 5 form the test split; training never sees them.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
-from importlib import resources
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +27,7 @@ from torch import nn
 
 from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit.models._weights import ShippedWeights
 from attnkit.models.translator import DecoderLayer, EncoderLayer
 from attnkit.nn import KVCache
 
@@ -157,8 +155,11 @@ def patchify(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, to
     return patches, column.expand(len(images), -1), counts
 
 
-class DigitCaptioner(nn.Module):
+class DigitCaptioner(ShippedWeights, nn.Module):
     """Patches of a strip of digits in, one word per digit out."""
+
+    WEIGHTS = WEIGHTS
+    config_class = Config
 
     def __init__(self, config: Config = Config()):
         super().__init__()
@@ -174,35 +175,6 @@ class DigitCaptioner(nn.Module):
         self.decoder_norm = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, len(VOCAB))
 
-    # --- weights ----------------------------------------------------------------------------
-
-    @classmethod
-    def from_package(cls) -> DigitCaptioner:
-        """The model with the weights shipped inside attnkit (see the README for how they were made)."""
-        path = resources.files("attnkit.models") / "weights" / WEIGHTS
-        with resources.as_file(path) as file:
-            return cls.load(file)
-
-    @classmethod
-    def load(cls, path) -> DigitCaptioner:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), "pt") as f:
-            metadata = f.metadata() or {}
-        model = cls(Config(**json.loads(metadata.get("config", "{}"))))
-        model.load_state_dict(load_file(str(path)))
-        model.training_info = json.loads(metadata.get("training", "{}"))
-        return model.eval()
-
-    def save(self, path, training: dict | None = None) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path), metadata={"config": json.dumps(asdict(self.config)), "training": json.dumps(training or {})})
-        return path
 
     # --- the network ------------------------------------------------------------------------
 

@@ -14,12 +14,9 @@ The Terminator and Das Boot.
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from dataclasses import asdict, dataclass
-from importlib import resources
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +25,7 @@ from torch import nn
 from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models import movielens
+from attnkit.models._weights import ShippedWeights
 from attnkit.nn import MultiHeadAttention
 
 WEIGHTS = "sasrec_ml100k.safetensors"
@@ -59,8 +57,11 @@ class Block(nn.Module):
         return x + self.drop(self.ff(self.norm2(x)))
 
 
-class SASRec(nn.Module):
+class SASRec(ShippedWeights, nn.Module):
     """Item ids in time order in, a score for every item as the next one out."""
+
+    WEIGHTS = WEIGHTS
+    config_class = Config
 
     def __init__(self, config: Config = Config()):
         super().__init__()
@@ -75,34 +76,6 @@ class SASRec(nn.Module):
         with torch.no_grad():
             self.items.weight[0].zero_()
 
-    # --- weights ----------------------------------------------------------------------------
-
-    @classmethod
-    def from_package(cls) -> SASRec:
-        path = resources.files("attnkit.models") / "weights" / WEIGHTS
-        with resources.as_file(path) as file:
-            return cls.load(file)
-
-    @classmethod
-    def load(cls, path) -> SASRec:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), "pt") as f:
-            metadata = f.metadata() or {}
-        model = cls(Config(**json.loads(metadata.get("config", "{}"))))
-        model.load_state_dict(load_file(str(path)))
-        model.training_info = json.loads(metadata.get("training", "{}"))
-        return model.eval()
-
-    def save(self, path, training: dict | None = None) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path), metadata={"config": json.dumps(asdict(self.config)), "training": json.dumps(training or {})})
-        return path
 
     # --- the network ------------------------------------------------------------------------
 

@@ -16,13 +16,10 @@ All three kinds of attention of the tutorial, in one model built from attnkit pa
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
-from importlib import resources
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +28,7 @@ from torch import nn
 from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models import dates
+from attnkit.models._weights import ShippedWeights
 from attnkit.nn import KVCache, MultiHeadAttention
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -97,8 +95,11 @@ class DateAnswer:
     reason: str
 
 
-class DateTranslator(nn.Module):
+class DateTranslator(ShippedWeights, nn.Module):
     """Characters of a date in, ``YYYY-MM-DD`` out."""
+
+    WEIGHTS = WEIGHTS
+    config_class = Config
 
     def __init__(self, config: Config = Config()):
         super().__init__()
@@ -115,37 +116,6 @@ class DateTranslator(nn.Module):
         self.decoder_norm = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, len(self.target_vocab))
 
-    # --- weights ---------------------------------------------------------------------------
-
-    @classmethod
-    def from_package(cls) -> DateTranslator:
-        """The model with the weights shipped inside attnkit (see the README for how they were made)."""
-        path = resources.files("attnkit.models") / "weights" / WEIGHTS
-        with resources.as_file(path) as file:
-            return cls.load(file)
-
-    @classmethod
-    def load(cls, path) -> DateTranslator:
-        """Load weights written by :meth:`save` (a ``.safetensors`` file with its config)."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        with safe_open(str(path), "pt") as f:
-            metadata = f.metadata() or {}
-        model = cls(Config(**json.loads(metadata.get("config", "{}"))))
-        model.load_state_dict(load_file(str(path)))
-        model.training_info = json.loads(metadata.get("training", "{}"))
-        return model.eval()
-
-    def save(self, path, training: dict | None = None) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path), metadata={"config": json.dumps(asdict(self.config)), "training": json.dumps(training or {})})
-        return path
 
     # --- characters ------------------------------------------------------------------------
 
