@@ -165,9 +165,7 @@ def _train_captioner(args) -> int:
     from attnkit.models.captioner import WEIGHTS
     from attnkit.models.captioner import train as train_captioner
 
-    out = _out_dir(args.out)
-    steps = args.steps if args.steps is not None else 4000
-    batch_size = args.batch_size if args.batch_size is not None else 96
+    out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training DigitCaptioner: {steps} steps, seed {args.seed}, batch {batch_size}")
     model, record = train_captioner(steps, seed=args.seed, batch_size=batch_size)
     record["command"] = f"attnkit train captioner --steps {steps} --seed {args.seed} --batch-size {batch_size}"
@@ -183,9 +181,7 @@ def _train_recommender(args) -> int:
     from attnkit.models.recommender import WEIGHTS
     from attnkit.models.recommender import train as train_recommender
 
-    out = _out_dir(args.out)
-    epochs = args.steps if args.steps is not None else 120
-    batch_size = args.batch_size if args.batch_size is not None else 128
+    out, epochs, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training SASRec on MovieLens-100K: {epochs} epochs, seed {args.seed}, batch {batch_size}")
     model, record = train_recommender(epochs, seed=args.seed, batch_size=batch_size, log=_say)
     record["command"] = f"attnkit train recommender --steps {epochs} --seed {args.seed} --batch-size {batch_size}"
@@ -340,6 +336,10 @@ def translate(args) -> int:
     return 0
 
 
+#: ``attnkit train MODEL``: default (steps, batch size); the recommender's steps are epochs.
+TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommender": (120, 128)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Exact attention you can see into.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -408,10 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":  # defaults that depend on the model
+        steps, batch_size = TRAIN_DEFAULTS[args.model]
         args.out = args.out or args.model
-        if args.model == "translator":
-            args.steps = args.steps or 1500
-            args.batch_size = args.batch_size or 128
+        args.steps = args.steps or steps
+        args.batch_size = args.batch_size or batch_size
     try:
         return args.run(args)
     except (AttnkitError, ModuleNotFoundError) as err:
