@@ -21,14 +21,17 @@ import argparse
 import copy
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
+
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from core import median_ms  # noqa: E402  (interleaved medians, shared with benchmarks/core.py)
 
 RESULTS = Path(__file__).parent / "results"
 IMPLS = ("eager", "sdpa", "attnkit")
@@ -44,18 +47,6 @@ def models():
         if impl != IMPLS[0]:
             built[impl].load_state_dict(built[IMPLS[0]].state_dict())
     return built
-
-
-def median_ms(steps: dict, repeats: int) -> dict:
-    for step in steps.values():
-        step()  # warm up
-    times = {k: [] for k in steps}
-    for _ in range(repeats):
-        for k, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[k].append(time.perf_counter() - start)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
 def forward_step(model, ids, pos):
