@@ -21,9 +21,8 @@ import argparse
 import copy
 import json
 import platform
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
