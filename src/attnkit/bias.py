@@ -25,13 +25,14 @@ last query sits at the last key (decoding), ``q_offset``/``kv_offset`` (int or
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 
 import torch
 
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, short
-from attnkit.masks import _check_align, _check_offset, _fmt
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_nonnegative_int, short
+from attnkit.masks import _check_align, _check_offset, _fmt, _shifted, _span
 
 __all__ = ["Bias", "alibi", "alibi_slopes", "dense", "from_fn", "relative"]
 
@@ -87,6 +88,21 @@ class Bias:
             out = out[None]
         return out
 
+    def part(self, q_len: int, kv_len: int, q: slice = slice(None), kv: slice = slice(None)) -> Bias:
+        """The same bias on a rectangle of a ``(q_len, kv_len)`` problem, as a bias of its own.
+
+        ``b.part(Lq, Lk, q=slice(a, c), kv=slice(d, e)).dense(B, H, c - a, e - d, dev)``
+        equals ``b.dense(B, H, Lq, Lk, dev)[..., a:c, d:e]``, gradients included (the
+        part holds the same parameters, or slices of them). See :meth:`attnkit.masks.Mask.part`.
+        """
+        q_len = check_nonnegative_int(q_len, "q_len")
+        kv_len = check_nonnegative_int(kv_len, "kv_len")
+        (q0, q1), (k0, k1) = _span(q, q_len, "q"), _span(kv, kv_len, "kv")
+        return self._part(q0, k0, q_len, kv_len, q1 - q0, k1 - k0)
+
+    def _part(self, q_start: int, kv_start: int, q_len: int, kv_len: int, q_count: int, kv_count: int) -> Bias:
+        raise AttnkitValueError(f"{self.describe()} cannot be split into parts.")
+
     def __add__(self, other) -> Bias:
         if not isinstance(other, Bias):
             return NotImplemented
@@ -123,6 +139,9 @@ class _Sum(Bias):
         for part in self.parts:
             part.check(batch, num_heads, q_len, kv_len, device)
 
+    def _part(self, *where):
+        return _Sum(part._part(*where) for part in self.parts)
+
     def _add_grad(self, grads, dtile, *index):
         for part in self.parts:
             part._add_grad(grads, dtile, *index)
@@ -153,6 +172,14 @@ class _Positional(Bias):
         if self.align == "bottom_right":
             p = p + (kv_len - q_len)
         return p, kv_idx + self._offset(self.kv_offset, b)
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)  # the same parameters, positions moved (see masks' _part)
+        shift = q_start + (kv_len - q_len if self.align == "bottom_right" else 0)
+        other.align = "top_left"
+        other.q_offset = _shifted(self.q_offset, shift)
+        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        return other
 
     def _by_distance(self, distance: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``(Hs, m)`` bias of each head for each ``key position - query position``."""
@@ -441,6 +468,16 @@ class _Dense(Bias):
 
     def dense(self, batch, num_heads, q_len, kv_len, device):
         return self._t4()
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        t = self._t4()
+        if t.shape[2] != 1:
+            t = t[:, :, q_start:q_start + q_count]
+        if t.shape[3] != 1:
+            t = t[..., kv_start:kv_start + kv_count]
+        other = copy.copy(self)
+        other.tensor = t  # a view: gradients reach the whole tensor
+        return other
 
     def check(self, batch, num_heads, q_len, kv_len, device):
         super().check(batch, num_heads, q_len, kv_len, device)

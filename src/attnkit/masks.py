@@ -35,6 +35,7 @@ causal(align='bottom_right') & sliding_window(left=1, right=0, align='bottom_rig
 
 from __future__ import annotations
 
+import copy
 import numbers
 
 import torch
@@ -157,6 +158,16 @@ class _Positional:
     def _held(self):
         return self._position_held()
 
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        # In the part, positions are the global ones: keys move by kv_start, queries by
+        # q_start (plus the bottom-right shift of the whole problem), aligned top-left.
+        other = copy.copy(self)
+        shift = q_start + (kv_len - q_len if self.align == "bottom_right" else 0)
+        other.align = "top_left"
+        other.q_offset = _shifted(self.q_offset, shift)
+        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        return other
+
     def _block_positions(self, b):
         """Query positions of each block's first and last row, key positions of its first and last key."""
         p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
@@ -196,6 +207,21 @@ class _Blocks:
         full, empty = torch.broadcast_tensors(full, empty)
         out = torch.full(full.shape, PARTIAL, dtype=torch.int8, device=full.device)
         return out.masked_fill_(full, FULL).masked_fill_(empty, EMPTY)
+
+
+def _span(index, length: int, name: str) -> tuple[int, int]:
+    """``(start, stop)`` of a step-1 slice of ``range(length)``."""
+    if not isinstance(index, slice):
+        raise AttnkitTypeError(f"{name} must be a slice, e.g. slice(128, 256), but got {short(index)}.")
+    start, stop, step = index.indices(length)
+    if step != 1:
+        raise AttnkitValueError(f"{name} must be a contiguous slice (step 1), but got {index}.")
+    return start, max(start, stop)
+
+
+def _shifted(x, by: int):
+    """An offset (int or per-sequence tensor) moved by ``by``."""
+    return x + by if by else x
 
 
 def _block_minmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,6 +349,29 @@ class Mask:
         m = m[min(batch, m.shape[0] - 1), min(head, m.shape[1] - 1)]
         return "\n".join(" ".join("1" if x else "0" for x in row) for row in m.tolist())
 
+    def part(self, q_len: int, kv_len: int, q: slice = slice(None), kv: slice = slice(None)) -> Mask:
+        """The same pattern on a rectangle of a ``(q_len, kv_len)`` problem, as a mask of its own.
+
+        ``m.part(Lq, Lk, q=slice(a, b), kv=slice(c, d)).materialize(b - a, d - c)`` equals
+        ``m.materialize(Lq, Lk)[..., a:b, c:d]``. The part is another mask object of the
+        same kind, with its offsets moved (a dense mask is sliced), so it keeps its block
+        structure: this is how a shard of a sequence, or a chunk of queries, keeps the
+        global mask exactly (:mod:`attnkit.distributed`).
+
+        >>> print(causal().part(4, 4, q=slice(2, 4), kv=slice(0, 2)).picture(2, 2))
+        1 1
+        1 1
+        """
+        q_len = check_nonnegative_int(q_len, "q_len")
+        kv_len = check_nonnegative_int(kv_len, "kv_len")
+        (q0, q1), (k0, k1) = _span(q, q_len, "q"), _span(kv, kv_len, "kv")
+        self.check(q_len, kv_len)
+        return self._part(q0, k0, q_len, kv_len, q1 - q0, k1 - k0)
+
+    def _part(self, q_start: int, kv_start: int, q_len: int, kv_len, q_count: int, kv_count: int) -> Mask:
+        """:meth:`part` without checks: rows ``q_start + [0, q_count)``, keys ``kv_start + [0, kv_count)``."""
+        raise AttnkitValueError(f"{self!r} cannot be split into parts.")
+
     def __and__(self, other) -> Mask:
         return _Combine("&", self, as_mask(other))
 
@@ -432,10 +481,12 @@ class _Document(Mask):
     def _held(self):
         return (self.ids,) + tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
 
+    is_part = False
+
     def check(self, q_len, kv_len):
         length = self.ids.shape[-1]
         plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
-        if plain and (q_len != length or kv_len != length):
+        if plain and not self.is_part and (q_len != length or kv_len != length):
             raise AttnkitValueError(
                 f"document mask was built for sequences of length L={length} but is used with "
                 f"Lq={q_len}, Lk={kv_len}. A document mask is for self-attention over the "
@@ -454,6 +505,13 @@ class _Document(Mask):
                     f"with {n} positions reaches past them."
                 )
 
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)
+        other.q_offset = _shifted(self.q_offset, q_start)
+        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.is_part = True
+        return other
+
     def _ids_at(self, offset, idx: torch.Tensor) -> torch.Tensor:
         """ids of positions ``idx + offset``: ``(B or 1, n)``."""
         ids = self.ids.to(idx.device)
@@ -470,7 +528,7 @@ class _Document(Mask):
     def _block_codes(self, b):
         dev = b.device
         plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
-        if plain:
+        if plain and b.q_len == int(b.kv_len) == self.ids.shape[-1]:
             ids = self.ids.to(dev)
             q_ids = k_ids = ids
         else:
@@ -509,8 +567,10 @@ class _Padding(Mask):
     def _held(self):
         return (self.lengths,) + ((self.kv_offset,) if isinstance(self.kv_offset, torch.Tensor) else ())
 
+    is_part = False
+
     def check_values(self, q_len, kv_len):
-        if isinstance(self.kv_offset, torch.Tensor) or self.kv_offset:
+        if self.is_part or isinstance(self.kv_offset, torch.Tensor) or self.kv_offset:
             return  # a shard of the keys: lengths count from the sequence's start
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
         if longest > kv_len:
@@ -518,6 +578,12 @@ class _Padding(Mask):
                 f"padding mask has a sequence of length {longest} but the keys have only "
                 f"Lk={kv_len} positions. lengths must be <= Lk."
             )
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)
+        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.is_part = True  # lengths may reach past the part's keys
+        return other
 
     def _kv_limit(self):
         return self.lengths - self.kv_offset
@@ -569,6 +635,14 @@ class _Dense(Mask):
                 f"Lk={tk} but is used with Lq={q_len}, Lk={kv_len}."
             )
 
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        t = self.tensor
+        if t.shape[-2] != 1:
+            t = t[..., q_start:q_start + q_count, :]
+        if t.shape[-1] != 1:
+            t = t[..., kv_start:kv_start + kv_count]
+        return _Dense(t)
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         t = self.tensor.to(q_idx.device)
         rows = q_idx if t.shape[-2] != 1 else torch.zeros_like(q_idx)
@@ -611,6 +685,12 @@ class _FromFn(Mask):
 
     def lead_shape(self):
         return (self.batch_size or 1, self.num_heads or 1)
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)
+        other.q_offset = _shifted(self.q_offset, q_start)
+        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        return other
 
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         dev = q_idx.device
@@ -694,6 +774,9 @@ class _Combine(Mask):
     def check_values(self, q_len, kv_len):
         self.left.check_values(q_len, kv_len)
         self.right.check_values(q_len, kv_len)
+
+    def _part(self, *where):
+        return _Combine(self.op, self.left._part(*where), self.right._part(*where))
 
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         a = _as4d(self.left._elements(q_idx, kv_idx, q_len, kv_len))
