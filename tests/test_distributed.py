@@ -244,3 +244,27 @@ def test_bias_part_is_the_slice_of_the_whole():
         full = b.dense(2, 4, 11, 9, "cpu")
         part = b.part(11, 9, q=slice(2, 7), kv=slice(3, 9)).dense(2, 4, 5, 6, "cpu")
         torch.testing.assert_close(part.expand(2, 4, 5, 6), full[..., 2:7, 3:9].expand(2, 4, 5, 6))
+
+
+def test_document_mask_sends_only_the_keys_it_reaches():
+    ids = torch.repeat_interleave(torch.arange(16), 256)  # 16 documents of 256 tokens
+    ids = torch.cat([ids[100:], torch.full((100,), 16)])  # documents straddle every piece boundary
+    docs = D.explain(masks.document(ids) & masks.causal(), 4096, world_size=4, layout="contiguous")
+    causal = D.explain(masks.causal(), 4096, world_size=4, layout="contiguous")
+    assert 0 < sum(docs.received) <= sum(causal.received) // 4
+
+
+def test_two_process_example_runs_under_torchrun():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(root / "examples" / "ring.py")],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    error = float(done.stdout.rsplit("=", 1)[1])
+    assert error < 1e-5, done.stdout

@@ -167,18 +167,12 @@ def explain(mask, q_len: int, kv_len: int | None = None, *, world_size: int | No
         w = n = 0
         for c in range(world_size):
             for i, j in sched.pairs[r][c]:
-                w += _layout.kept_area(mask, q_len, kv_len, sched.q_pieces[r][i], sched.kv_pieces[c][j])
+                w += _layout.kept_area(mask, q_len, kv_len, sched.q_pieces[r][i], sched.span(r, c, j))
                 n += 1
         work.append(w)
         calls.append(n)
-        received.append(sum(
-            sched.kv_pieces[c][j][1] - sched.kv_pieces[c][j][0]
-            for c in range(world_size) if c != r for j in sched.needs[r][c]
-        ))
-        sent.append(sum(
-            sched.kv_pieces[r][j][1] - sched.kv_pieces[r][j][0]
-            for t in range(world_size) if t != r for j in sched.needs[t][r]
-        ))
+        received.append(sched.keys_received(r))
+        sent.append(sched.keys_sent(r))
     dense = _layout.kept_area(mask, q_len, kv_len, (0, q_len), (0, kv_len))
     return RingReport(world_size, layout, q_len, kv_len, tuple(work), tuple(received), tuple(sent), tuple(calls), dense)
 

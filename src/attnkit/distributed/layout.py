@@ -95,16 +95,20 @@ def part_of(mask, q_len: int, kv_len: int, q_piece, kv_piece):
     return mask._part(a, c, q_len, kv_len, b - a, d - c)
 
 
-def has_pairs(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> bool:
-    """Whether any query of ``q_piece`` may attend any key of ``kv_piece`` (exact)."""
+def kept_span(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> tuple[int, int] | None:
+    """The global key range ``(lo, hi)`` within ``kv_piece`` that queries of ``q_piece`` may
+    attend (to ``PLAN_BLOCK`` keys, never missing one), or None if there is none."""
     (a, b), (c, d) = q_piece, kv_piece
     if b == a or d == c:
-        return False
+        return None
     if mask is None:
-        return True
+        return (c, d)
     part = part_of(mask, q_len, kv_len, q_piece, kv_piece)
     codes = part._block_map(b - a, d - c, PLAN_BLOCK, PLAN_BLOCK, device="cpu", kv_limit=part._kv_limit())
-    return bool((codes != _masks.EMPTY).any())
+    kept = (codes != _masks.EMPTY).reshape(-1, codes.shape[-1]).any(0).nonzero()
+    if kept.numel() == 0:
+        return None
+    return c + int(kept[0]) * PLAN_BLOCK, min(d, c + (int(kept[-1]) + 1) * PLAN_BLOCK)
 
 
 def kept_area(mask, q_len: int, kv_len: int, q_piece, kv_piece, block: int = 128) -> int:
@@ -127,10 +131,11 @@ class Schedule:
     """Who computes what with whose keys, for one ring call; the same on every rank.
 
     ``q_pieces[r]`` / ``kv_pieces[r]`` are rank r's global ranges. ``pairs[r][c]``
-    lists the ``(query piece index, key piece index)`` pairs rank r computes with
-    rank c's keys (those the mask does not empty); ``needs[r][c]`` the indices of
-    rank c's key pieces rank r receives. At step s rank r receives from rank
-    ``(r - s) % W`` and sends its own pieces to rank ``(r + s) % W``.
+    lists the ``(query piece index, key piece index)`` rectangles rank r computes with
+    rank c's keys (those the mask does not empty); ``needs[r][c]`` the ``(key piece
+    index, lo, hi)`` global key ranges of rank c's pieces that rank r reads (and
+    receives): the keys its queries may attend, to ``PLAN_BLOCK`` keys. At step s rank r
+    receives from rank ``(r - s) % W`` and sends to rank ``(r + s) % W``.
     """
 
     world_size: int
@@ -147,26 +152,41 @@ class Schedule:
     def target(self, rank: int, step: int) -> int:
         return (rank + step) % self.world_size
 
+    def span(self, rank: int, src: int, j: int) -> tuple[int, int]:
+        """The key range of rank ``src``'s piece ``j`` that rank ``rank`` reads."""
+        for jj, lo, hi in self.needs[rank][src]:
+            if jj == j:
+                return lo, hi
+        raise KeyError(j)
+
+    def keys_received(self, rank: int) -> int:
+        return sum(hi - lo for c in range(self.world_size) if c != rank for _, lo, hi in self.needs[rank][c])
+
+    def keys_sent(self, rank: int) -> int:
+        return sum(hi - lo for t in range(self.world_size) if t != rank for _, lo, hi in self.needs[t][rank])
+
 
 def schedule(mask, q_len: int, kv_len: int, world_size: int, layout: str, ranks=None) -> Schedule:
-    """The ring's plan. ``ranks``: compute ``pairs`` only for these query ranks and for
-    the pairs that read these ranks' keys (what one rank needs to know); default all."""
+    """The ring's plan. ``ranks``: plan only the rectangles these ranks compute or whose
+    keys they hold (what one rank needs to know); default all."""
     q_pieces = pieces(q_len, world_size, layout)
     kv_pieces = pieces(kv_len, world_size, layout)
-    pairs = []
+    pairs, needs = [], []
     for r in range(world_size):
-        row = []
+        pair_row, need_row = [], []
         for c in range(world_size):
-            if ranks is not None and r not in ranks and c not in ranks:
-                row.append(())
-                continue
-            row.append(tuple(
-                (i, j)
-                for i, qp in enumerate(q_pieces[r])
-                for j, kp in enumerate(kv_pieces[c])
-                if has_pairs(mask, q_len, kv_len, qp, kp)
-            ))
-        pairs.append(tuple(row))
-    needs = tuple(tuple(tuple(sorted({j for _, j in pairs[r][c]})) for c in range(world_size)) for r in range(world_size))
+            found, spans = [], {}
+            if ranks is None or r in ranks or c in ranks:
+                for i, qp in enumerate(q_pieces[r]):
+                    for j, kp in enumerate(kv_pieces[c]):
+                        span = kept_span(mask, q_len, kv_len, qp, kp)
+                        if span is not None:
+                            found.append((i, j))
+                            lo, hi = spans.get(j, span)
+                            spans[j] = (min(lo, span[0]), max(hi, span[1]))
+            pair_row.append(tuple(found))
+            need_row.append(tuple((j, lo, hi) for j, (lo, hi) in sorted(spans.items())))
+        pairs.append(tuple(pair_row))
+        needs.append(tuple(need_row))
     return Schedule(world_size, q_len, kv_len, tuple(map(tuple, q_pieces)), tuple(map(tuple, kv_pieces)),
-                    tuple(pairs), needs)
+                    tuple(pairs), tuple(needs))

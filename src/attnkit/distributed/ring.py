@@ -2,11 +2,12 @@
 
 Every rank holds a part of the queries and of the keys/values (see
 :mod:`attnkit.distributed.layout`). In step ``s`` of ``W``, rank r receives the
-key/value pieces of rank ``(r - s) % W`` that its mask needs and sends its own to
-rank ``(r + s) % W``, posting step ``s + 1``'s transfers before computing step s.
+keys/values of rank ``(r - s) % W`` that its queries may attend (whole pieces, or the
+range of a piece that the mask reaches) and sends its own to rank ``(r + s) % W``,
+posting step ``s + 1``'s transfers before computing step s.
 Each (query piece, key piece) rectangle is one :func:`attnkit.attention` call on the
 global mask's part (:meth:`attnkit.masks.Mask.part`); the partial results merge by
-log-sum-exp in float32. A piece nobody at that distance needs is never sent.
+log-sum-exp in float32. Keys nobody at that distance may attend are never sent.
 
 The backward pass runs the ring again: each rank recomputes its rectangles,
 accumulates dQ and sends the partial dK/dV of each received piece back to its owner.
@@ -222,21 +223,49 @@ class _Ring:
         return attention(q, k, v, mask, attn_bias=part_bias, softcap=self.softcap, scale=self.scale,
                          return_lse=True)
 
-    def _kv_shapes(self, k, v, n):
-        return (*k.shape[:-2], n, k.shape[-1]), (*v.shape[:-2], n, v.shape[-1])
+    def _own(self, pieces, j, lo, hi):
+        """Rows ``[lo, hi)`` (global) of this rank's piece ``j``."""
+        a = self.sched.kv_pieces[self.comm.rank][j][0]
+        return pieces[j][..., lo - a:hi - a, :]
+
+    def _post(self, step, tag, sends, recv_spans, k_like, v_like, dtype):
+        """Post one step's transfers of (K, V)-shaped pairs.
+
+        ``sends``: ``(peer, j, k_rows, v_rows)``; ``recv_spans``: ``(peer, j, lo, hi)``.
+        Returns (pending works, {j: (buffer, k shape, v shape, lo, hi)}).
+        """
+        out = [(peer, _pack(kk, vv), tag + step * 8 + j) for peer, j, kk, vv in sends]
+        bufs = {}
+        for peer, j, lo, hi in recv_spans:
+            ks, vs = (*k_like.shape[:-2], hi - lo, k_like.shape[-1]), (*v_like.shape[:-2], hi - lo, v_like.shape[-1])
+            bufs[j] = (torch.empty(math.prod(ks) + math.prod(vs), dtype=dtype, device=k_like.device), ks, vs, lo, hi)
+        recvs = [(peer, bufs[j][0], tag + step * 8 + j) for peer, j, _, _ in recv_spans]
+        return self.comm.exchange(out, recvs), bufs
 
     def _post_kv(self, step, k_pieces, v_pieces, k, v):
-        """Post step ``step``'s K/V transfers; returns (pending works, {piece: buffer})."""
+        """Post step ``step``'s K/V transfers: send what rank ``me + step`` reads of ours,
+        receive what we read of rank ``me - step``'s."""
         me, s = self.comm.rank, self.sched
         src, dst = s.source(me, step), s.target(me, step)
-        sends = [(dst, _pack(k_pieces[j], v_pieces[j]), step * 8 + j) for j in s.needs[dst][me]]
-        bufs = {}
-        for j in s.needs[me][src]:
-            a, b = s.kv_pieces[src][j]
-            ks, vs = self._kv_shapes(k, v, b - a)
-            bufs[j] = (torch.empty(math.prod(ks) + math.prod(vs), dtype=k.dtype, device=k.device), ks, vs)
-        recvs = [(src, buf, step * 8 + j) for j, (buf, _, _) in bufs.items()]
-        return self.comm.exchange(sends, recvs), bufs
+        sends = [(dst, j, self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi)) for j, lo, hi in s.needs[dst][me]]
+        recvs = [(src, j, lo, hi) for j, lo, hi in s.needs[me][src]]
+        return self._post(step, 0, sends, recvs, k, v, k.dtype)
+
+    def _keys(self, step, nxt, k_pieces, v_pieces, k, v):
+        """This step's keys ``{j: (k rows, v rows, (lo, hi))}`` and the next step's transfers."""
+        me, s = self.comm.rank, self.sched
+        if step == 0:
+            kv = {j: (self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi), (lo, hi))
+                  for j, lo, hi in s.needs[me][me]}
+        else:
+            pending, bufs = nxt
+            self.comm.finish(pending)
+            kv = {j: (*_unpack(buf, ks, vs), (lo, hi)) for j, (buf, ks, vs, lo, hi) in bufs.items()}
+        if step + 1 < self.comm.size:
+            nxt = self._post_kv(step + 1, k_pieces, v_pieces, k, v)
+        else:
+            nxt = ([], {})
+        return kv, nxt
 
     def forward(self, q, k, v, attn_bias):
         me, s, comm = self.comm.rank, self.sched, self.comm
@@ -246,18 +275,12 @@ class _Ring:
         dv, acc = v.shape[-1], _acc_dtype(q)
         outs = [torch.zeros(*p.shape[:-1], dv, dtype=acc, device=q.device) for p in q_pieces]
         lses = [torch.full(p.shape[:-1], -math.inf, dtype=acc, device=q.device) for p in q_pieces]
-        nxt = self._post_kv(1, k_pieces, v_pieces, k, v) if comm.size > 1 else ([], {})
+        nxt = ([], {})
         for step in range(comm.size):
-            src = s.source(me, step)
-            if step == 0:
-                kv = {j: (k_pieces[j], v_pieces[j]) for j in range(len(k_pieces))}
-            else:
-                pending, bufs = nxt
-                comm.finish(pending)
-                kv = {j: _unpack(buf, ks, vs) for j, (buf, ks, vs) in bufs.items()}
-                nxt = self._post_kv(step + 1, k_pieces, v_pieces, k, v) if step + 1 < comm.size else ([], {})
-            for i, j in s.pairs[me][src]:
-                out, lse = self.rectangle(q_pieces[i], *kv[j], s.q_pieces[me][i], s.kv_pieces[src][j], attn_bias)
+            kv, nxt = self._keys(step, nxt, k_pieces, v_pieces, k, v)
+            for i, j in s.pairs[me][s.source(me, step)]:
+                kk, vv, span = kv[j]
+                out, lse = self.rectangle(q_pieces[i], kk, vv, s.q_pieces[me][i], span, attn_bias)
                 outs[i], lses[i] = _merge(outs[i], lses[i], out, lse)
         comm.finish(nxt[0])
         return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
@@ -277,21 +300,16 @@ class _Ring:
         dk_own = [torch.zeros_like(p, dtype=acc) for p in k_pieces]
         dv_own = [torch.zeros_like(p, dtype=acc) for p in v_pieces]
         dparams = [None] * len(params)
-        nxt = self._post_kv(1, k_pieces, v_pieces, k, v) if comm.size > 1 else ([], {})
+        nxt = ([], {})
         grads_in_flight = ([], {})  # the previous step's dK/dV transfers and receive buffers
         for step in range(comm.size):
             src, dst = s.source(me, step), s.target(me, step)
-            if step == 0:
-                kv = {j: (k_pieces[j], v_pieces[j]) for j in range(len(k_pieces))}
-            else:
-                pending, bufs = nxt
-                comm.finish(pending)
-                kv = {j: _unpack(buf, ks, vs) for j, (buf, ks, vs) in bufs.items()}
-                nxt = self._post_kv(step + 1, k_pieces, v_pieces, k, v) if step + 1 < comm.size else ([], {})
-            dkv = {j: (torch.zeros_like(kv[j][0], dtype=acc), torch.zeros_like(kv[j][1], dtype=acc)) for j in kv}
+            kv, nxt = self._keys(step, nxt, k_pieces, v_pieces, k, v)
+            dkv = {j: (torch.zeros_like(kk, dtype=acc), torch.zeros_like(vv, dtype=acc)) for j, (kk, vv, _) in kv.items()}
             for i, j in s.pairs[me][src]:
+                kk, vv, span = kv[j]
                 grads = self._rectangle_grad(
-                    q_pieces[i], *kv[j], s.q_pieces[me][i], s.kv_pieces[src][j], attn_bias, params,
+                    q_pieces[i], kk, vv, s.q_pieces[me][i], span, attn_bias, params,
                     out_pieces[i], lse_pieces[i], dout_pieces[i], dlse_pieces[i],
                 )
                 dq[i] += grads[0]
@@ -302,17 +320,16 @@ class _Ring:
                         dparams[n] = g if dparams[n] is None else dparams[n] + g
             if step == 0:
                 for j, (dk_j, dv_j) in dkv.items():
-                    dk_own[j] += dk_j
-                    dv_own[j] += dv_j
+                    lo, hi = kv[j][2]
+                    self._own(dk_own, j, lo, hi).add_(dk_j)
+                    self._own(dv_own, j, lo, hi).add_(dv_j)
                 continue
             self._collect(grads_in_flight, dk_own, dv_own)
-            # send the dK/dV of the pieces received from src back to it; receive those of
-            # our own pieces that rank dst computed with
-            sends = [(src, _pack(*dkv[j]), _GRAD_TAG + step * 8 + j) for j in sorted(dkv)]
-            bufs = {j: torch.empty(dk_own[j].numel() + dv_own[j].numel(), dtype=acc, device=k.device)
-                    for j in s.needs[dst][me]}
-            recvs = [(dst, buf, _GRAD_TAG + step * 8 + j) for j, buf in bufs.items()]
-            grads_in_flight = (comm.exchange(sends, recvs), bufs)
+            # dK/dV of the keys received from src go back to it; those of our keys that
+            # rank dst read come from it
+            sends = [(src, j, *dkv[j]) for j in sorted(dkv)]
+            recvs = [(dst, j, lo, hi) for j, lo, hi in s.needs[dst][me]]
+            grads_in_flight = self._post(step, _GRAD_TAG, sends, recvs, dk_own[0], dv_own[0], acc)
         self._collect(grads_in_flight, dk_own, dv_own)
         comm.finish(nxt[0])
         return (torch.cat(dq, -2).to(q.dtype), torch.cat(dk_own, -2).to(k.dtype), torch.cat(dv_own, -2).to(v.dtype),
@@ -322,10 +339,10 @@ class _Ring:
         """Wait for dK/dV transfers and add what arrived to this rank's own gradients."""
         pending, bufs = in_flight
         self.comm.finish(pending)
-        for j, buf in bufs.items():
-            dk_part, dv_part = _unpack(buf, dk_own[j].shape, dv_own[j].shape)
-            dk_own[j] += dk_part
-            dv_own[j] += dv_part
+        for j, (buf, ks, vs, lo, hi) in bufs.items():
+            dk_part, dv_part = _unpack(buf, ks, vs)
+            self._own(dk_own, j, lo, hi).add_(dk_part)
+            self._own(dv_own, j, lo, hi).add_(dv_part)
 
     def _rectangle_grad(self, q, k, v, q_piece, kv_piece, attn_bias, params, out, lse, dout, dlse):
         """d loss / d (q, k, v, params) of one rectangle, from the merged ``out`` and ``lse``.
