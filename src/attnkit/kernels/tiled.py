@@ -257,6 +257,22 @@ def _weights(s: torch.Tensor, shift: torch.Tensor, tile: _Tile | None) -> torch.
     return p if tile is None else p.mul_(tile.keep)
 
 
+#: Rows of one math-engine tile. The planner merges row blocks with equal runs into one
+#: (the fused engine tiles inside); the math engine materialises rows x keys, so it
+#: walks merged blocks this many rows at a time.
+MATH_ROWS = 128
+
+
+def _math_rows(rows):
+    """Row blocks cut to at most :data:`MATH_ROWS` queries (for the math engine)."""
+    for row in rows:
+        if row.q1 - row.q0 <= MATH_ROWS:
+            yield row
+        else:
+            for q0 in range(row.q0, row.q1, MATH_ROWS):
+                yield RowBlock(q0, min(q0 + MATH_ROWS, row.q1), row.runs)
+
+
 def _merge(parts):
     """Exact merge of attention over disjoint key sets by their log-sum-exp.
 
@@ -273,12 +289,13 @@ def _merge(parts):
 def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
     """``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` of one group's inputs."""
     b, hq, lq, _ = q.shape
-    single = len(group.rows) == 1 and group.rows[0].q0 == 0 and group.rows[0].q1 == lq and group.rows[0].runs
+    rows = list(group.rows if call.fused else _math_rows(group.rows))
+    single = len(rows) == 1 and rows[0].q0 == 0 and rows[0].q1 == lq and rows[0].runs
     out = lse = None
     if not single:
         out = q.new_zeros(b, hq, lq, v.shape[-1])
         lse = torch.full((b, hq, lq), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
-    for row in group.rows:
+    for row in rows:
         if not row.runs:  # every query of the block is fully masked
             continue
         parts = []
@@ -355,7 +372,7 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     lse_safe = torch.where(lse == _NEG_INF, 0.0, lse)
     fused = call.fused and grad_lse is None and not call.bias_grad
-    for row in group.rows:
+    for row in (group.rows if fused else _math_rows(group.rows)):
         if not row.runs:
             continue
         rows = slice(row.q0, row.q1)
