@@ -221,19 +221,92 @@ def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, 
     return out, weights
 
 
-def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None):
+def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, rows=None,
+                      heads=None):
     """The attention probabilities ``(..., Hq, Lq, Lk)``: ``softmax(q @ k^T * scale + mask)``.
 
     Same arguments as :func:`attention`. Each row sums to 1, except a row with every
     key masked, which is all 0. ``v`` is checked but not used.
+
+    ``rows`` / ``heads`` (an int, a slice, a sequence or a 1-D integer tensor; negative
+    indices count from the end) select query rows and query heads: the result is
+    ``(..., len(heads), len(rows), Lk)``, exactly the slice of the full weights, in
+    memory proportional to it (the way to look at a long input: the last token's
+    row, a few heads). For statistics over every row see
+    :func:`attnkit.inspect.attention_stats`.
 
     >>> import torch, attnkit
     >>> q = k = v = torch.randn(1, 1, 3, 4)
     >>> w = attnkit.attention_weights(q, k, v, attnkit.masks.causal())
     >>> w[0, 0, 0].tolist()[1:]
     [0.0, 0.0]
+    >>> attnkit.attention_weights(q, k, v, attnkit.masks.causal(), rows=-1).shape
+    torch.Size([1, 1, 1, 3])
     """
-    return attention_with_weights(q, k, v, mask, attn_bias=attn_bias, softcap=softcap, sinks=sinks, scale=scale)[1]
+    call = _call(q, k, v, mask, scale, 0.0, False, attn_bias, softcap, sinks)
+    if rows is not None or heads is not None:
+        call = _selected(call, rows, heads)
+    out, weights, _ = run_with_weights(call)
+    return weights
+
+
+def _indices(value, size: int, name: str, device) -> torch.Tensor:
+    """``rows=`` / ``heads=`` as a 1-D int64 tensor of indices in ``[0, size)``."""
+    if value is None:
+        return torch.arange(size, device=device)
+    if isinstance(value, slice):
+        return torch.arange(size, device=device)[value]
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple, range, torch.Tensor)):
+        raise AttnkitTypeError(f"{name} must be an int, a slice, a sequence of ints or an integer tensor, but got {short(value)}.")
+    t = torch.as_tensor(value if not isinstance(value, range) else list(value), device=device).reshape(-1)
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise AttnkitTypeError(f"{name} must hold integer indices, but got {t.dtype}.")
+    bad = (t < -size) | (t >= size)
+    if bool(bad.any()):
+        raise AttnkitValueError(f"{name}={short(t.tolist())} is out of range for {size} (valid: {-size}..{size - 1}).")
+    return (t % max(size, 1)).long()
+
+
+def _selected(call: Call, rows, heads) -> Call:
+    """The call restricted to some query rows and heads (mask and bias evaluated on them only)."""
+    q, k, v, s = call.q, call.k, call.v, call.shapes
+    if heads is not None and q.dim() < 3:
+        raise AttnkitValueError("heads= needs inputs with a head axis (..., H, L, D).")
+    dev = q.device
+    r = _indices(rows, s.lq, "rows", dev)
+    h = _indices(heads, s.hq, "heads", dev) if q.dim() >= 3 else None
+    kv_h = None if h is None else h // (s.hq // s.hkv)
+    q = q.index_select(-2, r) if h is None else q.index_select(-3, h).index_select(-2, r)
+    if kv_h is not None:
+        k, v = k.index_select(-3, kv_h), v.index_select(-3, kv_h)
+    mask = call.mask.mask if isinstance(call.mask, PreparedMask) else call.mask
+    if isinstance(mask, _masks.Mask):
+        kv_idx = torch.arange(s.lk, device=dev)[None, :]
+        mask = _masks._as4d(mask._elements(r[:, None], kv_idx, s.lq, s.lk))  # (Bm, Hm, R, Lk)
+        if h is not None and mask.shape[1] > 1:
+            mask = mask.index_select(1, h)
+        while mask.dim() > q.dim():
+            mask = mask.squeeze(0)
+    elif isinstance(mask, torch.Tensor):
+        mask = mask.reshape((1,) * (len(s.scores) - mask.dim()) + tuple(mask.shape))
+        if mask.shape[-2] > 1:
+            mask = mask.index_select(-2, r)
+        if h is not None and mask.shape[-3] > 1:
+            mask = mask.index_select(-3, h)
+    attn_bias = None
+    if call.bias is not None:
+        batch = s.batch[0] if s.batch else 1
+        b_idx = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+        h_idx = (torch.arange(s.hq, device=dev) if h is None else h).view(1, -1, 1, 1)
+        kv_idx = torch.arange(s.lk, device=dev).view(1, 1, 1, -1)
+        parts = [_masks._as4d(call.bias._elements(b_idx, h_idx, i.view(1, 1, 1, 1), kv_idx, s.lq, s.lk)) for i in r]
+        dense = torch.cat([p.expand(*p.shape[:2], 1, s.lk) for p in parts], dim=-2) if parts else None
+        if dense is not None:
+            while dense.dim() > q.dim():
+                dense = dense.squeeze(0)
+            attn_bias = _bias.dense(dense)
+    sinks = None if call.sinks is None else (call.sinks if h is None else call.sinks.index_select(0, h))
+    return _call(q, k, v, mask, call.scale, 0.0, False, attn_bias, call.softcap, sinks)
 
 
 def explain(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,

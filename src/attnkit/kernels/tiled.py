@@ -164,7 +164,7 @@ def _tile(call: _Call, gi: int, sel: _Select, row: RowBlock, run: Run, hq: int, 
     """The evaluated mask of a partial run (None for a full one), from the prepared mask's cache."""
     if run.full:
         return None
-    key = (gi, row.q0, run.k0, hq, hkv, dtype, str(device))
+    key = (gi, row.q0, row.q1, run.k0, run.k1, hq, hkv, dtype, str(device))
     cached = call.prepared.tiles.get(key)
     if cached is not None:
         return cached

@@ -1,0 +1,256 @@
+"""Exact attention statistics at any length, without the ``Lq x Lk`` matrix.
+
+With the row log-sum-exp of a forward pass, every weight is ``exp(s - lse)``; so one
+more pass over the tiles the prepared mask keeps can reduce them (entropy, largest
+weight, mass on the first keys, mean distance, mass each key receives, top-k keys)
+in O(L) memory. This is how :func:`attnkit.capture` records long inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from attnkit import masks as _masks
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
+from attnkit.functional import _call
+from attnkit.kernels import registry as _registry
+from attnkit.kernels import tiled as _tiled
+from attnkit.prepare import Run
+
+__all__ = ["AttentionStats", "attention_stats"]
+
+#: Keys per tile of the statistics pass: a tile is (B, H, 128 rows, at most this many keys).
+STATS_KEYS = 4096
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """Statistics of the attention weights of one call; shapes ``(B, H, Lq)`` unless noted.
+
+    - ``lse``: row log-sum-exp of the scores (``-inf`` for a row with every key masked);
+    - ``entropy``: of each row's weights, in nats (with ``sinks``, the sink's weight counts
+      as one more outcome);
+    - ``max_weight`` and ``argmax``: the largest weight and its key (``-1`` for a fully
+      masked row);
+    - ``sink_mass``: weight on the first ``sink_tokens`` keys;
+    - ``mean_distance``: ``sum_j w_ij |p(i) - j|`` with the mask's query positions ``p``;
+    - ``received (B, H, Lk)``: each key's total weight over all queries;
+    - ``topk_keys`` / ``topk_weights (B, H, Lq, topk)``: the largest weights of each row,
+      largest first (keys ``-1`` / weights 0 where a row has fewer allowed keys); None
+      when ``topk=0``.
+
+    A fully masked row has lse ``-inf`` and 0 everywhere else. All values are float32
+    (float64 for float64 inputs) and exact to that precision.
+    """
+
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    max_weight: torch.Tensor
+    argmax: torch.Tensor
+    sink_mass: torch.Tensor
+    mean_distance: torch.Tensor
+    received: torch.Tensor
+    topk_keys: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``(B, H, Lq)`` bool: rows that attend to at least one key."""
+        return torch.isfinite(self.lse)
+
+    def head_summary(self) -> dict[str, torch.Tensor]:
+        """Per-head means over the batch and the rows that attend: ``{name: (H,)}``.
+
+        Names: ``entropy``, ``max_weight``, ``sink_mass``, ``mean_distance``.
+        """
+        valid = self.valid.to(self.entropy.dtype)
+        count = valid.sum(dim=(0, 2)).clamp_min(1)
+        return {name: (getattr(self, name) * valid).sum(dim=(0, 2)) / count
+                for name in ("entropy", "max_weight", "sink_mass", "mean_distance")}
+
+    def to(self, *args, **kwargs) -> AttentionStats:
+        """Every tensor moved/cast with ``Tensor.to`` (``argmax`` and ``topk_keys`` keep int64)."""
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t is None:
+                out[f.name] = None
+            elif t.is_floating_point():
+                out[f.name] = t.to(*args, **kwargs)
+            else:
+                device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+                out[f.name] = t if device is None else t.to(device)
+        return AttentionStats(**out)
+
+
+def _positions(mask, q_len: int, kv_len: int, device, dtype):
+    """Key-axis positions of the queries and keys (the first positional mask's, else bottom-right)."""
+    found = None
+    stack = [mask]
+    while stack and found is None:
+        m = stack.pop(0)
+        if isinstance(m, _masks._Positional):
+            found = m
+        elif isinstance(m, _masks._Combine):
+            stack += [m.left, m.right]
+    q_idx = torch.arange(q_len, device=device)
+    kv_idx = torch.arange(kv_len, device=device)
+    if found is None or any(isinstance(x, torch.Tensor) for x in (found.q_offset, found.kv_offset)):
+        return (q_idx + (kv_len - q_len)).to(dtype), kv_idx.to(dtype)
+    return found._q_pos(q_idx, q_len, kv_len).to(dtype), found._k_pos(kv_idx).to(dtype)
+
+
+class _Accumulator:
+    """The statistics of one group of (sequence, head) rows, filled tile by tile."""
+
+    def __init__(self, lse, kv_len: int, sink_tokens: int, topk: int, qpos, kpos):
+        bs, hs, lq = lse.shape
+        dt, dev = qpos.dtype, lse.device
+        self.entropy = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
+        self.max_weight = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
+        self.argmax = torch.full((bs, hs, lq), -1, dtype=torch.int64, device=dev)
+        self.sink_mass = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
+        self.mean_distance = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
+        self.received = torch.zeros(bs, hs, kv_len, dtype=dt, device=dev)
+        self.topk = topk
+        if topk:
+            self.topk_weights = torch.zeros(bs, hs, lq, topk, dtype=dt, device=dev)
+            self.topk_keys = torch.full((bs, hs, lq, topk), -1, dtype=torch.int64, device=dev)
+        self.sink_tokens, self.qpos, self.kpos = sink_tokens, qpos, kpos
+
+    def add(self, w: torch.Tensor, d: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+        """Reduce one tile: ``w`` the weights, ``d = log w`` where w > 0, ``(Bs, Hs, n, S)``."""
+        rows = slice(q0, q1)
+        self.entropy[..., rows] -= torch.linalg.vecdot(w, d)
+        top, where = w.max(dim=-1)
+        better = top > self.max_weight[..., rows]
+        self.max_weight[..., rows] = torch.where(better, top, self.max_weight[..., rows])
+        self.argmax[..., rows] = torch.where(better, where + k0, self.argmax[..., rows])
+        if k0 < self.sink_tokens:
+            self.sink_mass[..., rows] += w[..., : self.sink_tokens - k0].sum(-1)
+        # sum_j w |p - j|: a matrix-vector product where the tile lies on one side of every query
+        p, j = self.qpos[rows], self.kpos[k0:k1]
+        if j[-1] <= p[0]:  # every key at or before every query
+            self.mean_distance[..., rows] += p * w.sum(-1) - w @ j
+        elif j[0] >= p[-1]:
+            self.mean_distance[..., rows] += w @ j - p * w.sum(-1)
+        else:
+            self.mean_distance[..., rows] += torch.linalg.vecdot(w, (p[:, None] - j[None, :]).abs())
+        self.received[..., k0:k1] += w.sum(-2)
+        if self.topk:
+            keys = torch.arange(k0, k1, device=w.device).expand(*w.shape)
+            vals = torch.cat([self.topk_weights[..., rows, :], w], dim=-1)
+            idx = torch.cat([self.topk_keys[..., rows, :], keys], dim=-1)
+            best, pick = vals.topk(min(self.topk, vals.shape[-1]), dim=-1)
+            self.topk_weights[..., rows, :] = best
+            self.topk_keys[..., rows, :] = torch.where(best > 0, idx.gather(-1, pick), -1)
+
+
+def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=None, sinks=None,
+                    sink_tokens: int = 1, topk: int = 0) -> AttentionStats:
+    """Exact statistics of the attention weights, in O(L) memory (see :class:`AttentionStats`).
+
+    The arguments are :func:`attnkit.attention`'s (inputs of rank 2 to 4). One forward
+    pass gives the lse, a second pass over the tiles the mask keeps reduces the
+    weights ``exp(s - lse)``; no tensor of ``Lq x Lk`` elements is made (a tile holds
+    ``128 x 4096`` pairs per head at most). ``v`` is checked, not used.
+
+    >>> import torch, attnkit
+    >>> from attnkit.inspect import attention_stats
+    >>> q = k = v = torch.randn(1, 2, 6, 8)
+    >>> st = attention_stats(q, k, v, attnkit.masks.causal(), topk=2)
+    >>> st.entropy.shape, st.received.shape, st.topk_keys.shape
+    (torch.Size([1, 2, 6]), torch.Size([1, 2, 6]), torch.Size([1, 2, 6, 2]))
+    >>> st.argmax[0, 0, 0].item()  # the first query sees only the first key
+    0
+    """
+    sink_tokens = check_nonnegative_int(sink_tokens, "sink_tokens")
+    topk = check_nonnegative_int(topk, "topk")
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        raise AttnkitTypeError(
+            "attention_stats takes bool masks or mask objects; pass an additive float mask as "
+            "attn_bias=attnkit.bias.dense(tensor) (and -inf entries as a bool mask)."
+        )
+    call = _call(q, k, v, mask, scale, 0.0, True, attn_bias, softcap, sinks)
+    squeeze = q.dim() - 4
+    if squeeze > 0:
+        raise AttnkitValueError(f"attention_stats takes inputs of rank 2 to 4, but q has shape {tuple(q.shape)}.")
+    q4, k4, v4 = (t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    call = _call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks)
+    with torch.no_grad():
+        plan = _registry.choose(call)
+        _, lse = _registry.run(call, plan)  # includes the sinks' mass
+        stats = _reduce(call, lse, sink_tokens, topk)
+    if q.dim() < 4:
+        stats = AttentionStats(**{f.name: None if getattr(stats, f.name) is None else
+                                  getattr(stats, f.name).reshape(getattr(stats, f.name).shape[4 - q.dim():])
+                                  for f in fields(stats)})
+    return stats
+
+
+def _lift(mask, rank: int):
+    """A bool tensor mask of rank-2/3 inputs, lined up with the 4-D call."""
+    if isinstance(mask, torch.Tensor):
+        return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+    return mask
+
+
+def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionStats:
+    q, k, v = call.q, call.k, call.v
+    b, hq, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    ct = _tiled._compute_dtype(q.dtype)
+    lse = lse.to(ct)
+    prepared = call.get_prepared()
+    qpos, kpos = _positions(call.mask_object(), lq, lk, q.device, ct)
+    tcall = _tiled._Call(prepared, call.scale, 0.0, 0, False, call.bias, call.softcap,
+                         tuple(call.bias.params()) if call.bias is not None else ())
+    out = {
+        "entropy": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
+        "max_weight": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
+        "argmax": torch.full((b, hq, lq), -1, dtype=torch.int64, device=q.device),
+        "sink_mass": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
+        "mean_distance": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
+        "received": torch.zeros(b, hq, lk, dtype=ct, device=q.device),
+    }
+    if topk:
+        out["topk_weights"] = torch.zeros(b, hq, lq, topk, dtype=ct, device=q.device)
+        out["topk_keys"] = torch.full((b, hq, lq, topk), -1, dtype=torch.int64, device=q.device)
+    if lq and lk:
+        for gi, group in enumerate(prepared.groups):
+            sel = _tiled._select(group, prepared, b, hq, hkv, q.device, call.bias)
+            qg, kg, vg = _tiled._group_inputs(sel, q, k, v)
+            lse_g = _tiled._take(_tiled._take(lse, 0, sel.batch), 1, sel.q_heads)
+            acc = _Accumulator(lse_g, lk, sink_tokens, topk, qpos, kpos)
+            _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, acc)
+            for name in out:
+                _tiled._put_rows(out[name], sel, getattr(acc, name))
+    if call.sinks is not None:  # the sink is one more outcome of each row's distribution
+        w_sink = torch.exp(call.sinks.to(ct).view(-1, 1) - lse)
+        w_sink = torch.where(torch.isfinite(lse), w_sink, torch.zeros_like(w_sink))
+        out["entropy"] = out["entropy"] + torch.special.xlogy(w_sink, w_sink).neg()
+    return AttentionStats(lse=lse, **out)
+
+
+def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:
+    """Feed every kept tile's weights ``exp(s - lse)`` to ``acc``."""
+    hq, hkv = q.shape[1], k.shape[1]
+    for row in _tiled._math_rows(group.rows):
+        if not row.runs:
+            continue
+        lf = _tiled._fold(lse[:, :, row.q0 : row.q1, None], hkv)  # (Bs, Hkv, g*n, 1)
+        lf = torch.where(torch.isfinite(lf), lf, torch.zeros_like(lf))
+        for run in row.runs:
+            for k0 in range(run.k0, run.k1, STATS_KEYS):
+                chunk = Run(k0, min(k0 + STATS_KEYS, run.k1), run.full)
+                qf, kr, _, tile = _tiled._run_inputs(tcall, gi, sel, q, k, v, row, chunk)
+                bias_tile = _tiled._bias_tile(tcall, sel, row, chunk, hq, hkv)
+                s, _ = _tiled._math_scores(tcall, qf, kr, None, bias_tile)  # (Bs, Hkv, g*n, S)
+                d = s.sub_(lf).clamp_(min=_tiled._EXP_FLOOR, max=0.0)  # log-weights (<= 0 up to rounding)
+                w = torch.exp(d)
+                if tile is not None:
+                    w = w.mul_(tile.keep)
+                acc.add(_tiled._unfold(w, hq), _tiled._unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
+
