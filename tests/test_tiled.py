@@ -282,10 +282,13 @@ def test_lse_gradient_through_merged_row_blocks():
     when the lse has a gradient) walks them 128 rows at a time and must not reuse the
     merged block's mask tile."""
     torch.manual_seed(0)
-    length = 1024
-    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 412, 300, 212]))
-    mask = masks.document(ids) & masks.causal()
-    q, k, v = (torch.randn(1, 2, length, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ids = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(1000, dtype=torch.long)])
+    # 640 queries inside document 1, 256 keys across its start: every row block sees the same partial run
+    mask = masks.document(ids, q_offset=300)
+    prepared = attnkit.prepare(mask, 640, 256)
+    assert any(r.q1 - r.q0 > 128 and not all(run.full for run in r.runs) for g in prepared.groups for r in g.rows)
+    q = torch.randn(1, 2, 640, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 256, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
     grads = []
     for kernel in ("tiled", "reference"):
         out, lse = attnkit.attention(q, k, v, mask, kernel=kernel, return_lse=True)
