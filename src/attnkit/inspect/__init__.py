@@ -1,5 +1,7 @@
-"""Seeing into attention: capture the weights of any model built from attnkit layers."""
+"""Seeing into attention: capture the weights of any model built from attnkit layers, and
+exact statistics of the weights at any length."""
 
 from attnkit.inspect.capture import Capture, capture
+from attnkit.inspect.stats import AttentionStats, attention_stats
 
-__all__ = ["Capture", "capture"]
+__all__ = ["AttentionStats", "Capture", "attention_stats", "capture"]

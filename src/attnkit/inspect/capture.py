@@ -10,13 +10,23 @@ from attnkit._validate import AttnkitTypeError, AttnkitValueError
 from attnkit.nn import MultiHeadAttention
 
 
-class Capture:
-    """Attention weights recorded while the ``with`` block runs, in call order.
+#: Elements of ``(B, H, Lq, Lk)`` above which ``mode="weights"`` refuses to record a layer
+#: whole (256 MB of float32); ``mode="stats"`` and ``rows=`` have no such limit.
+FULL_WEIGHTS_BUDGET = 2**26
 
-    ``weights[i]`` is ``(B, H, Lq, Lk)`` (detached) from the layer ``names[i]``.
-    The model keeps its own kernel and its outputs do not change: each weight
-    tensor is recomputed from the layer's projected queries and keys with the
-    same mask, by :func:`attnkit.attention_weights`.
+MODES = ("weights", "stats")
+
+
+class Capture:
+    """Attention recorded while the ``with`` block runs, in call order.
+
+    ``mode="weights"``: ``weights[i]`` is ``(B, H, Lq, Lk)`` (detached) from the layer
+    ``names[i]``, or ``(B, len(heads), len(rows), Lk)`` with ``rows=``/``heads=``.
+    ``mode="stats"``: ``stats[i]`` is an :class:`~attnkit.inspect.AttentionStats`
+    (entropy, sink mass, mean distance, key mass received, top-k keys; O(L) memory at
+    any length), and ``weights[i]`` the chosen rows' weights when ``rows=`` is given.
+    The model keeps its own kernel and its outputs do not change: everything is
+    recomputed from the layer's projected queries and keys with the same mask.
 
     >>> import torch, attnkit
     >>> model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 4))
@@ -27,7 +37,11 @@ class Capture:
     (['0'], torch.Size([1, 4, 5, 5]))
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, mode: str = "weights", *, rows=None, heads=None, topk: int = 0,
+                 sink_tokens: int = 1):
+        if mode not in MODES:
+            raise AttnkitValueError(f"mode must be 'weights' or 'stats', but got {mode!r}.")
+        self.mode, self.rows, self.heads, self.topk, self.sink_tokens = mode, rows, heads, topk, sink_tokens
         if not isinstance(model, nn.Module):
             raise AttnkitTypeError(f"capture expects a torch.nn.Module, but got {type(model).__name__}.")
         self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
@@ -43,14 +57,35 @@ class Capture:
                 "`import attnkit.integrations.transformers`)."
             )
         self.weights: list[torch.Tensor] = []
+        self.stats: list = []
         self.names: list[str] = []
         self._handles: list = []
 
+    def _record(self, name: str, q, k, v, mask, mods: dict) -> None:
+        from attnkit.inspect.stats import attention_stats
+
+        selected = self.rows is not None or self.heads is not None
+        with torch.no_grad():
+            if self.mode == "stats":
+                self.stats.append(attention_stats(q, k, v, mask, sink_tokens=self.sink_tokens, topk=self.topk, **mods))
+            elif not selected:
+                elements = q.shape[:-1].numel() * k.shape[-2]
+                if elements > FULL_WEIGHTS_BUDGET:
+                    raise AttnkitValueError(
+                        f"capturing the full weights of layer {name!r} would hold {tuple(q.shape[:-1])} x "
+                        f"{k.shape[-2]} = {elements:,} values ({4 * elements / 2**30:.1f} GiB). At this length "
+                        "use attnkit.capture(model, mode='stats') (exact statistics in O(L) memory) and/or "
+                        "rows=[-1] (the last token's weights), heads=[...]."
+                    )
+            if self.mode == "weights" or selected:
+                w = functional.attention_weights(q, k, v, mask, rows=self.rows, heads=self.heads, **mods)
+                self.weights.append(w.detach())
+        self.names.append(name)
+
     def _hook(self, name: str):
         def hook(module, q, k, v, mask):
-            with torch.no_grad():
-                self.weights.append(functional.attention_weights(q, k, v, mask).detach())
-            self.names.append(name)
+            mods = {"softcap": module.softcap, "sinks": None if module.sinks is None else module.sinks.detach()}
+            self._record(name, q, k, v, mask, mods)
 
         return hook
 
@@ -58,10 +93,7 @@ class Capture:
         name = self._hf_names.get(id(module))
         if name is None:  # attention of another model
             return
-        kw = {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale")}
-        with torch.no_grad():
-            self.weights.append(functional.attention_weights(q, k, v, mask, **kw).detach())
-        self.names.append(name)
+        self._record(name, q, k, v, mask, {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale")})
 
     def __enter__(self) -> Capture:
         if self._hf_names is not None:
@@ -78,6 +110,16 @@ class Capture:
             handle.remove()
         self._handles.clear()
 
+    def stack_stats(self, name: str, batch: int = 0) -> torch.Tensor:
+        """One statistic of one sequence over the captured layers, e.g. ``"entropy"``:
+        ``(layers, H, Lq)`` (``(layers, H, Lk)`` for ``received``)."""
+        if not self.stats:
+            raise AttnkitValueError("no statistics were captured: use attnkit.capture(model, mode='stats').")
+        values = [getattr(s, name) for s in self.stats]
+        if any(v is None for v in values):
+            raise AttnkitValueError(f"{name} was not recorded (topk= was 0).")
+        return torch.stack([v[batch] for v in values])
+
     def stack(self, batch: int = 0) -> torch.Tensor:
         """The weights of one sequence as ``(layers, H, Lq, Lk)`` (every call must agree in shape)."""
         if not self.weights:
@@ -88,10 +130,21 @@ class Capture:
         return torch.stack([w[batch] for w in self.weights])
 
 
-def capture(model: nn.Module) -> Capture:
-    """Record attention weights from every attnkit attention layer inside ``model``.
+def capture(model: nn.Module, mode: str = "weights", *, rows=None, heads=None, topk: int = 0,
+            sink_tokens: int = 1) -> Capture:
+    """Record attention from every attnkit attention layer inside ``model``.
 
-    ``with attnkit.capture(model) as cap: model(...)``; then ``cap.weights`` and
-    ``cap.names``. Outside the block nothing is recorded and no hook remains.
+    ``with attnkit.capture(model) as cap: model(...)``; then ``cap.weights`` (or
+    ``cap.stats`` with ``mode="stats"``) and ``cap.names``. Outside the block nothing is
+    recorded and no hook remains. Works on models built from
+    :class:`attnkit.MultiHeadAttention` and on transformers models loaded with
+    ``attn_implementation="attnkit"``.
+
+    - ``mode="weights"`` (default): full weights, for inputs that fit
+      (:data:`FULL_WEIGHTS_BUDGET`); longer inputs raise an error pointing here.
+    - ``mode="stats"``: :func:`attnkit.inspect.attention_stats` per layer, any length.
+    - ``rows=`` / ``heads=``: also (or only) the weights of these query rows and heads,
+      e.g. ``rows=[-1]`` for the last token, exact, in memory proportional to them.
+    - ``topk`` / ``sink_tokens``: passed to ``attention_stats``.
     """
-    return Capture(model)
+    return Capture(model, mode, rows=rows, heads=heads, topk=topk, sink_tokens=sink_tokens)

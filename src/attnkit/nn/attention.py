@@ -49,6 +49,9 @@ class MultiHeadAttention(nn.Module):
         softcap: soft-cap the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2).
         sinks: give each head a learnable sink logit ``self.sinks: (num_heads,)``, an
             extra key with value 0 in every softmax denominator (gpt-oss); starts at 0.
+        rotary: a :class:`~attnkit.nn.RotaryEmbedding` applied to the projected queries
+            and keys (RoPE) at ``positions`` (``forward(..., positions=)``; by default
+            ``0..L-1``, after the stored tokens of a ``cache``).
 
     Shapes: ``query: (B, Lq, d_model)``, ``key: (B, Lk, kdim)``, ``value: (B, Lk, vdim)``
     (or unbatched ``(L, E)``); returns ``(out, weights)`` with ``out: (B, Lq, d_model)``
@@ -74,6 +77,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        rotary: nn.Module | None = None,
         device=None,
         dtype=None,
     ):
@@ -110,6 +114,9 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(sinks, bool):
             raise AttnkitTypeError(f"sinks must be True or False (a learnable logit per head), but got {sinks!r}.")
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
+        if rotary is not None and not isinstance(rotary, nn.Module):
+            raise AttnkitTypeError(f"rotary must be an nn.Module such as attnkit.nn.RotaryEmbedding, but got {type(rotary).__name__}.")
+        self.rotary = rotary
         self._attention_hooks: OrderedDict = OrderedDict()
 
     def register_attention_hook(self, hook) -> RemovableHandle:
@@ -241,8 +248,15 @@ class MultiHeadAttention(nn.Module):
         v = _split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Lk, vdim) -> (B, Hkv, Lk, hd)
         return k, v
 
+    def _rotate(self, t: torch.Tensor, positions) -> torch.Tensor:
+        if self.rotary is None:
+            return t
+        if positions is None:
+            positions = torch.arange(t.shape[-2], device=t.device)
+        return self.rotary(t, positions)
+
     def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *,
-                cache=None, counts=None, kv=None, attn_bias=None):
+                cache=None, counts=None, kv=None, attn_bias=None, positions=None):
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``).
 
         ``mask`` is any mask :func:`attnkit.attention` takes (True = may attend),
@@ -260,6 +274,9 @@ class MultiHeadAttention(nn.Module):
 
         ``attn_bias``: an :mod:`attnkit.bias` object (or float tensor) added to the
         scores of this call, e.g. ``attnkit.bias.alibi(slopes)``.
+
+        ``positions``: ``(Lq,)`` or ``(B, Lq)`` positions of the query tokens for
+        ``rotary`` (self-attention without a cache: also of the keys).
         """
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if counts is not None and cache is None:
@@ -276,14 +293,23 @@ class MultiHeadAttention(nn.Module):
             q = self._project_q(query)
             if kv is not None:
                 k, v = kv
+                q = self._rotate(q, positions)
             else:
                 new_k, new_v = self.project_kv(query)
+                if self.rotary is not None:
+                    if positions is None:  # after each sequence's stored tokens
+                        positions = cache.lengths.to(q.device)[:, None] + torch.arange(q.shape[-2], device=q.device)
+                    q, new_k = self._rotate(q, positions), self._rotate(new_k, positions)
                 cache.append(new_k, new_v, counts)
                 k, v = cache.stored()
                 if mask is None or isinstance(mask, masks.Mask):
                     mask = cache.mask(mask)
         else:
             q, k, v = self.project(query, key, value)
+            if self.rotary is not None:
+                if key is not None and key is not query:
+                    raise AttnkitValueError("rotary embeddings are for self-attention: call forward(x) without key/value.")
+                q, k = self._rotate(q, positions), self._rotate(k, positions)
         for hook in self._attention_hooks.values():
             hook(self, q, k, v, mask)
         p = self._dropout_p() if self.training else 0.0

@@ -1,0 +1,283 @@
+"""RecallLM: a small decoder that finds a key-value pair anywhere in a long text.
+
+The task (associative recall): filler words with key-value pairs scattered through
+them (``... the k17 v42 of and ...``), then queries ``? k17`` whose answer is the
+value that followed that key (``v42``). It is trained on texts of at most ~1k tokens
+and answers at 16k-32k: its attention is causal, and its rotary embedding turns only
+half of each head's dimensions (base 10,000), so one head can look one token back
+(the key before a value) and another can match a key's content at any distance.
+
+It is built from :class:`attnkit.MultiHeadAttention` layers, so ``attnkit.capture``,
+``attnkit show --model recall`` and the statistics of :mod:`attnkit.inspect` see into it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnkit import masks
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
+from attnkit.models._weights import ShippedWeights
+from attnkit.nn import MultiHeadAttention, RotaryEmbedding
+
+__all__ = ["Config", "RecallLM", "Task", "accuracy", "make_batch", "train", "WEIGHTS"]
+
+WEIGHTS = "recall_lm.safetensors"
+
+FILLER = (
+    "the of and to in is was that for on as with by at from his her an were are which this be or had "
+    "not but it they one all their has there been if more when will would who so no out up into do "
+    "than only other new some could time these two may then first any like now my over such our man"
+).split()
+
+
+@dataclass(frozen=True)
+class Task:
+    """The vocabulary: specials, filler words, keys ``k0..`` and values ``v0..``."""
+
+    num_keys: int = 64
+    num_values: int = 64
+
+    @property
+    def specials(self) -> list[str]:
+        return ["<pad>", "<bos>", "?"]
+
+    @property
+    def tokens(self) -> list[str]:
+        return self.specials + FILLER + [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)]
+
+    @property
+    def first_key(self) -> int:
+        return len(self.specials) + len(FILLER)
+
+    @property
+    def first_value(self) -> int:
+        return self.first_key + self.num_keys
+
+    @property
+    def vocab_size(self) -> int:
+        return self.first_value + self.num_values
+
+    QUERY = 2
+    BOS = 1
+
+
+def make_batch(n: int, length: int, *, pairs: int = 8, queries: int = 4, task: Task = Task(),
+               generator: torch.Generator | None = None, depth: float | None = None):
+    """``(tokens, targets)`` of ``n`` texts of ``length`` tokens; targets are -100 except answers.
+
+    A text is ``<bos>``, filler with ``pairs`` key-value pairs (distinct keys) at random
+    places, then ``queries`` queries ``? k v`` about some of the pairs (the answer ``v``
+    is the target). ``depth`` in [0, 1] puts the first pair there (0 = the start) and
+    asks about it first: the needle for accuracy by distance.
+    """
+    tail = 3 * queries
+    body = length - 1 - tail
+    if body < 2 * pairs or pairs < 1 or queries < 1 or queries > pairs:
+        raise AttnkitValueError(
+            f"a text of length {length} cannot hold {pairs} pairs and {queries} queries (need length >= "
+            f"{1 + 2 * pairs + 3 * queries} and 1 <= queries <= pairs)."
+        )
+    g = generator
+    tokens = torch.randint(len(task.specials), task.first_key, (n, length), generator=g)
+    tokens[:, 0] = task.BOS
+    targets = torch.full((n, length), -100, dtype=torch.long)
+    slots = body // 2  # pair i may start at 1 + 2 * slot
+    for row in range(n):
+        keys = torch.randperm(task.num_keys, generator=g)[:pairs]
+        values = torch.randint(0, task.num_values, (pairs,), generator=g)
+        where = torch.randperm(slots, generator=g)[:pairs]
+        asked = torch.randperm(pairs, generator=g)[:queries]
+        if depth is not None:
+            where[0] = min(slots - 1, int(depth * (slots - 1)))
+            others = torch.randperm(slots - 1, generator=g)[: pairs - 1]
+            where[1:] = others + (others >= where[0]).long()
+            asked = torch.cat([torch.tensor([0]), torch.randperm(pairs - 1, generator=g)[: queries - 1] + 1])
+        starts = 1 + 2 * where
+        tokens[row, starts] = task.first_key + keys
+        tokens[row, starts + 1] = task.first_value + values
+        for j, p in enumerate(asked.tolist()):
+            at = 1 + body + 3 * j
+            tokens[row, at] = task.QUERY
+            tokens[row, at + 1] = task.first_key + keys[p]
+            tokens[row, at + 2] = task.first_value + values[p]
+            targets[row, at + 1] = task.first_value + values[p]  # predicted at the key's position
+    return tokens, targets
+
+
+@dataclass
+class Config:
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    d_ff: int = 256
+    rope_base: float = 10000.0
+    rotary_fraction: float = 0.5
+    num_keys: int = 64
+    num_values: int = 64
+
+
+class _Block(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        head_dim = c.d_model // c.num_heads
+        rotary_dims = int(head_dim * c.rotary_fraction) // 2 * 2
+        self.norm1 = nn.LayerNorm(c.d_model)
+        self.attn = MultiHeadAttention(c.d_model, c.num_heads, bias=False,
+                                       rotary=RotaryEmbedding(head_dim, c.rope_base, rotary_dims))
+        self.norm2 = nn.LayerNorm(c.d_model)
+        self.mlp = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.norm1(x), mask=mask)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class RecallLM(ShippedWeights, nn.Module):
+    """A causal decoder over :class:`Task`'s vocabulary (see the module docstring).
+
+    ``forward(tokens: (B, L)) -> logits (B, L, vocab)``; :meth:`answer` reads the value
+    it predicts after ``? key``; :meth:`tokenize` / :meth:`tokens_of` convert text.
+    """
+
+    WEIGHTS = WEIGHTS
+    config_class = Config
+
+    def __init__(self, config: Config = Config()):
+        super().__init__()
+        c = self.config = config
+        self.task = Task(c.num_keys, c.num_values)
+        self.embed = nn.Embedding(self.task.vocab_size, c.d_model)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
+        self.norm = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, self.task.vocab_size, bias=False)
+        self.training_info: dict = {}
+
+    def _check(self, tokens) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise AttnkitTypeError(f"tokens must be an int64 tensor of token ids, but got {short(tokens)}.")
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise AttnkitValueError(f"tokens must have shape (B, L) with L >= 1, but got {tuple(tokens.shape)}.")
+        if bool(((tokens < 0) | (tokens >= self.task.vocab_size)).any()):
+            raise AttnkitValueError(f"token ids must be in [0, {self.task.vocab_size}).")
+        return tokens.long()
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``(B, L, d_model)``."""
+        tokens = self._check(tokens)
+        x = self.embed(tokens)
+        mask = masks.causal()
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(tokens))
+
+    @torch.no_grad()
+    def answer(self, tokens: torch.Tensor) -> list[tuple[str, float]]:
+        """The value predicted after each text's last token (a key after ``?``), with its probability.
+
+        A text that does not end with ``? key`` gets ``("", 0.0)``: the model answers
+        only queries.
+        """
+        tokens = self._check(tokens)
+        probs = self.forward(tokens)[:, -1].float().softmax(-1)
+        values = probs[:, self.task.first_value:]
+        out = []
+        for row, p in zip(tokens, values):
+            asked = row.shape[0] >= 2 and int(row[-2]) == Task.QUERY and self.task.first_key <= int(row[-1]) < self.task.first_value
+            if not asked:
+                out.append(("", 0.0))
+                continue
+            best = int(p.argmax())
+            out.append((f"v{best}", float(p[best])))
+        return out
+
+    def tokenize(self, text: str) -> torch.Tensor:
+        """Token ids ``(L,)`` of a text of this vocabulary's words (``<bos>`` is prepended)."""
+        index = {t: i for i, t in enumerate(self.task.tokens)}
+        words = text.split()
+        unknown = [w for w in words if w not in index]
+        if unknown:
+            raise AttnkitValueError(
+                f"RecallLM knows filler words, keys k0..k{self.task.num_keys - 1}, values "
+                f"v0..v{self.task.num_values - 1} and '?'; not {short(unknown[:5])}."
+            )
+        return torch.tensor([Task.BOS] + [index[w] for w in words])
+
+    def tokens_of(self, ids) -> list[str]:
+        """The words of token ids."""
+        return [self.task.tokens[int(i)] for i in ids]
+
+
+@torch.no_grad()
+def accuracy(model: RecallLM, length: int, n: int = 32, *, seed: int = 1, batch_size: int = 8,
+             depth: float | None = None, pairs: int = 8) -> float:
+    """Share of first queries answered right on ``n`` fresh texts of ``length`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    right = 0
+    model.eval()
+    for start in range(0, n, batch_size):
+        m = min(batch_size, n - start)
+        tokens, targets = make_batch(m, length, pairs=pairs, queries=1, task=model.task, generator=g, depth=depth)
+        at = (targets != -100).float().argmax(-1)  # the answer's position
+        hidden = model.hidden(tokens[:, : int(at.max()) + 1])
+        logits = model.head(hidden[torch.arange(m), at])
+        right += int((logits.argmax(-1) == targets[torch.arange(m), at]).sum())
+    return right / n
+
+
+def _length_at(step: int, steps: int, lo: int, hi: int) -> int:
+    """The curriculum: lengths grow from ``lo`` to ``hi`` over the first 60% of training."""
+    frac = min(1.0, step / max(1, 0.6 * steps))
+    return int(lo * (hi / lo) ** frac) // 16 * 16
+
+
+def train(steps: int = 3000, *, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, config: Config = Config(),
+          min_length: int = 64, max_length: int = 1024, progress: bool | None = True,
+          log=print) -> tuple[RecallLM, dict]:
+    """Train on texts of ``min_length`` growing to ``max_length`` tokens (seeded)."""
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = RecallLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    start, history = time.perf_counter(), []
+    bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
+    running = None
+    for step in bar:
+        length = _length_at(step, steps, min_length, max_length)
+        n = max(4, min(batch_size, batch_size * 256 // length))  # at most batch_size x 256 tokens a step
+        tokens, targets = make_batch(n, length, task=model.task, generator=g)
+        model.train()
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        bar.set_postfix(loss=f"{running:.3f}", length=length)
+        if (step + 1) % max(1, steps // 10) == 0:
+            acc = accuracy(model, 256, n=64, seed=1000 + step)
+            history.append({"step": step + 1, "loss": running, "length": length, "accuracy_256": acc})
+            if log is not None:
+                log(f"step {step + 1}: loss {running:.3f}, length {length}, accuracy at 256 tokens {acc:.0%}")
+    model.eval()
+    record = {"steps": steps, "seed": seed, "batch_size": batch_size, "lr": lr, "min_length": min_length,
+              "max_length": max_length, "seconds": round(time.perf_counter() - start, 1), "history": history}
+    return model, record
