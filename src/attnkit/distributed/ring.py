@@ -26,7 +26,9 @@ from attnkit import bias as _bias
 from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError, check_qkv, short
 from attnkit.distributed import layout as _layout
 from attnkit.functional import attention
+from attnkit.kernels import tiled as _tiled
 from attnkit.kernels.registry import add_sinks
+from attnkit.prepare import prepare
 
 __all__ = ["RingError", "ring_attention"]
 
@@ -300,6 +302,7 @@ class _Ring:
         dk_own = [torch.zeros_like(p, dtype=acc) for p in k_pieces]
         dv_own = [torch.zeros_like(p, dtype=acc) for p in v_pieces]
         dparams = [None] * len(params)
+        learned = any(p.requires_grad for p in params)  # bias parameters: recompute with autograd
         nxt = ([], {})
         grads_in_flight = ([], {})  # the previous step's dK/dV transfers and receive buffers
         for step in range(comm.size):
@@ -308,7 +311,8 @@ class _Ring:
             dkv = {j: (torch.zeros_like(kk, dtype=acc), torch.zeros_like(vv, dtype=acc)) for j, (kk, vv, _) in kv.items()}
             for i, j in s.pairs[me][src]:
                 kk, vv, span = kv[j]
-                grads = self._rectangle_grad(
+                grad = self._rectangle_grad if learned else self._rectangle_backward
+                grads = grad(
                     q_pieces[i], kk, vv, s.q_pieces[me][i], span, attn_bias, params,
                     out_pieces[i], lse_pieces[i], dout_pieces[i], dlse_pieces[i],
                 )
@@ -343,6 +347,19 @@ class _Ring:
             dk_part, dv_part = _unpack(buf, ks, vs)
             self._own(dk_own, j, lo, hi).add_(dk_part)
             self._own(dv_own, j, lo, hi).add_(dv_part)
+
+    def _rectangle_backward(self, q, k, v, q_piece, kv_piece, attn_bias, params, out, lse, dout, dlse):
+        """d loss / d (q, k, v) of one rectangle by the tiled kernel's backward pass, given the
+        merged output and lse (no forward is recomputed)."""
+        s = self.sched
+        (a, b), (c, d) = q_piece, kv_piece
+        mask = _layout.part_of(self.mask, s.q_len, s.kv_len, q_piece, kv_piece)
+        prepared = prepare(mask, b - a, d - c, device=q.device)
+        part_bias = None if attn_bias is None else attn_bias._part(a, c, s.q_len, s.kv_len, b - a, d - c)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        dq, dk, dv = _tiled.backward_part(q, k, v, prepared, out, lse, dout, dlse, scale=scale,
+                                          bias=part_bias, softcap=self.softcap)
+        return [dq, dk, dv, *([None] * len(params))]
 
     def _rectangle_grad(self, q, k, v, q_piece, kv_piece, attn_bias, params, out, lse, dout, dlse):
         """d loss / d (q, k, v, params) of one rectangle, from the merged ``out`` and ``lse``.

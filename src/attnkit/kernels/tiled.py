@@ -509,6 +509,21 @@ def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float
     return _forward(call, q, k, v)
 
 
+def backward_part(q, k, v, prepared: PreparedMask, out, lse, grad_out, grad_lse=None, *, scale: float,
+                  bias=None, softcap: float | None = None):
+    """``(dq, dk, dv)`` of attention over some of the keys, from the final ``out`` and ``lse``.
+
+    When a softmax spans several key sets (ring attention's ranks), each set's share of
+    the gradient is the usual backward pass with the *merged* output and log-sum-exp:
+    ``dS = P (dP - rowsum(dO * O))`` with ``P = exp(S - lse)``. No forward is recomputed.
+    4-D inputs as :func:`attention`'s; ``prepared`` is this key set's mask; ``grad_lse``
+    is the gradient of the merged lse (or None). Bias parameters get no gradient here.
+    """
+    fused = softcap is None and bias is None and fused_available(q, v)
+    call = _Call(prepared, scale, 0.0, 0, fused, bias, softcap, ())
+    return _backward(call, q, k, v, out, lse, grad_out, grad_lse, {})
+
+
 class TiledKernel(Kernel):
     """The block-sparse kernel: inputs of rank 2 to 4, bool or mask-object masks."""
 
