@@ -21,6 +21,7 @@ import argparse
 import json
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,39 @@ def median_ms(fns: dict, repeats: int) -> dict:
             fn()
             times[k].append(time.perf_counter() - start)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+PAGE = 4096
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled by a thread (Linux)."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def rise_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
 
 
 def decode_rows(repeats: int) -> list[dict]:

@@ -273,6 +273,8 @@ def train(args) -> int:
         return _train_captioner(args)
     if args.model == "recommender":
         return _train_recommender(args)
+    if args.model == "recall":
+        return _train_recall(args)
     from attnkit.models.translator import WEIGHTS
     from attnkit.models.translator import train as train_translator
 
@@ -299,6 +301,22 @@ def _train_captioner(args) -> int:
     print(f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
           f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
           f"({record['seconds']:.0f} s of training)")
+    print(f"wrote {path}")
+    return 0
+
+
+def _train_recall(args) -> int:
+    from attnkit.models.recall import WEIGHTS, accuracy
+    from attnkit.models.recall import train as train_recall
+
+    out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
+    _say(f"training RecallLM: {steps} steps, seed {args.seed}, batch {batch_size}, texts of 64 growing to 1024 tokens")
+    model, record = train_recall(steps, seed=args.seed, batch_size=batch_size, log=_say)
+    record["command"] = f"attnkit train recall --steps {steps} --seed {args.seed} --batch-size {batch_size}"
+    record["accuracy_1024"] = accuracy(model, 1024, n=200, seed=1)
+    path = model.save(out / WEIGHTS, training=record)
+    print(f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
+          f"({record['seconds']:.0f} s of training); benchmarks/inspect.py measures 4k-32k")
     print(f"wrote {path}")
     return 0
 
@@ -463,7 +481,7 @@ def translate(args) -> int:
 
 
 #: ``attnkit train MODEL``: default (steps, batch size); the recommender's steps are epochs.
-TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommender": (120, 128)}
+TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommender": (120, 128), "recall": (5000, 32)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,13 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", type=int, help="draw this head (of --layer, or of every layer) as PNG")
     p.set_defaults(run=show)
 
-    p = sub.add_parser("train", help="train a model (translator: the date normalizer; captioner: the digit captioner)")
-    p.add_argument("model", choices=["translator", "captioner", "recommender"])
+    p = sub.add_parser("train", help="train a model (translator: the date normalizer; captioner: the digit captioner; "
+                       "recommender: SASRec; recall: RecallLM)")
+    p.add_argument("model", choices=["translator", "captioner", "recommender", "recall"])
     p.add_argument("--steps", type=_positive, default=None,
-                   help="optimizer steps (default 1500; captioner 4000); for the recommender, epochs (default 120)")
+                   help="optimizer steps (default 1500; captioner 4000; recall 5000); for the recommender, epochs (default 120)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96")
-    p.add_argument("--out", default=None, help="output folder (default: ./translator or ./captioner)")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96; recall 32")
+    p.add_argument("--out", default=None, help="output folder (default: ./<model>)")
     p.set_defaults(run=train)
 
     p = sub.add_parser(

@@ -2,10 +2,15 @@
 
 The task (associative recall): filler words with key-value pairs scattered through
 them (``... the k17 v42 of and ...``), then queries ``? k17`` whose answer is the
-value that followed that key (``v42``). It is trained on texts of at most ~1k tokens
-and answers at 16k-32k: its attention is causal, and its rotary embedding turns only
-half of each head's dimensions (base 10,000), so one head can look one token back
-(the key before a value) and another can match a key's content at any distance.
+value that followed that key (``v42``). It is trained on texts of at most 1k tokens
+and answers at 16k-32k. Two choices make that work:
+
+- a *token shift*: each position's input also holds (a learned map of) the token
+  before it, so the value ``v42`` carries "after k17" and one attention head can
+  retrieve it by content, with no previous-token head to learn first;
+- no positional encoding: causal attention alone, so nothing in a score depends on
+  how far back the needle is (``Config.rotary_fraction`` > 0 adds RoPE to that share
+  of each head's dimensions, for experiments).
 
 It is built from :class:`attnkit.MultiHeadAttention` layers, so ``attnkit.capture``,
 ``attnkit show --model recall`` and the statistics of :mod:`attnkit.inspect` see into it.
@@ -116,9 +121,9 @@ class Config:
     d_model: int = 64
     num_heads: int = 4
     num_layers: int = 2
-    d_ff: int = 256
+    d_ff: int = 128
     rope_base: float = 10000.0
-    rotary_fraction: float = 0.5
+    rotary_fraction: float = 0.0  # no positional encoding: causal attention alone (see the module docstring)
     num_keys: int = 64
     num_values: int = 64
 
@@ -154,6 +159,7 @@ class RecallLM(ShippedWeights, nn.Module):
         c = self.config = config
         self.task = Task(c.num_keys, c.num_values)
         self.embed = nn.Embedding(self.task.vocab_size, c.d_model)
+        self.shift = nn.Linear(c.d_model, c.d_model, bias=False)  # the previous token, mixed in ("token shift")
         self.blocks = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
         self.norm = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, self.task.vocab_size, bias=False)
@@ -174,6 +180,7 @@ class RecallLM(ShippedWeights, nn.Module):
         """Final hidden states ``(B, L, d_model)``."""
         tokens = self._check(tokens)
         x = self.embed(tokens)
+        x = x + self.shift(F.pad(x[:, :-1], (0, 0, 1, 0)))  # each position also sees the token before it
         mask = masks.causal()
         for block in self.blocks:
             x = block(x, mask)
@@ -242,9 +249,9 @@ def _length_at(step: int, steps: int, lo: int, hi: int) -> int:
     return int(lo * (hi / lo) ** frac) // 16 * 16
 
 
-def train(steps: int = 3000, *, seed: int = 0, batch_size: int = 32, lr: float = 3e-3, config: Config = Config(),
-          min_length: int = 64, max_length: int = 1024, progress: bool | None = True,
-          log=print) -> tuple[RecallLM, dict]:
+def train(steps: int = 5000, *, seed: int = 0, batch_size: int = 32, lr: float = 2e-3, config: Config = Config(),
+          min_length: int = 64, max_length: int = 1024, pairs: int = 16, queries: int = 8,
+          progress: bool | None = True, log=print) -> tuple[RecallLM, dict]:
     """Train on texts of ``min_length`` growing to ``max_length`` tokens (seeded)."""
     from tqdm.auto import tqdm
 
@@ -261,7 +268,7 @@ def train(steps: int = 3000, *, seed: int = 0, batch_size: int = 32, lr: float =
     for step in bar:
         length = _length_at(step, steps, min_length, max_length)
         n = max(4, min(batch_size, batch_size * 256 // length))  # at most batch_size x 256 tokens a step
-        tokens, targets = make_batch(n, length, task=model.task, generator=g)
+        tokens, targets = make_batch(n, length, pairs=pairs, queries=queries, task=model.task, generator=g)
         model.train()
         logits = model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -279,5 +286,5 @@ def train(steps: int = 3000, *, seed: int = 0, batch_size: int = 32, lr: float =
                 log(f"step {step + 1}: loss {running:.3f}, length {length}, accuracy at 256 tokens {acc:.0%}")
     model.eval()
     record = {"steps": steps, "seed": seed, "batch_size": batch_size, "lr": lr, "min_length": min_length,
-              "max_length": max_length, "seconds": round(time.perf_counter() - start, 1), "history": history}
+              "max_length": max_length, "pairs": pairs, "queries": queries, "seconds": round(time.perf_counter() - start, 1), "history": history}
     return model, record
