@@ -123,29 +123,65 @@ class _Accumulator:
     def add(self, w: torch.Tensor, d: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
         """Reduce one tile: ``w`` the weights, ``d = log w`` where w > 0, ``(Bs, Hs, n, S)``."""
         rows = slice(q0, q1)
-        self.entropy[..., rows] -= torch.linalg.vecdot(w, d)
-        top, where = w.max(dim=-1)
+        self.entropy[..., rows] -= torch.einsum("bhij,bhij->bhi", w, d)
+        top, where = _row_max(w)
         better = top > self.max_weight[..., rows]
         self.max_weight[..., rows] = torch.where(better, top, self.max_weight[..., rows])
         self.argmax[..., rows] = torch.where(better, where + k0, self.argmax[..., rows])
         if k0 < self.sink_tokens:
             self.sink_mass[..., rows] += w[..., : self.sink_tokens - k0].sum(-1)
-        # sum_j w |p - j|: a matrix-vector product where the tile lies on one side of every query
+        # sum_j w |p - j|: one matrix product where the tile lies on one side of every query
         p, j = self.qpos[rows], self.kpos[k0:k1]
-        if j[-1] <= p[0]:  # every key at or before every query
-            self.mean_distance[..., rows] += p * w.sum(-1) - w @ j
-        elif j[0] >= p[-1]:
-            self.mean_distance[..., rows] += w @ j - p * w.sum(-1)
+        if j[-1] <= p[0] or j[0] >= p[-1]:
+            sums = w @ torch.stack([torch.ones_like(j), j], dim=-1)  # (Bs, Hs, n, 2): sum_j w, sum_j w j
+            signed = p * sums[..., 0] - sums[..., 1]
+            self.mean_distance[..., rows] += signed if j[-1] <= p[0] else -signed
         else:
-            self.mean_distance[..., rows] += torch.linalg.vecdot(w, (p[:, None] - j[None, :]).abs())
+            self.mean_distance[..., rows] += torch.einsum("bhij,ij->bhi", w, (p[:, None] - j[None, :]).abs())
         self.received[..., k0:k1] += w.sum(-2)
         if self.topk:
-            keys = torch.arange(k0, k1, device=w.device).expand(*w.shape)
-            vals = torch.cat([self.topk_weights[..., rows, :], w], dim=-1)
-            idx = torch.cat([self.topk_keys[..., rows, :], keys], dim=-1)
-            best, pick = vals.topk(min(self.topk, vals.shape[-1]), dim=-1)
+            vals, idx = _row_topk(w, self.topk)
+            vals = torch.cat([self.topk_weights[..., rows, :], vals], dim=-1)
+            idx = torch.cat([self.topk_keys[..., rows, :], idx + k0], dim=-1)
+            best, pick = vals.topk(self.topk, dim=-1)
             self.topk_weights[..., rows, :] = best
             self.topk_keys[..., rows, :] = torch.where(best > 0, idx.gather(-1, pick), -1)
+
+
+#: Keys per sub-block when looking for a row's largest weights (see :func:`_row_max`).
+_SUB = 64
+
+
+def _row_max(w: torch.Tensor):
+    """``w.max(-1)`` (value, index) by way of sub-block maxima: finding the index is
+    several times slower than the maximum, so it is found in the winning sub-block only."""
+    s = w.shape[-1]
+    if s % _SUB or s <= _SUB:
+        return w.max(dim=-1)
+    blocks = w.view(*w.shape[:-1], s // _SUB, _SUB)
+    top, block = blocks.amax(-1).max(dim=-1)  # (..., n)
+    inside = blocks.gather(-2, block[..., None, None].expand(*block.shape, 1, _SUB)).squeeze(-2)
+    return top, block * _SUB + inside.argmax(-1)
+
+
+def _row_topk(w: torch.Tensor, k: int):
+    """``w.topk(k, -1)`` (values, indices), padded with 0 / -1 past ``S`` keys. The k largest
+    weights lie in the k sub-blocks with the largest maxima, so only those are searched."""
+    s = w.shape[-1]
+    if s % _SUB or s <= k * _SUB:
+        kk = min(k, s)
+        vals, idx = w.topk(kk, dim=-1)
+        if kk < k:
+            pad = (*w.shape[:-1], k - kk)
+            vals = torch.cat([vals, w.new_zeros(pad)], -1)
+            idx = torch.cat([idx, torch.full(pad, -1, dtype=idx.dtype, device=idx.device)], -1)
+        return vals, idx
+    blocks = w.view(*w.shape[:-1], s // _SUB, _SUB)
+    _, chosen = blocks.amax(-1).topk(k, dim=-1)  # (..., n, k)
+    cand = blocks.gather(-2, chosen[..., None].expand(*chosen.shape, _SUB))  # (..., n, k, SUB)
+    keys = chosen[..., None] * _SUB + torch.arange(_SUB, device=w.device)
+    vals, pick = cand.flatten(-2).topk(k, dim=-1)
+    return vals, keys.flatten(-2).gather(-1, pick)
 
 
 def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=None, sinks=None,

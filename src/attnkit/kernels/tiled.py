@@ -34,6 +34,7 @@ from attnkit._validate import AttnkitValueError
 from attnkit.kernels import _aten
 from attnkit.kernels.reference import used_keys
 from attnkit.kernels.registry import Call, Kernel
+from attnkit import masks as _masks
 from attnkit.masks import _as4d
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run
 
@@ -335,9 +336,28 @@ def _group_inputs(sel: _Select, q, k, v):
     return q, k, v
 
 
+def _one_fused_call(call: _Call, q, k) -> bool | None:
+    """``is_causal`` when one call of the fused kernel computes the whole result (no mask, or
+    a causal one that is exactly SDPA's), else None. It returns the lse, which SDPA does not."""
+    if not call.fused or not call.scale > 0.0 or q.shape[1] != k.shape[1] or q.shape[2] == 0 or k.shape[2] == 0:
+        return None
+    p = call.prepared
+    if p.everything:
+        return False
+    m = p.mask
+    if (isinstance(m, _masks._Causal) and m._position_key() is not None and m.q_offset == 0 and m.kv_offset == 0
+            and (m.align == "top_left" or p.q_len == p.kv_len) and p.q_len <= p.kv_len):
+        return True
+    return None
+
+
 def _forward(call: _Call, q, k, v):
     """Returns ``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` (-inf for fully masked rows)."""
     hq, hkv = q.shape[1], k.shape[1]
+    causal = _one_fused_call(call, q, k)
+    if causal is not None:  # the fused kernel's own causal/full loop: no per-run calls
+        out, lse = _aten.flash_forward(q, k, v, scale=call.scale, is_causal=causal)
+        return out, lse.to(_compute_dtype(q.dtype))
     groups = call.prepared.groups
     b, _, lq, _ = q.shape
     if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
