@@ -3,8 +3,9 @@
     python benchmarks/inspect.py [--lengths 16384 32768] [--repeats 3] [--out benchmarks/results/inspect.json]
 
 - ``stats``: :func:`attnkit.inspect.attention_stats` (B=1, H=8, D=64, fp32, causal and
-  document & causal masks, top-8 keys) against one ``attnkit.attention`` forward on the
-  same inputs: time ratio (target <= 3) and peak memory rise (target <= 512 MB at 32k).
+  document & causal masks; without and with the top-8 keys of every row) against one
+  ``attnkit.attention`` forward on the same inputs: time ratio (target <= 3) and peak
+  memory rise (target <= 512 MB at 32k).
 - ``eager``: ``attnkit.attention_weights`` + the same reductions done densely, where the
   ``(B, H, L, L)`` matrix fits (L <= 8192), and the memory it would need beyond that.
 - ``recall``: the shipped RecallLM's first-query accuracy on fresh texts of 1k, 4k, 16k
@@ -86,9 +87,11 @@ def stats_rows(lengths, repeats) -> list[dict]:
             attnkit.prepare(mask, length, length)  # both calls reuse the prepared plan
             with torch.no_grad():
                 fwd_ms, fwd_mb = timed(lambda: attnkit.attention(q, k, v, mask), repeats)
-                st_ms, st_mb = timed(lambda: attention_stats(q, k, v, mask, topk=8), repeats)
+                st_ms, st_mb = timed(lambda: attention_stats(q, k, v, mask), repeats)
+                top_ms, top_mb = timed(lambda: attention_stats(q, k, v, mask, topk=8), repeats)
             row = {"L": length, "mask": kind, "forward_ms": fwd_ms, "stats_ms": st_ms, "ratio": st_ms / fwd_ms,
-                   "forward_mb": fwd_mb, "stats_mb": st_mb}
+                   "forward_mb": fwd_mb, "stats_mb": st_mb, "topk_ms": top_ms, "topk_ratio": top_ms / fwd_ms,
+                   "topk_mb": top_mb}
             dense_bytes = 4 * B * H * length * length
             row["eager_needs_gb"] = 3 * dense_bytes / 2**30  # weights, their log terms, the masked scores
             if length <= 8192:
@@ -114,16 +117,17 @@ def recall_rows(samples: dict) -> list[dict]:
 
 def table(rows) -> str:
     lines = [
-        "| L | mask | attnkit forward (ms) | attention_stats (ms) | stats / forward | peak rise: forward / stats (MB) "
-        "| eager weights + reductions (ms, MB) |",
-        "|---|---|---|---|---|---|---|",
+        "| L | mask | attnkit forward (ms) | attention_stats (ms) | stats / forward | with top-8 keys (ms) | top-8 / forward "
+        "| peak rise: forward / stats / top-8 (MB) | eager weights + reductions (ms, MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         eager = (f"{r['eager_ms']:,.0f} ms, {r['eager_mb']:,.0f} MB" if "eager_ms" in r
                  else f"needs ~{r['eager_needs_gb']:.0f} GB: does not fit in 24 GB" if r["eager_needs_gb"] > 24
                  else f"needs ~{r['eager_needs_gb']:.0f} GB")
         lines.append(f"| {r['L']:,} | {r['mask']} | {r['forward_ms']:,.0f} | {r['stats_ms']:,.0f} | {r['ratio']:.2f} "
-                     f"| {r['forward_mb']:,.0f} / {r['stats_mb']:,.0f} | {eager} |")
+                     f"| {r['topk_ms']:,.0f} | {r['topk_ratio']:.2f} "
+                     f"| {r['forward_mb']:,.0f} / {r['stats_mb']:,.0f} / {r['topk_mb']:,.0f} | {eager} |")
     return "\n".join(lines)
 
 

@@ -274,6 +274,16 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
         ]
     if call.empty:
         return "reference", f"empty attention matrix (Lq={s.lq}, Lk={s.lk})"
+    if call.q.device.type == "cuda" and not call.compiling and "triton" in KERNELS and can("triton"):
+        plain = not call.score_mods() and not call.return_lse and call.dropout_p == 0.0
+        if plain and call.mask is None:
+            return "sdpa", "no mask: PyTorch's flash/cuDNN kernels"
+        if plain and _sdpa_causal(call) and call.scale > 0.0:
+            return "sdpa", "is_causal: PyTorch's flash/cuDNN kernels"
+        if not call.float_mask:
+            prepared = call.get_prepared()
+            return "triton", (f"block-sparse on CUDA, {prepared.kept:.0%} of blocks kept; the mask is read as "
+                              "data (no dense mask, no compile per mask)")
     if call.compiling:
         if can("sdpa"):
             return "sdpa", "under torch.compile (mask objects become dense masks in the graph)"
