@@ -21,7 +21,7 @@ $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed
-	$(PIP) -e '.[viz,models,hf,test]'
+	$(PIP) -e '.[viz,models,hf,test,gpu]'
 	touch $@
 
 demo: $(VENV)/.demo-installed

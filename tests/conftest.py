@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import zlib
+
+# Triton kernels run in Triton's interpreter, on CPU tensors, in this suite (set before
+# Triton decorates attnkit's kernels, at import).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -316,7 +316,7 @@ def _train_recall(args) -> int:
     record["accuracy_1024"] = accuracy(model, 1024, n=200, seed=1)
     path = model.save(out / WEIGHTS, training=record)
     print(f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
-          f"({record['seconds']:.0f} s of training); benchmarks/inspect.py measures 4k-32k")
+          f"({record['seconds']:.0f} s of training); benchmarks/long_context.py measures 4k-32k")
     print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,10 @@
 """Seeing attention at long context: attention_stats beside eager weights, and RecallLM by length.
 
-    python benchmarks/inspect.py [--lengths 16384 32768] [--repeats 3] [--out benchmarks/results/inspect.json]
+    python benchmarks/long_context.py [--lengths 16384 32768] [--repeats 3] [--out benchmarks/results/long_context.json]
+
+(Not named ``inspect.py``: a script folder is first on ``sys.path``, and a file named like
+the standard library's ``inspect`` would be imported by torch in place of it, breaking
+every benchmark here.)
 
 - ``stats``: :func:`attnkit.inspect.attention_stats` (B=1, H=8, D=64, fp32, causal and
   document & causal masks; without and with the top-8 keys of every row) against one
@@ -16,30 +20,21 @@ Medians over ``--repeats`` runs; writes JSON and prints the tables.
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import platform
+import statistics
 import sys
+import time
+from pathlib import Path
 
-# This file is named like the standard library's `inspect`, which torch imports: keep
-# its own folder off the import path, and load the shared helpers by file.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import attnkit
+from attnkit import masks
+from attnkit.inspect import attention_stats
 
-import torch  # noqa: E402
-
-import attnkit  # noqa: E402
-from attnkit import masks  # noqa: E402
-from attnkit.inspect import attention_stats  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("bench_core", Path(__file__).with_name("core.py"))
-core = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(core)
+import core
 
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 1, 8, 64
@@ -144,7 +139,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--recall", default="1024:200,4096:100,16384:32,32768:16",
                    help="length:texts pairs for RecallLM's accuracy ('' to skip)")
-    p.add_argument("--out", type=Path, default=RESULTS / "inspect.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
     args = p.parse_args()
     rows = stats_rows(args.lengths, args.repeats)
     samples = {int(a): int(b) for a, b in (x.split(":") for x in args.recall.split(",") if x)}
