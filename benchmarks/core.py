@@ -51,6 +51,14 @@ def median_ms(fns: dict, repeats: int) -> dict:
 PAGE = 4096
 
 
+def packed_documents(length: int, count: int = 64, seed: int | None = None):
+    """A document & causal mask: ``count`` documents of random lengths (L/16 to 3L/16) packed into ``length``."""
+    g = torch.Generator().manual_seed(length if seed is None else seed)
+    sizes = torch.randint(length // 16, length // 16 * 3, (count,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(count), sizes)[:length]
+    return masks.document(ids) & masks.causal()
+
+
 class PeakRSS:
     """Peak resident memory above the level at entry, sampled by a thread (Linux)."""
 

@@ -34,6 +34,7 @@ import attnkit
 from attnkit import distributed as D
 from attnkit import masks
 from attnkit.distributed.local import run_local
+import core
 from core import PeakRSS
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,12 +42,7 @@ B, H, DH = 1, 8, 64
 
 
 def make_mask(kind: str, length: int):
-    if kind == "causal":
-        return masks.causal()
-    g = torch.Generator().manual_seed(length)
-    sizes = torch.randint(length // 16, length // 16 * 3, (64,), generator=g)
-    ids = torch.repeat_interleave(torch.arange(64), sizes)[:length]
-    return masks.document(ids) & masks.causal()
+    return masks.causal() if kind == "causal" else core.packed_documents(length)
 
 
 def inputs(length: int):

@@ -275,6 +275,8 @@ def train(args) -> int:
         return _train_recommender(args)
     if args.model == "recall":
         return _train_recall(args)
+    if args.model == "speech":
+        return _train_speech(args)
     from attnkit.models.translator import WEIGHTS
     from attnkit.models.translator import train as train_translator
 
@@ -301,6 +303,25 @@ def _train_captioner(args) -> int:
     print(f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
           f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
           f"({record['seconds']:.0f} s of training)")
+    print(f"wrote {path}")
+    return 0
+
+
+def _train_speech(args) -> int:
+    from attnkit.models.speech import TEST_VOICES, WEIGHTS, dataset, evaluate
+    from attnkit.models.speech import train as train_speech
+
+    out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
+    _say(f"training SpeechRecognizer: {steps} steps, seed {args.seed}, batch {batch_size}, on espeak-ng speech "
+         "(accents en-us, en-gb; voices m1-m4, f1-f2)")
+    model, record = train_speech(steps, seed=args.seed, batch_size=batch_size, log=_say)
+    record["command"] = f"attnkit train speech --steps {steps} --seed {args.seed} --batch-size {batch_size}"
+    _say("scoring 100 utterances of held-out voices ...")
+    record["held_out_100"] = evaluate(model, dataset(100, TEST_VOICES, 10_000))
+    path = model.save(out / WEIGHTS, training=record)
+    h = record["held_out_100"]
+    print(f"held-out voices, 100 utterances: {h['exact']:.1%} exact, CER {h['cer']:.1%}, "
+          f"{h['monotonic']:.0%} monotonic alignments ({record['seconds']:.0f} s); benchmarks/speech.py scores 500")
     print(f"wrote {path}")
     return 0
 
@@ -437,6 +458,53 @@ def caption(args) -> int:
     return 0
 
 
+def listen(args) -> int:
+    import numpy as np
+
+    from attnkit._validate import AttnkitValueError
+    from attnkit.models.speech import SpeechRecognizer, examples, read_wav, say, write_wav
+    from attnkit.viz import save_html
+    from attnkit.viz.speech import speech_figure
+
+    out = _out_dir(args.out)
+    given = [x is not None for x in (args.file, args.say)] + [args.example is not None]
+    if sum(given) != 1:
+        raise AttnkitValueError("give FILE.wav, --say \"4 0 7\" or --example N (one of them).")
+    if args.say is not None:
+        digits = "".join(args.say.split())
+        samples, rate = say(digits, "en-gb-x-rp", "f3"), 16000
+        write_wav(out / "said.wav", samples, rate)
+        _say(f"espeak-ng (en-gb-x-rp+f3, a held-out voice) said {digits}: {out / 'said.wav'}")
+    else:
+        path = args.file
+        if args.example is not None:
+            shipped = examples()
+            if not 1 <= args.example <= len(shipped):
+                raise AttnkitValueError(f"--example must be 1..{len(shipped)}, but got {args.example}.")
+            path, truth = shipped[args.example - 1]
+            _say(f"example {args.example}: {path} (spoken digits {truth})")
+        samples, rate = read_wav(path)
+        if samples.ndim > 1:
+            _say(f"note: {samples.shape[0]} channels: using their mean")
+            samples = samples.mean(0)
+    model = SpeechRecognizer.from_package()
+    found = model.transcribe_with_attention(samples, rate)
+    print(found["text"] if found["text"] else "(no digits heard)")
+    last = found["attention"][-1].mean(0)  # (chars, frames): last layer, mean of heads
+    written = [out / "listen.png", out / "listen.html"]
+    speech_figure(samples, rate, found["features"], found["chars"], last, found["frame_times"], written[0],
+                  title=f"heard {found['text'] or '(nothing)'} (last decoder layer, mean of heads)")
+    frames = [f"{t:.2f}s" for t in found["frame_times"].tolist()]
+    save_html(written[1], found["attention"], found["chars"], key_tokens=frames,
+              layer_names=[f"decoder layer {i} (cross)" for i in range(found["attention"].shape[0])],
+              title=f"heard {found['text']}")
+    np.savez_compressed(out / "listen.npz", attention=found["attention"].numpy(), chars=np.array(found["chars"]),
+                        frame_times=found["frame_times"].numpy())
+    for path in written:
+        _say(f"wrote {path}")
+    return 0
+
+
 def _shown(chars):
     """Characters as figure labels: a visible mark for the space."""
     return ["\u2423" if ch == " " else ch for ch in chars]
@@ -481,7 +549,8 @@ def translate(args) -> int:
 
 
 #: ``attnkit train MODEL``: default (steps, batch size); the recommender's steps are epochs.
-TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommender": (120, 128), "recall": (5000, 32)}
+TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommender": (120, 128), "recall": (5000, 32),
+                  "speech": (4000, 32)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -516,11 +585,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (translator: the date normalizer; captioner: the digit captioner; "
                        "recommender: SASRec; recall: RecallLM)")
-    p.add_argument("model", choices=["translator", "captioner", "recommender", "recall"])
+    p.add_argument("model", choices=["translator", "captioner", "recommender", "recall", "speech"])
     p.add_argument("--steps", type=_positive, default=None,
-                   help="optimizer steps (default 1500; captioner 4000; recall 5000); for the recommender, epochs (default 120)")
+                   help="optimizer steps (default 1500; captioner 4000; recall 5000; speech 4000); for the recommender, epochs (default 120)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96; recall 32")
+    p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96; recall and speech 32")
     p.add_argument("--out", default=None, help="output folder (default: ./<model>)")
     p.set_defaults(run=train)
 
@@ -535,6 +604,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=_positive, default=30, help="how many recent history items to draw (default 30)")
     p.add_argument("--out", default="recommend", help="output folder (default: ./recommend)")
     p.set_defaults(run=recommend)
+
+    p = sub.add_parser(
+        "listen",
+        help="transcribe spoken digits and draw which stretch of audio each digit was read from",
+        description="Transcribe FILE.wav (16-bit PCM, any rate; stereo is averaged), --example N (a shipped "
+        "WAV) or --say DIGITS (synthesised by espeak-ng in a held-out voice) and write listen.png "
+        "(waveform, spectrogram and the characters x time attention on one time axis), listen.html "
+        "and listen.npz.",
+    )
+    p.add_argument("file", nargs="?", help="a WAV file")
+    p.add_argument("--say", help='digits for espeak-ng to say, e.g. "4 0 7"')
+    p.add_argument("--example", type=_positive, help="a shipped example WAV (1, 2 or 3)")
+    p.add_argument("--out", default="listen", help="output folder (default: ./listen)")
+    p.set_defaults(run=listen)
 
     p = sub.add_parser(
         "caption",

@@ -151,22 +151,24 @@ def long_figures(folder, stats, tokens, rows, row_weights, *, title="attention o
 
     if rows:
         shown = rows[:4]
-        fig, axes = plt.subplots(len(shown) * layers, 1, figsize=(10, 0.25 * heads * layers * len(shown) + 1.2),
-                                 squeeze=False, constrained_layout=True)
+        fig, axes = plt.subplots(len(shown) * layers, 1, figsize=(10, 1.7 * layers * len(shown) + 0.8),
+                                 squeeze=False, sharex=True, constrained_layout=True)
+        centres = (edges[:-1] + edges[1:]) / 2
         for ri, row in enumerate(shown):
             for layer in range(layers):
                 ax = axes[ri * layers + layer, 0]
                 w = as_array(row_weights[layer][0, :, ri])  # (heads, Lk)
-                img = np.log10(np.clip(binned(w), 1e-8, None))
-                ax.imshow(img, aspect="auto", cmap="magma", vmin=-8, vmax=0, interpolation="nearest",
-                          extent=(0, lk, heads - 0.5, -0.5))
-                for pos in marks.values():
-                    ax.axvline(pos, color="cyan", lw=0.6, ls="--")
-                ax.set_ylabel(f"L{layer}\nhead", fontsize=7)
-                ax.tick_params(labelsize=6)
+                for head, line in enumerate(binned(w)):
+                    ax.plot(centres, line, lw=0.8, label=f"head {head}")
+                for label, pos in marks.items():
+                    ax.axvline(pos, color="red", lw=0.6, ls="--")
+                ax.set_ylim(0, 1)
+                ax.set_ylabel(f"layer {layer}\nweight", fontsize=8)
+                ax.tick_params(labelsize=7)
                 if layer == 0:
-                    ax.set_title(f"query row {row} ({_printable(str(tokens[row]))!s}): its weights over the text, "
-                                 "log10 (max per bin)", fontsize=9)
+                    ax.set_title(f"query row {row} ({_printable(str(tokens[row]))}): its weight on each key "
+                                 f"(max per bin of {max(1, lk // bins)} tokens)", fontsize=9)
+                    ax.legend(fontsize=6, ncol=min(heads, 6), loc="upper right")
         axes[-1, 0].set_xlabel("key position")
         written.append(folder / "long_rows.png")
         fig.savefig(written[-1], dpi=110)

@@ -1,0 +1,51 @@
+"""Speech and the attention that read it: waveform, spectrogram and characters x time, on one time axis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from attnkit.viz.heatmap import as_array
+
+
+def speech_figure(samples, sample_rate: int, features, chars, attention, frame_times, save_path=None, *,
+                  title: str | None = None):
+    """Three panels sharing the time axis: the waveform, the log-mel spectrogram, and the
+    cross-attention of each output character over the audio frames (``attention: (chars, frames)``),
+    with each character's peak marked. Returns the figure (saved when ``save_path`` is given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = np.asarray(samples, dtype=np.float32)
+    feats = as_array(features)  # (T, mels) at 100 frames/s
+    att = as_array(attention)  # (chars, frames)
+    times = as_array(frame_times)
+    duration = len(samples) / sample_rate
+    step = float(times[1] - times[0]) if len(times) > 1 else duration
+    fig, axes = plt.subplots(3, 1, figsize=(9, 2.2 + 0.35 * len(chars) + 3.2), sharex=True,
+                             gridspec_kw={"height_ratios": [1, 1.3, max(1.0, 0.35 * len(chars))]},
+                             constrained_layout=True)
+    axes[0].plot(np.arange(len(samples)) / sample_rate, samples, lw=0.5, color="#333")
+    axes[0].set_ylabel("waveform")
+    axes[1].imshow(feats.T, origin="lower", aspect="auto", cmap="magma",
+                   extent=(0, feats.shape[0] * 0.01, 0, feats.shape[1]))
+    axes[1].set_ylabel("log-mel")
+    axes[2].imshow(att, aspect="auto", cmap="viridis", interpolation="nearest",
+                   extent=(times[0] - step / 2, times[-1] + step / 2, len(chars) - 0.5, -0.5))
+    peaks = att.argmax(-1)
+    axes[2].plot(times[peaks], np.arange(len(chars)), "w.", ms=6)
+    axes[2].set_yticks(range(len(chars)))
+    axes[2].set_yticklabels(chars)
+    axes[2].set_ylabel("output")
+    axes[2].set_xlabel("time (s)")
+    axes[2].set_xlim(0, max(duration, times[-1] + step / 2))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    if save_path is not None:
+        Path(save_path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(save_path, dpi=110)
+        plt.close(fig)
+    return fig

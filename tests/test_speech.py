@@ -1,0 +1,129 @@
+"""SpeechRecognizer: shipped weights on the example WAVs and on held-out voices, decoding,
+batching, resampling, bad audio, training and the CLI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from attnkit.models import speech
+from attnkit.models.speech import SpeechRecognizer
+
+HAVE_ESPEAK = shutil.which("espeak-ng") is not None
+
+
+def needs_espeak():
+    if not HAVE_ESPEAK:
+        if os.environ.get("ATTNKIT_REQUIRE_ESPEAK"):
+            pytest.fail("ATTNKIT_REQUIRE_ESPEAK is set but espeak-ng is not on PATH")
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng; .ci/run installs it)")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return SpeechRecognizer.from_package()
+
+
+def test_shipped_examples_are_transcribed(model):
+    found = speech.examples()
+    assert len(found) >= 2
+    for path, digits in found:
+        samples, rate = speech.read_wav(path)
+        assert os.path.getsize(path) < 80_000
+        assert model.transcribe([samples], rate) == [digits]
+
+
+def test_held_out_voices_sample(model):
+    needs_espeak()
+    items = speech.dataset(24, speech.TEST_VOICES, seed=777)
+    texts = model.transcribe([w for w, _ in items], 16000)
+    right = sum(t == d for t, (_, d) in zip(texts, items))
+    assert right >= 21, list(zip(texts, [d for _, d in items]))
+
+
+def test_cached_decoding_equals_recomputation(model):
+    samples, rate = speech.read_wav(speech.examples()[0][0])
+    feats, lengths = model.features([samples], rate)
+    ids = model.generate(feats, lengths)[0].tolist()
+    # teacher-forced logits over the decoded prefix pick the same tokens
+    target_in = torch.tensor([[speech.BOS] + ids[:-1]])
+    with torch.no_grad():
+        logits = model(feats, lengths, target_in)
+    assert logits.argmax(-1)[0].tolist() == ids
+
+
+def test_batching_different_lengths_equals_one_by_one(model):
+    waves = [speech.read_wav(p)[0] for p, _ in speech.examples()]
+    waves.append(np.concatenate([np.zeros(8000, np.float32), waves[0]]))  # longer, same words
+    one = [model.transcribe([w], 16000)[0] for w in waves]
+    assert model.transcribe(waves, 16000) == one
+
+
+def test_resampling(model):
+    samples, rate = speech.read_wav(speech.examples()[0][0])
+    truth = speech.examples()[0][1]
+    for target in (8000, 22050, 44100):
+        other = speech.resample(samples, rate, target)
+        assert model.transcribe([other], target) == [truth]
+    assert model.transcribe([torch.from_numpy(samples)], rate) == [truth]  # tensors too
+
+
+def test_bad_audio_gets_clear_errors(model):
+    ok = np.zeros(1600, np.float32)
+    cases = [
+        ([np.zeros(0, np.float32)], 16000, ValueError, "empty"),
+        ([np.full(1600, np.nan, np.float32)], 16000, ValueError, "NaN"),
+        ([np.zeros((2, 1600), np.float32)], 16000, ValueError, "mono"),
+        ([np.zeros(1600, np.int16)], 16000, TypeError, "float samples"),
+        ([np.zeros(16000 * 600, np.float32)], 16000, ValueError, "600 s"),
+        ([ok], 100, ValueError, "sample_rate"),
+        (ok, 16000, TypeError, "list"),
+        ([], 16000, ValueError, "at least one"),
+    ]
+    for waves, rate, error, needle in cases:
+        with pytest.raises(error, match=needle):
+            model.transcribe(waves, rate)
+    with pytest.raises(ValueError, match="WAV"):
+        speech.read_wav(b"not a wav")
+
+
+def test_alignment_is_monotonic_on_the_examples(model):
+    for path, digits in speech.examples():
+        samples, rate = speech.read_wav(path)
+        found = model.transcribe_with_attention(samples, rate)
+        assert found["text"] == digits
+        assert found["attention"].shape[:2] == (model.config.decoder_layers, model.config.num_heads)
+        assert found["attention"].shape[2] == len(digits) + 1 and found["frame_times"].shape[0] == found["attention"].shape[3]
+        assert speech.alignment_is_monotonic(model, samples)
+
+
+def test_training_smoke():
+    needs_espeak()
+    trained, record = speech.train(steps=3, batch_size=4, train_size=8, progress=False, log=None)
+    assert record["steps"] == 3 and record["history"] and isinstance(trained, SpeechRecognizer)
+
+
+def test_missing_espeak_is_named(monkeypatch):
+    monkeypatch.setattr(speech.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match="apt-get install espeak-ng"):
+        speech.say("407")
+
+
+def test_listen_cli_end_to_end(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from attnkit.cli import main
+
+    assert main(["listen", "--example", "1", "--out", str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out.strip() == speech.examples()[0][1]
+    for name in ("listen.png", "listen.html", "listen.npz"):
+        assert (tmp_path / "a" / name).is_file()
+    path = speech.examples()[1][0]
+    assert main(["listen", path, "--out", str(tmp_path / "b")]) == 0
+    assert main(["listen", "--out", str(tmp_path / "c")]) == 2
+    assert main(["listen", str(tmp_path / "missing.wav"), "--out", str(tmp_path / "d")]) == 2
+    if HAVE_ESPEAK:
+        assert main(["listen", "--say", "4 0 7", "--out", str(tmp_path / "e")]) == 0
