@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   creates .venv, installs attnkit, runs the main job (attnkit show, translate, caption, recommend)
+#   make demo   creates .venv, installs attnkit, runs the main job (attnkit show, translate, caption, recommend, listen)
 #   make test   creates .venv, installs attnkit with its test extras, runs every test
 # and one more measures speed: make bench (benchmarks/cpu.py; long); make fuzz fuzzes (10 minutes).
 PYTHON ?= python3
@@ -30,6 +30,7 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/attnkit caption --digits 7,3,1 --out attention/caption
 	$(BIN)/attnkit recommend --user 1 --out attention/recommend
 	$(BIN)/attnkit show --model recall --length 16384 --out attention/long
+	$(BIN)/attnkit listen --example 1 --out attention/listen
 	$(BIN)/python -m attnkit.viz.gallery attention
 
 tutorial: $(VENV)/.demo-installed

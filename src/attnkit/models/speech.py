@@ -9,7 +9,8 @@ audio each digit was read from.
 
 The data is real speech signal made here by Debian's ``espeak-ng``: digit strings of
 1-7 digits ("zero" or "oh" for 0) in several accents and voices, at 120-220 words per
-minute, with varied pitch, gaps, speed, gain and noise. Training uses accents en-us
+minute, with varied pitch, gaps, speed, gain and noise, and in training warped mel
+bands and masked bands and stretches (other voices, approximately). Training uses accents en-us
 and en-gb with voices m1-m4, f1-f2 only; :data:`TEST_VOICES` (four other accents,
 voices m5-m7, f3-f4) are never used for training or model selection.
 
@@ -133,7 +134,7 @@ def utterance(rng: random.Random, voices, *, max_digits: int = 7):
     n = rng.randint(1, max_digits)
     digits = "".join(rng.choice(CHARS) for _ in range(n))
     accent, variant = rng.choice(voices)
-    samples = say(digits, accent, variant, rate=rng.randint(120, 220), pitch=rng.randint(20, 80),
+    samples = say(digits, accent, variant, rate=rng.randint(120, 220), pitch=rng.randint(0, 99),
                   gap=rng.choice([0, 0, 1, 3, 6]), rng=rng)
     return samples, digits
 
@@ -170,11 +171,35 @@ def _mel_filters() -> torch.Tensor:
 
 
 def log_mel(samples: torch.Tensor) -> torch.Tensor:
-    """``(frames, 64)`` log-mel features of 16 kHz samples, each utterance's mean removed."""
+    """``(frames, 64)`` log-mel features of 16 kHz samples, normalised per utterance and mel band
+    (mean 0, variance 1: gain and channel differences cancel)."""
     window = torch.hann_window(N_FFT)
     spec = torch.stft(samples, N_FFT, HOP, window=window, return_complex=True).abs() ** 2  # (bins, frames)
     mel = torch.log(_mel_filters() @ spec + 1e-6).T  # (frames, mels)
-    return mel - mel.mean(0, keepdim=True)
+    mel = mel - mel.mean(0, keepdim=True)
+    return mel / (mel.std(0, keepdim=True, unbiased=False) + 1e-3) if mel.shape[0] > 1 else mel
+
+
+def augment_features(feats: torch.Tensor, lengths: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """Other voices, approximately: a warp of the mel axis by 0.85-1.15 (vocal tract length
+    perturbation), then SpecAugment (two bands of up to 8 mel bins and two stretches of up
+    to 5% of the frames set to 0)."""
+    out = feats.clone()
+    for i, n in enumerate(lengths.tolist()):
+        x = out[i, :n]  # (T, mels)
+        alpha = rng.uniform(0.85, 1.15)
+        width = max(8, round(N_MELS * alpha))
+        warped = F.interpolate(x[None], size=width, mode="linear", align_corners=False)[0]  # (T, width): mel axis warped
+        x = warped[:, :N_MELS] if width >= N_MELS else torch.cat([warped, warped[:, -1:].expand(-1, N_MELS - width)], 1)
+        for _ in range(2):
+            f = rng.randint(0, 8)
+            f0 = rng.randint(0, N_MELS - f)
+            x[:, f0:f0 + f] = 0
+            t = rng.randint(0, max(1, n // 20))
+            t0 = rng.randint(0, max(0, n - t))
+            x[t0:t0 + t] = 0
+        out[i, :n] = x
+    return out
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -367,6 +392,8 @@ def examples() -> list[tuple[str, str]]:
 def _batch(model, items, rng, augmenting: bool):
     waves = [augment(w, rng) if augmenting else w for w, _ in items]
     feats, lengths = model.features(waves, SAMPLE_RATE)
+    if augmenting:
+        feats = augment_features(feats, lengths, rng)
     targets = [[BOS] + [model.vocab.index(ch) for ch in text] + [EOS] for _, text in items]
     width = max(len(t) for t in targets)
     ids = torch.full((len(items), width), PAD, dtype=torch.long)

@@ -15,6 +15,7 @@ TITLES = {
     "alignment.html": "DateTranslator: cross-attention alignment (attnkit translate)",
     "caption.html": "DigitCaptioner: where each word looked (attnkit caption)",
     "recommend.html": "SASRec: which past movies the recommendation attended to (attnkit recommend)",
+    "listen.html": "SpeechRecognizer: which stretch of audio each digit was read from (attnkit listen)",
     "long.html": "RecallLM over a long text: statistics of every head, key mass, the question's weights (attnkit show --model recall)",
 }
 
