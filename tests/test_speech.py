@@ -103,7 +103,7 @@ def test_alignment_is_monotonic_on_the_examples(model):
 
 def test_training_smoke():
     needs_espeak()
-    trained, record = speech.train(steps=3, batch_size=4, train_size=8, progress=False, log=None)
+    trained, record = speech.train(steps=3, batch_size=4, train_size=8, valid_size=4, progress=False, log=None)
     assert record["steps"] == 3 and record["history"] and isinstance(trained, SpeechRecognizer)
 
 

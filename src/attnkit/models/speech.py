@@ -152,8 +152,8 @@ def dataset(n: int, voices, seed: int, *, workers: int = 4, progress: bool = Fal
 
 
 def augment(samples: np.ndarray, rng: random.Random) -> np.ndarray:
-    """Speed (0.9-1.1), gain (0.2-1.5), silence at both ends and noise at 10-40 dB SNR."""
-    speed = rng.uniform(0.9, 1.1)
+    """Speed (0.85-1.15), gain (0.2-1.5), silence at both ends and noise at 10-40 dB SNR."""
+    speed = rng.uniform(0.85, 1.15)
     x = resample(samples, int(SAMPLE_RATE * speed)) if abs(speed - 1) > 0.01 else samples
     lead, tail = (np.zeros(rng.randint(0, 4000), np.float32) for _ in range(2))
     x = np.concatenate([lead, x, tail]) * rng.uniform(0.2, 1.5)
@@ -181,16 +181,17 @@ def log_mel(samples: torch.Tensor) -> torch.Tensor:
 
 
 def augment_features(feats: torch.Tensor, lengths: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """Other voices, approximately: a warp of the mel axis by 0.85-1.15 (vocal tract length
-    perturbation), then SpecAugment (two bands of up to 8 mel bins and two stretches of up
+    """Other voices, approximately: a warp of the mel axis by 0.8-1.25 (vocal tract length
+    perturbation), a random spectral tilt, then SpecAugment (two bands of up to 8 mel bins and two stretches of up
     to 5% of the frames set to 0)."""
     out = feats.clone()
     for i, n in enumerate(lengths.tolist()):
         x = out[i, :n]  # (T, mels)
-        alpha = rng.uniform(0.85, 1.15)
+        alpha = rng.uniform(0.8, 1.25)
         width = max(8, round(N_MELS * alpha))
         warped = F.interpolate(x[None], size=width, mode="linear", align_corners=False)[0]  # (T, width): mel axis warped
         x = warped[:, :N_MELS] if width >= N_MELS else torch.cat([warped, warped[:, -1:].expand(-1, N_MELS - width)], 1)
+        x = x + rng.uniform(-0.5, 0.5) * torch.linspace(-1, 1, N_MELS)  # tilt: brighter or darker voices
         for _ in range(2):
             f = rng.randint(0, 8)
             f0 = rng.randint(0, N_MELS - f)
@@ -431,16 +432,17 @@ def _edit_distance(a: str, b: str) -> int:
 
 
 def train(steps: int = 4000, *, seed: int = 0, batch_size: int = 32, lr: float = 1e-3, train_size: int = 6000,
-          config: Config = Config(), progress: bool | None = True, log=print) -> tuple[SpeechRecognizer, dict]:
+          valid_size: int = 300, config: Config = Config(), progress: bool | None = True,
+          log=print) -> tuple[SpeechRecognizer, dict]:
     """Synthesise ``train_size`` utterances of :data:`TRAIN_VOICES` and train (seeded); keep the
-    weights with the best exact accuracy on 300 more utterances of the training voices."""
+    weights with the best exact accuracy on ``valid_size`` more utterances of the training voices."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     torch.manual_seed(seed)
     rng = random.Random(seed)
     items = dataset(train_size, TRAIN_VOICES, seed, progress=progress)
-    valid = dataset(300, TRAIN_VOICES, seed + 1)
+    valid = dataset(valid_size, TRAIN_VOICES, seed + 1)
     model = SpeechRecognizer(config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
