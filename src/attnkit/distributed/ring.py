@@ -87,8 +87,8 @@ class _Group:
             return [t]
         out = [t if r == self.rank else torch.empty_like(t) for r in range(self.size)]
         others = [r for r in range(self.size) if r != self.rank]
-        sends = self.exchange([(r, t, 0) for r in others], [])
-        recvs = self.exchange([], [(r, out[r], 0) for r in others])
+        sends = [w for r in others for w in self.exchange([(r, t, 0)], [])]  # one peer per call: errors name it
+        recvs = [w for r in others for w in self.exchange([], [(r, out[r], 0)])]
         for work, peer, _ in recvs:  # in rank order: the first silent rank is named
             self.wait(work, peer, f"{what}: receiving from rank {peer}")
         self.finish(sends)
@@ -100,8 +100,13 @@ class _Group:
         ops += [dist.P2POp(dist.irecv, t, self.global_rank(p), self.group, tag) for p, t, tag in recvs]
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
         peers = [(p, "sending to") for p, _, _ in sends] + [(p, "receiving from") for p, _, _ in recvs]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as e:  # a peer that is gone can fail the posting itself
+            named = sorted({p for p, _ in peers})
+            raise self.error(named[0] if len(named) == 1 else None,
+                             f"{' and '.join(f'{verb} rank {p}' for p, verb in peers)}", e) from e
         return [(w, p, f"{verb} rank {p}") for w, (p, verb) in zip(works, peers)]
 
     def finish(self, pending) -> None:
