@@ -84,7 +84,7 @@ def kept_pairs(mask, length, batch) -> int:
     return int(prepared.kept * batch * length * length)  # pairs in kept blocks (an upper bound on the work)
 
 
-def candidates(q, k, v, mask, mods, device, interpret: bool):
+def candidates(q, k, v, mask, mods, device):
     """name -> callable(backward) for every competitor that can run this case."""
     out = {}
 
@@ -143,9 +143,6 @@ def flex_candidate(q, k, v, mask, mods, length):
         block = None
     else:
         m = mask
-
-        def mask_mod(b, h, qi, ki):
-            return m._elements(qi.view(1, 1).expand(1, 1), ki.view(1, 1), length, length).reshape(())
         ids = getattr(getattr(m, "left", None), "ids", None)
         if ids is not None:
             ids = ids.to(device)[0]
@@ -165,6 +162,8 @@ def flex_candidate(q, k, v, mask, mods, length):
 
             def mask_mod(b, h, qi, ki):
                 return (ki < prefix) | (ki <= qi)
+        else:
+            return None  # no FlexAttention twin of this mask here
         block = create_block_mask(mask_mod, None, None, length, length, device=device)
     score_mod = None
     if "softcap" in mods:
@@ -218,7 +217,7 @@ def main():
                     b = mods["attn_bias"]
                     mods["attn_bias"] = bias.alibi(b.slopes.to(device), causal=b.causal)
                 work = 4 * heads * kept_pairs(mask, length, 1) * dim
-                fns = candidates(q, k, v, mask, mods, device, args.interpret)
+                fns = candidates(q, k, v, mask, mods, device)
                 setup = {}
                 if device.type == "cuda":
                     try:

@@ -60,10 +60,6 @@ def positions(length: int, world_size: int, rank: int, layout: str) -> torch.Ten
     return torch.cat([torch.arange(a, b) for a, b in pieces(length, world_size, layout)[rank]])
 
 
-def local_length(length: int, world_size: int, rank: int, layout: str) -> int:
-    return sum(b - a for a, b in pieces(length, world_size, layout)[rank])
-
-
 def as_ring_mask(mask):
     """The mask as a mask object (bool tensors wrapped); refuse what cannot be split."""
     from attnkit.prepare import PreparedMask

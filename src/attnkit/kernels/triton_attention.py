@@ -324,9 +324,8 @@ class _Args:
             self.alibi_mode = 2 if alibi.causal else 1
             self.slopes = alibi.slopes.detach().to(q4.device, torch.float32).contiguous()
             # ALiBi's own positions: the kernel's q_shift/kv_shift must be the bias's when there is no band
+            # with a band, _reasons has checked that the mask's and ALiBi's positions agree
             a_shift = alibi.q_offset + (lk - lq if alibi.align == "bottom_right" else 0)
-            if band is not None and (a_shift, alibi.kv_offset) != (q_shift, kv_shift):
-                raise ValueError("positions of the mask and of ALiBi differ")  # refused in _reasons
             self.positions = (a_shift, alibi.kv_offset, lo, hi) if band is None else self.positions
         self.kv_num = p.kv_num.to(q4.device).contiguous()
         self.kv_idx = p.kv_indices.to(q4.device).contiguous()
@@ -448,8 +447,6 @@ class TritonKernel(Kernel):
                     reasons.append("the mask's and ALiBi's positions differ (offsets or alignment)")
         if call.q.shape[-1] > 256 or call.v.shape[-1] > 256:
             reasons.append(f"head sizes up to 256, not {call.q.shape[-1]}/{call.v.shape[-1]}")
-        if isinstance(call.mask, torch.Tensor) and call.mask.dtype == torch.bool and call.shapes.rank > 4:
-            reasons.append("rank over 4")
         return reasons
 
     def run(self, call: Call):
