@@ -137,6 +137,8 @@ def _dies(rank, world, how):
         if how == "exit":
             os._exit(3)
         raise ValueError("rank 1 broke on purpose")
+    if how == "late" and rank == 2:
+        time.sleep(2.0)  # rank 0 has found rank 1 gone and failed before rank 2 asks it anything
     try:
         D.ring_attention(*(D.shard(t, 2)[0] for t in (q, k, v)), mask, timeout=20)
     except D.RingError as e:
@@ -144,7 +146,7 @@ def _dies(rank, world, how):
     return "no error"
 
 
-@pytest.mark.parametrize("how", ["exit", "raise"])
+@pytest.mark.parametrize("how", ["exit", "raise", "late"])
 def test_dead_rank_gives_clear_error_on_the_others(how):
     t0 = time.monotonic()
     results = run_local(_dies, 3, (how,), timeout=60, return_exceptions=True)

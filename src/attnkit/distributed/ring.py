@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 import zlib
 
 import torch
@@ -36,6 +37,9 @@ __all__ = ["RingError", "ring_attention"]
 DEFAULT_TIMEOUT = 300.0
 
 _GRAD_TAG = 1 << 16
+
+#: Seconds the ranks that are alive get to deliver once one peer has failed.
+_GRACE = 5.0
 
 
 class RingError(AttnkitError, RuntimeError):
@@ -63,16 +67,19 @@ class _Group:
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def wait(self, work, peer: int | None, what: str) -> None:
+    def wait(self, work, peer: int | None, what: str, timeout: float | None = None) -> None:
         try:
-            done = work.wait(datetime.timedelta(seconds=self.timeout))
+            done = work.wait(datetime.timedelta(seconds=self.timeout if timeout is None else timeout))
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
             raise self.error(peer, what, e) from e
         if done is False:
             raise self.error(peer, what, None)
 
     def error(self, peer, what: str, cause) -> RingError:
-        who = "another rank" if peer is None else f"rank {peer}"
+        if isinstance(peer, (list, tuple)):
+            who = "another rank" if not peer else " and ".join(f"rank {p}" for p in peer)
+        else:
+            who = "another rank" if peer is None else f"rank {peer}"
         detail = f" ({str(cause).splitlines()[0][:200]})" if cause is not None else ""
         return RingError(
             f"ring attention on rank {self.rank}: {what} failed or did not finish within {self.timeout:g} s"
@@ -82,16 +89,39 @@ class _Group:
 
     def all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape everywhere), by point-to-point transfers so that a
-        failure names the rank that did not answer."""
+        failure names the ranks that did not answer.
+
+        A peer that fails does not stop this rank from delivering ``t`` to the others: every
+        transfer is posted and waited for on its own before the error is raised, so the ranks
+        that are alive all name the rank that failed rather than each other.
+        """
         if self.size == 1:
             return [t]
         out = [t if r == self.rank else torch.empty_like(t) for r in range(self.size)]
-        others = [r for r in range(self.size) if r != self.rank]
-        sends = [w for r in others for w in self.exchange([(r, t, 0)], [])]  # one peer per call: errors name it
-        recvs = [w for r in others for w in self.exchange([], [(r, out[r], 0)])]
-        for work, peer, _ in recvs:  # in rank order: the first silent rank is named
-            self.wait(work, peer, f"{what}: receiving from rank {peer}")
-        self.finish(sends)
+        failed: dict[int, Exception] = {}
+        pending = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            for sends, recvs in (([(r, t, 0)], []), ([], [(r, out[r], 0)])):
+                try:
+                    pending += self.exchange(sends, recvs)
+                except RingError as e:
+                    failed.setdefault(r, e)
+        deadline = time.monotonic() + self.timeout
+        for work, peer, label in sorted(pending, key=lambda w: w[2].startswith("sending")):  # receives first
+            # once a peer has failed, the others get a short grace to deliver, not the whole timeout
+            left = deadline - time.monotonic() if not failed else min(_GRACE, deadline - time.monotonic())
+            try:
+                self.wait(work, peer, f"{what}: {label}", timeout=max(left, 0.01))
+            except RingError as e:
+                failed.setdefault(peer, e)
+        if failed:
+            peers = sorted(failed)
+            first = failed[peers[0]]
+            if len(peers) == 1:
+                raise first
+            raise self.error(peers, what, first.__cause__) from first
         return out
 
     def exchange(self, sends, recvs) -> list:
