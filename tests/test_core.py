@@ -513,3 +513,72 @@ def test_kv_cache_append_makes_no_host_sync_while_it_has_room():
             cache.mask(masks.causal())
     assert not any("_local_scalar_dense" in name for name in ops.names)
     assert cache.lengths.tolist() == [5, 5]
+
+
+# --- one fused call where the mask is a plain causal square or hides nothing --------------------
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (37, 37)])
+def test_tiled_causal_square_with_equal_offsets_is_one_fused_call_forward_and_backward(offsets, monkeypatch):
+    from attnkit.kernels import _aten
+
+    if not _aten.AVAILABLE:
+        pytest.skip("PyTorch's fused CPU kernel is not available")
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(_aten, f"flash_{name}")
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(_aten, f"flash_{name}", counted)
+    mask = masks.causal(q_offset=offsets[0], kv_offset=offsets[1])
+    q, k, v = (randn(2, 3, 300, 16, requires_grad=True) for _ in range(3))
+    out, lse = attnkit.attention(q, k, v, mask, kernel="tiled", return_lse=True)
+    dout = randn(2, 3, 300, 16)
+    out.backward(dout)
+    assert calls == {"forward": 1, "backward": 1}, calls  # not one call per row block
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dense = torch.ones(300, 300, dtype=torch.bool).tril()
+    gold, _ = naive_attention(q64, k64, v64, dense)
+    gold.backward(dout.double())
+    for got, want in ((out, gold), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_decoding_step_with_a_causal_mask_goes_to_sdpa_unmasked():
+    q, k, v = randn(2, 4, 1, 16), randn(2, 4, 600, 16), randn(2, 4, 600, 16)
+    assert str(attnkit.explain(q, k, v, masks.causal())) == "sdpa: the mask hides nothing here"
+    torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal()),
+                               attnkit.attention(q, k, v, masks.causal(), kernel="reference"))
+    # the top-left causal of one query sees one key: not "nothing hidden"
+    assert "hides nothing" not in str(attnkit.explain(q, k, v, masks.causal("top_left")))
+    torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal("top_left")), v[:, :, :1])
+
+
+def test_small_padding_masks_read_only_each_sequences_keys():
+    q, k, v = randn(3, 4, 1, 16), randn(3, 4, 500, 16), randn(3, 4, 500, 16)
+    mask = masks.padding(torch.tensor([500, 120, 7]))
+    assert "keys past each sequence's end unread" in str(attnkit.explain(q, k, v, mask))
+    gold, naive = gold_and_naive(q, k, v, mask.materialize(1, 500))
+    assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)
+
+
+@pytest.mark.parametrize("junk", [0.5, float("nan"), float("inf")])
+def test_dense_path_copies_keys_only_when_unused_rows_hold_non_finite_values(junk):
+    from attnkit.kernels import reference
+
+    k, v = randn(2, 4, 64, 16), randn(2, 4, 64, 16)
+    k[1, :, 50:], v[1, :, 50:] = junk, -junk
+    allowed = masks.padding(torch.tensor([64, 50])).materialize(1, 64)
+    k2, v2 = reference.zero_unused_keys(k, v, allowed)
+    finite = junk == 0.5
+    assert (k2 is k and v2 is v) == finite  # no copy of the cache when nothing needs zeroing
+    if not finite:
+        assert (k2[1, :, 50:] == 0).all() and (v2[1, :, 50:] == 0).all()
+        assert torch.equal(k2[:, :, :50], k[:, :, :50]) and torch.equal(k2[0], k[0])
+    q = randn(2, 4, 3, 16)
+    out = attnkit.attention(q, k, v, allowed.expand(2, 1, 3, 64), kernel="sdpa")
+    gold, naive = gold_and_naive(q, torch.where(allowed[..., 0, :, None], k, 0.0), torch.where(allowed[..., 0, :, None], v, 0.0),
+                                 allowed.expand(2, 1, 3, 64))
+    assert_oracle(out, gold, naive)

@@ -394,6 +394,13 @@ class _Causal(_Positional, Mask):
         key = self._position_key()
         return None if key is None else ("causal", key)
 
+    def _shift(self, q_len: int, kv_len: int) -> int | None:
+        """How many keys past its own index query i may see (key j is visible iff
+        ``j <= i + shift``); 0 is SDPA's ``is_causal``. None for per-sequence offsets."""
+        if self._position_key() is None:
+            return None
+        return self.q_offset - self.kv_offset + (kv_len - q_len if self.align == "bottom_right" else 0)
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         return _as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
 

@@ -70,8 +70,14 @@ def zero_unused_keys(
     if allowed is None:
         return k, v
     used = used_keys(allowed, k.shape[-3] if k.dim() >= 3 else None)
-    if sync and bool(used.all()):  # the common case: nothing to zero
-        return k, v
+    if sync:
+        if bool(used.all()):  # the common case: nothing to zero
+            return k, v
+        # padded rows usually hold finite values, which a masked score leaves at weight 0:
+        # then K and V are not copied (a decoding step would copy the whole cache)
+        rows = torch.broadcast_to(~used[..., 0], k.shape[:-1]).nonzero(as_tuple=True)  # only the unused rows
+        if bool(torch.isfinite(k[rows]).all()) and bool(torch.isfinite(v[rows]).all()):
+            return k, v
     zero = k.new_zeros(())
     return torch.where(used, k, zero), torch.where(used, v, zero)
 

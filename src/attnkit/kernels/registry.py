@@ -210,16 +210,27 @@ TILED_MAX_KEPT = {(False, False): 0.85, (False, True): 0.6, (True, False): 0.6, 
 TILED_MAX_KEPT_FULL = 0.85
 
 
+def _bare(mask):
+    """The mask object behind a prepared one."""
+    return mask.mask if isinstance(mask, PreparedMask) else mask
+
+
+def _causal_shift(call: Call) -> int | None:
+    """:meth:`attnkit.masks._Causal._shift` of a causal mask here, else None."""
+    m = _bare(call.mask)
+    return m._shift(call.shapes.lq, call.shapes.lk) if isinstance(m, _masks._Causal) else None
+
+
 def _sdpa_causal(call: Call) -> bool:
     """Whether the mask is exactly SDPA's ``is_causal=True`` (top-left aligned) here."""
-    m = call.mask.mask if isinstance(call.mask, PreparedMask) else call.mask
-    return (
-        isinstance(m, _masks._Causal)
-        and m._position_key() is not None
-        and m.q_offset == 0
-        and m.kv_offset == 0
-        and (m.align == "top_left" or call.shapes.lq == call.shapes.lk)
-    )
+    return _causal_shift(call) == 0
+
+
+def _hides_nothing(call: Call) -> bool:
+    """Whether a causal mask lets every query see every key here (a decoding step), known
+    without preparing it."""
+    shift = _causal_shift(call)
+    return shift is not None and shift >= call.shapes.lk - 1
 
 
 def choose(call: Call, kernel: str = "auto") -> Plan:
@@ -308,7 +319,10 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
         return "sdpa", f"dense mask ({what})"
     if isinstance(call.mask, torch.Tensor) and s.lq * s.lk < TILED_MIN_PAIRS:
         return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
-    if s.lq * s.lk < TILED_MIN_PAIRS and s.lk <= TILED_MIN_KEYS:
+    if _hides_nothing(call):
+        return "sdpa", "the mask hides nothing here"
+    # a bare padding mask has only full blocks and a key limit: the tiled kernel wins at any size
+    if s.lq * s.lk < TILED_MIN_PAIRS and s.lk <= TILED_MIN_KEYS and not isinstance(_bare(call.mask), _masks._Padding):
         return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
     prepared = call.get_prepared()
     if prepared.everything:

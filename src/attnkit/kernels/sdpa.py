@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.kernels import reference
-from attnkit.kernels.registry import Call, Kernel, _sdpa_causal
+from attnkit.kernels.registry import Call, Kernel, _hides_nothing, _sdpa_causal
 
 
 def sdpa(q, k, v, mask, *, scale, dropout_p, shapes, causal: bool = False):
@@ -65,7 +65,7 @@ class SDPAKernel(Kernel):
         if _sdpa_causal(call) and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
             return sdpa(call.q, call.k, call.v, None, causal=True, **kw), None
         prepared = call.prepared
-        if prepared is not None and prepared.everything:
+        if (prepared is not None and prepared.everything) or _hides_nothing(call):
             return sdpa(call.q, call.k, call.v, None, **kw), None
         dense = reference.dense_mask(call)
         k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)

@@ -345,9 +345,8 @@ def _one_fused_call(call: _Call, q, k) -> bool | None:
     if p.everything:
         return False
     m = p.mask
-    if (isinstance(m, _masks._Causal) and m._position_key() is not None and m.q_offset == 0 and m.kv_offset == 0
-            and (m.align == "top_left" or p.q_len == p.kv_len) and p.q_len <= p.kv_len):
-        return True
+    if isinstance(m, _masks._Causal) and p.q_len <= p.kv_len and m._shift(p.q_len, p.kv_len) == 0:
+        return True  # SDPA's top-left causal square (a ring's diagonal rectangle: equal, moved offsets)
     return None
 
 
@@ -443,6 +442,11 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
 def _backward(call: _Call, q, k, v, out, lse, grad_out, grad_lse, grads):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    causal = _one_fused_call(call, q, k) if grad_lse is None else None
+    if causal is not None:  # as in _forward: the fused kernel's own loop, one call
+        dq, dk, dv = _aten.flash_backward(grad_out.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype),
+                                          lse.to(_compute_dtype(q.dtype)), scale=call.scale, is_causal=causal)
+        return dq, dk, dv
     b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
     groups = call.prepared.groups
     if len(groups) == 1 and groups[0].batch is None and groups[0].heads is None:
