@@ -46,6 +46,9 @@ CASES = {
     "alibi_softcap": (34, 34, 4, 2, lambda L, K: masks.causal(), {"alibi": True, "softcap": 5.0}),
     "sinks_window": (30, 30, 2, 2, lambda L, K: masks.sliding_window(4), {"sinks": True}),
     "relative_document": (36, 36, 2, 2, lambda L, K: masks.document(_docs(L, 5)), {"relative": True}),
+    # equal head sizes: the fused CPU kernel runs (one call per causal square), also with an lse gradient
+    "causal_fused": (300, 300, 2, 2, lambda L, K: masks.causal(), {"dv": 8}),
+    "window_fused_lse": (290, 290, 2, 1, lambda L, K: masks.sliding_window(40), {"dv": 8, "lse": True}),
 }
 
 
@@ -55,9 +58,12 @@ def _case(name: str):
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     q = torch.randn(2, hq, lq, 8, generator=g)
     k = torch.randn(2, hkv, lk, 8, generator=g)
-    v = torch.randn(2, hkv, lk, 6, generator=g)
-    dout = torch.randn(2, hq, lq, 6, generator=g)
+    dv = extra.get("dv", 6)
+    v = torch.randn(2, hkv, lk, dv, generator=g)
+    dout = torch.randn(2, hq, lq, dv, generator=g)
     kwargs, params = {}, {}
+    if extra.get("lse"):  # the loss also weighs the lse: d loss / d lse = dout[..., 0]
+        kwargs["return_lse"] = True
     if extra.get("alibi"):
         params["slopes"] = bias.alibi_slopes(hq).requires_grad_()
         kwargs["attn_bias"] = bias.alibi(params["slopes"], causal=True)
@@ -72,6 +78,12 @@ def _case(name: str):
     return q, k, v, dout, make_mask(lq, lk), kwargs, params
 
 
+def _loss(out, dout):
+    if isinstance(out, tuple):  # (out, lse)
+        return (out[0] * dout).sum() + (out[1] * dout[..., 0]).sum()
+    return (out * dout).sum()
+
+
 def _worker(rank, world, names, layouts):
     results = {}
     for layout in layouts:
@@ -79,7 +91,8 @@ def _worker(rank, world, names, layouts):
             q, k, v, dout, mask, kwargs, params = _case(name)
             parts = [D.shard(t, 2, layout)[0].clone().requires_grad_() for t in (q, k, v)]
             out = D.ring_attention(*parts, mask, layout=layout, timeout=60, **kwargs)
-            (out * D.shard(dout, 2, layout)[0]).sum().backward()
+            _loss(out, D.shard(dout, 2, layout)[0]).backward()
+            out = out[0] if isinstance(out, tuple) else out
             full = [D.unshard(t, 2, layout) for t in (out.detach(), *(p.grad for p in parts))]
             results[layout, name] = (full, {n: p.grad for n, p in params.items()})
     # a model layer on the split sequence equals the unsplit layer
@@ -95,7 +108,8 @@ def _expected(name):
     q, k, v, dout, mask, kwargs, params = _case(name)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out = attnkit.attention(q, k, v, mask, **kwargs)
-    (out * dout).sum().backward()
+    _loss(out, dout).backward()
+    out = out[0] if isinstance(out, tuple) else out
     return [out.detach(), q.grad, k.grad, v.grad], {n: p.grad for n, p in params.items()}
 
 

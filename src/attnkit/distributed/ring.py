@@ -428,6 +428,7 @@ class _RingFunction(torch.autograd.Function):
         out, lse = ring.forward(q, k, v, attn_bias)
         ctx.ring, ctx.attn_bias, ctx.n_params = ring, attn_bias, len(params)
         ctx.save_for_backward(q, k, v, out, lse, *params)
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient: the fused backward can run
         return out, lse
 
     @staticmethod
