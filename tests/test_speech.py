@@ -65,6 +65,45 @@ def test_batching_different_lengths_equals_one_by_one(model):
     assert model.transcribe(waves, 16000) == one
 
 
+def test_warp_ensemble_keeps_the_best_scored_greedy_hypothesis(model):
+    waves = [speech.read_wav(p)[0] for p, _ in speech.examples()]
+    feats, lengths = model.features(waves, 16000)
+    warps = (1.0, 0.8, 1.25)
+    with torch.no_grad():
+        assert torch.equal(model.decode_ensemble(feats, lengths, warps=(1.0,)), model.generate(feats, lengths))
+        chosen = model.decode_ensemble(feats, lengths, warps=warps)
+        for row in range(len(waves)):
+            one = feats[row:row + 1, : int(lengths[row])]
+            encoded = [model.encode(speech.warp_mels(one, a), lengths[row:row + 1]) for a in warps]
+            texts = [model.text_of(model.generate(speech.warp_mels(one, a), lengths[row:row + 1])[0].tolist())
+                     for a in warps]
+            score = {}
+            for text in texts:  # log p(text) summed over the warped inputs, by hand
+                ids = [speech.BOS] + [model.vocab.index(c) for c in text] + [speech.EOS]
+                score[text] = sum(
+                    model.decode(torch.tensor([ids[:-1]]), memory, padding).log_softmax(-1)[
+                        0, torch.arange(len(ids) - 1), ids[1:]].sum().item()
+                    for memory, padding in encoded
+                )
+            got = model.text_of(chosen[row].tolist())
+            assert got in texts and score[got] >= max(score.values()) - 1e-3, (got, score)
+
+
+def test_warps_are_checked(model):
+    feats, lengths = model.features([speech.read_wav(speech.examples()[0][0])[0]], 16000)
+    for bad in ((), (0.1,), (1.0, 3.0)):
+        with pytest.raises(ValueError, match="warps must be factors between 0.5 and 2.0"):
+            model.decode_ensemble(feats, lengths, warps=bad)
+    x = torch.randn(2, 30, 64)
+    assert speech.warp_mels(x, 1.0) is x
+    for a in (0.85, 1.2):
+        y = speech.warp_mels(x, a)
+        assert y.shape == x.shape and torch.isfinite(y).all()
+    # stretching by a moves band b's content to band about a * b
+    ramp = torch.arange(64.0).expand(1, 64)
+    assert abs(speech.warp_mels(ramp, 1.25)[0, 40].item() - 40 / 1.25) < 1.0
+
+
 def test_resampling(model):
     samples, rate = speech.read_wav(speech.examples()[0][0])
     truth = speech.examples()[0][1]

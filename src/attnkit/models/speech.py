@@ -180,6 +180,20 @@ def log_mel(samples: torch.Tensor) -> torch.Tensor:
     return mel / (mel.std(0, keepdim=True, unbiased=False) + 1e-3) if mel.shape[0] > 1 else mel
 
 
+def warp_mels(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``(..., T, 64)`` log-mel features with the mel axis stretched by ``alpha`` (a longer or
+    shorter vocal tract: > 1 moves formants down, < 1 up), cropped or edge-padded to 64 bands."""
+    if alpha == 1.0:
+        return x
+    width = max(8, round(N_MELS * alpha))
+    lead = x.shape[:-1]
+    warped = F.interpolate(x.reshape(1, -1, N_MELS), size=width, mode="linear", align_corners=False)
+    warped = warped.reshape(*lead, width)
+    if width >= N_MELS:
+        return warped[..., :N_MELS]
+    return torch.cat([warped, warped[..., -1:].expand(*lead, N_MELS - width)], -1)
+
+
 def augment_features(feats: torch.Tensor, lengths: torch.Tensor, rng: random.Random) -> torch.Tensor:
     """Other voices, approximately: a warp of the mel axis by 0.8-1.25 (vocal tract length
     perturbation), a random spectral tilt, then SpecAugment (two bands of up to 8 mel bins and two stretches of up
@@ -187,10 +201,7 @@ def augment_features(feats: torch.Tensor, lengths: torch.Tensor, rng: random.Ran
     out = feats.clone()
     for i, n in enumerate(lengths.tolist()):
         x = out[i, :n]  # (T, mels)
-        alpha = rng.uniform(0.8, 1.25)
-        width = max(8, round(N_MELS * alpha))
-        warped = F.interpolate(x[None], size=width, mode="linear", align_corners=False)[0]  # (T, width): mel axis warped
-        x = warped[:, :N_MELS] if width >= N_MELS else torch.cat([warped, warped[:, -1:].expand(-1, N_MELS - width)], 1)
+        x = warp_mels(x, rng.uniform(0.8, 1.25))
         x = x + rng.uniform(-0.5, 0.5) * torch.linspace(-1, 1, N_MELS)  # tilt: brighter or darker voices
         for _ in range(2):
             f = rng.randint(0, 8)
@@ -201,6 +212,11 @@ def augment_features(feats: torch.Tensor, lengths: torch.Tensor, rng: random.Ran
             x[t0:t0 + t] = 0
         out[i, :n] = x
     return out
+
+
+#: Vocal-tract warps of the mel axis decoded at test time and voted over (see
+#: :meth:`SpeechRecognizer.decode_ensemble`), inside the training warps (0.8-1.25).
+TEST_WARPS = (1.0, 0.9, 1.1)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -316,8 +332,10 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
     @torch.no_grad()
     def generate(self, feats, lengths) -> torch.Tensor:
         """Greedy decoding with a KV cache per decoder layer: ``(B, T)`` token ids after BOS."""
-        b = feats.shape[0]
-        memory, padding = self.encode(feats, lengths)
+        return self._greedy(*self.encode(feats, lengths))
+
+    def _greedy(self, memory, padding) -> torch.Tensor:
+        b = memory.shape[0]
         memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
         c = self.config
         caches = KVCache.for_layers(len(self.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads,
@@ -335,6 +353,39 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
                 break
         return torch.cat(out, dim=1)
 
+    @torch.no_grad()
+    def decode_ensemble(self, feats, lengths, warps=None) -> torch.Tensor:
+        """Decoding over several vocal-tract warps of the input: ``(B, T)`` token ids.
+
+        Each warp of the mel axis (:func:`warp_mels`) gives a greedy hypothesis; every
+        hypothesis is then scored by its log-probability averaged over all the warped
+        inputs (teacher forcing), and the best one is kept. A voice unlike the training
+        voices is read as the nearby voices the model knows, and a digit dropped or doubled
+        under one warp is outvoted by the others. ``warps=(1.0,)`` is plain greedy decoding.
+        """
+        warps = TEST_WARPS if warps is None else tuple(float(a) for a in warps)
+        if not warps or not all(0.5 <= a <= 2.0 for a in warps):
+            raise AttnkitValueError(f"warps must be factors between 0.5 and 2.0, e.g. (0.9, 1.0, 1.1), but got {warps}.")
+        if len(warps) == 1:
+            return self.generate(warp_mels(feats, warps[0]), lengths)
+        encoded = [self.encode(warp_mels(feats, a), lengths) for a in warps]
+        hyps = [self._greedy(memory, padding) for memory, padding in encoded]
+        width = max(h.shape[1] for h in hyps)
+        hyps = [F.pad(h, (0, width - h.shape[1]), value=PAD) for h in hyps]
+        scores = torch.stack([sum(self._log_prob(h, memory, padding) for memory, padding in encoded) for h in hyps])
+        best = scores.argmax(0)  # (B,): ties go to the first warp listed
+        return torch.stack(hyps)[best, torch.arange(feats.shape[0])]
+
+    def _log_prob(self, ids, memory, padding) -> torch.Tensor:
+        """``(B,)`` log p(ids up to and with the first EOS | memory), by teacher forcing."""
+        ids = ids.clone()
+        ended = (ids == EOS).cumsum(1) > 0
+        after = ended & ~(ended.cumsum(1) == 1)  # past the first EOS
+        ids[after] = PAD
+        target_in = torch.cat([torch.full_like(ids[:, :1], BOS), ids[:, :-1]], 1)
+        logp = self.decode(target_in, memory, padding).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+        return logp.masked_fill(ids == PAD, 0.0).sum(1)
+
     def text_of(self, ids) -> str:
         chars = []
         for i in ids:
@@ -344,19 +395,22 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
                 chars.append(self.vocab[i])
         return "".join(chars)
 
-    def transcribe(self, waveforms, sample_rate: int, batch_size: int = 32) -> list[str]:
-        """The digit string spoken in each waveform (mono float arrays/tensors in [-1, 1], any rate)."""
+    def transcribe(self, waveforms, sample_rate: int, batch_size: int = 32, *, warps=None) -> list[str]:
+        """The digit string spoken in each waveform (mono float arrays/tensors in [-1, 1], any rate).
+
+        ``warps``: the vocal-tract warps decoded and voted over (:meth:`decode_ensemble`;
+        default :data:`TEST_WARPS`; ``(1.0,)`` for plain greedy decoding, 3x faster)."""
         feats, lengths = self.features(waveforms, sample_rate)
         self.eval()
         texts = []
         for start in range(0, feats.shape[0], batch_size):
             f, n = feats[start:start + batch_size], lengths[start:start + batch_size]
             f = f[:, : int(n.max())]
-            texts += [self.text_of(row) for row in self.generate(f, n).tolist()]
+            texts += [self.text_of(row) for row in self.decode_ensemble(f, n, warps).tolist()]
         return texts
 
     @torch.no_grad()
-    def transcribe_with_attention(self, waveform, sample_rate: int) -> dict:
+    def transcribe_with_attention(self, waveform, sample_rate: int, *, warps=None) -> dict:
         """The text and the cross-attention that produced it.
 
         Returns ``{"text", "chars": [... , "</s>"], "attention": (layers, heads, chars, frames),
@@ -366,7 +420,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
 
         feats, lengths = self.features([waveform], sample_rate)
         self.eval()
-        ids = self.generate(feats, lengths)[0].tolist()
+        ids = self.decode_ensemble(feats, lengths, warps)[0].tolist()
         if EOS in ids:
             ids = ids[: ids.index(EOS) + 1]
         target_in = torch.tensor([[BOS] + ids[:-1]])
@@ -403,19 +457,20 @@ def _batch(model, items, rng, augmenting: bool):
     return feats, lengths, ids[:, :-1], ids[:, 1:]
 
 
-def evaluate(model: SpeechRecognizer, items) -> dict:
-    """Exact-string accuracy, character error rate and monotonic alignments on ``items``."""
-    texts = model.transcribe([w for w, _ in items], SAMPLE_RATE)
+def evaluate(model: SpeechRecognizer, items, warps=None) -> dict:
+    """Exact-string accuracy, character error rate and monotonic alignments on ``items``
+    (decoded over ``warps``, see :meth:`SpeechRecognizer.decode_ensemble`)."""
+    texts = model.transcribe([w for w, _ in items], SAMPLE_RATE, warps=warps)
     exact = sum(t == ref for t, (_, ref) in zip(texts, items)) / len(items)
     errors = sum(_edit_distance(t, ref) for t, (_, ref) in zip(texts, items))
     cer = errors / max(1, sum(len(ref) for _, ref in items))
-    monotonic = sum(alignment_is_monotonic(model, w) for w, _ in items) / len(items)
+    monotonic = sum(alignment_is_monotonic(model, w, warps) for w, _ in items) / len(items)
     return {"exact": exact, "cer": cer, "monotonic": monotonic, "n": len(items)}
 
 
-def alignment_is_monotonic(model: SpeechRecognizer, samples) -> bool:
+def alignment_is_monotonic(model: SpeechRecognizer, samples, warps=None) -> bool:
     """Whether the attention peak's time never goes back over the output digits (last layer, mean of heads)."""
-    found = model.transcribe_with_attention(samples, SAMPLE_RATE)
+    found = model.transcribe_with_attention(samples, SAMPLE_RATE, warps=warps)
     weights = found["attention"][-1].mean(0)[: len(found["text"])]  # (digits, frames)
     peaks = weights.argmax(-1)
     return bool((peaks[1:] >= peaks[:-1]).all())
@@ -465,7 +520,7 @@ def train(steps: int = 4000, *, seed: int = 0, batch_size: int = 32, lr: float =
         bar.set_postfix(loss=f"{running:.3f}")
         if (step + 1) % max(1, steps // 8) == 0 or step == steps - 1:
             model.eval()
-            texts = model.transcribe([w for w, _ in valid], SAMPLE_RATE)
+            texts = model.transcribe([w for w, _ in valid], SAMPLE_RATE, warps=(1.0,))
             acc = sum(t == ref for t, (_, ref) in zip(texts, valid)) / len(valid)
             history.append({"step": step + 1, "loss": running, "valid_exact": acc})
             if log is not None:
