@@ -556,6 +556,16 @@ def test_a_decoding_step_with_a_causal_mask_goes_to_sdpa_unmasked():
     torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal("top_left")), v[:, :, :1])
 
 
+def test_many_unused_rows_are_zeroed_by_one_copy():
+    from attnkit.kernels import reference
+
+    k, v = randn(2, 4, 64, 16), randn(2, 4, 64, 16)
+    k[1, :, 20:] = float("nan")
+    allowed = masks.padding(torch.tensor([64, 20])).materialize(1, 64)
+    k2, v2 = reference.zero_unused_keys(k, v, allowed)
+    assert (k2[1, :, 20:] == 0).all() and (v2[1, :, 20:] == 0).all() and torch.equal(k2[0], k[0])
+
+
 def test_small_padding_masks_read_only_each_sequences_keys():
     q, k, v = randn(3, 4, 1, 16), randn(3, 4, 500, 16), randn(3, 4, 500, 16)
     mask = masks.padding(torch.tensor([500, 120, 7]))
@@ -569,14 +579,14 @@ def test_dense_path_copies_keys_only_when_unused_rows_hold_non_finite_values(jun
     from attnkit.kernels import reference
 
     k, v = randn(2, 4, 64, 16), randn(2, 4, 64, 16)
-    k[1, :, 50:], v[1, :, 50:] = junk, -junk
-    allowed = masks.padding(torch.tensor([64, 50])).materialize(1, 64)
+    k[1, :, 60:], v[1, :, 60:] = junk, -junk
+    allowed = masks.padding(torch.tensor([64, 60])).materialize(1, 64)  # few unused rows: no copy needed
     k2, v2 = reference.zero_unused_keys(k, v, allowed)
     finite = junk == 0.5
     assert (k2 is k and v2 is v) == finite  # no copy of the cache when nothing needs zeroing
     if not finite:
-        assert (k2[1, :, 50:] == 0).all() and (v2[1, :, 50:] == 0).all()
-        assert torch.equal(k2[:, :, :50], k[:, :, :50]) and torch.equal(k2[0], k[0])
+        assert (k2[1, :, 60:] == 0).all() and (v2[1, :, 60:] == 0).all()
+        assert torch.equal(k2[:, :, :60], k[:, :, :60]) and torch.equal(k2[0], k[0])
     q = randn(2, 4, 3, 16)
     out = attnkit.attention(q, k, v, allowed.expand(2, 1, 3, 64), kernel="sdpa")
     gold, naive = gold_and_naive(q, torch.where(allowed[..., 0, :, None], k, 0.0), torch.where(allowed[..., 0, :, None], v, 0.0),

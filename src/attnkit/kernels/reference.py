@@ -71,13 +71,16 @@ def zero_unused_keys(
         return k, v
     used = used_keys(allowed, k.shape[-3] if k.dim() >= 3 else None)
     if sync:
-        if bool(used.all()):  # the common case: nothing to zero
+        share = float(used.float().mean())  # of the keys used (one host sync)
+        if share == 1.0:  # the common case: nothing to zero
             return k, v
-        # padded rows usually hold finite values, which a masked score leaves at weight 0:
-        # then K and V are not copied (a decoding step would copy the whole cache)
-        rows = torch.broadcast_to(~used[..., 0], k.shape[:-1]).nonzero(as_tuple=True)  # only the unused rows
-        if bool(torch.isfinite(k[rows]).all()) and bool(torch.isfinite(v[rows]).all()):
-            return k, v
+        # Padded rows usually hold finite values, which a masked score leaves at weight 0.
+        # Where few rows are unused (a decoding step over a long cache), looking at those
+        # rows alone is cheaper than copying K and V; where many are, the copy is as cheap.
+        if share > 0.875:
+            rows = torch.broadcast_to(~used[..., 0], k.shape[:-1]).nonzero(as_tuple=True)
+            if bool(torch.isfinite(k[rows]).all()) and bool(torch.isfinite(v[rows]).all()):
+                return k, v
     zero = k.new_zeros(())
     return torch.where(used, k, zero), torch.where(used, v, zero)
 

@@ -203,6 +203,9 @@ TILED_MIN_PAIRS = 256 * 256
 #: ... unless the keys are many (decoding over a long padded cache reads only each
 #: sequence's own keys in the tiled kernel).
 TILED_MIN_KEYS = 1024
+#: ... and for a bare padding mask from this many keys (decoding: 1.3-6x faster than the
+#: dense mask at 128-1024 keys and batches of 1-64; the dense mask wins at ~32 keys).
+TILED_PADDING_MIN_KEYS = 128
 #: The tiled kernel runs masked plans when at most this fraction of blocks is kept, by
 #: (half precision, with backward); plans of full blocks only get TILED_MAX_KEPT_FULL.
 #: Measured with benchmarks/cpu.py (see the README's table).
@@ -321,8 +324,10 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
         return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
     if _hides_nothing(call):
         return "sdpa", "the mask hides nothing here"
-    # a bare padding mask has only full blocks and a key limit: the tiled kernel wins at any size
-    if s.lq * s.lk < TILED_MIN_PAIRS and s.lk <= TILED_MIN_KEYS and not isinstance(_bare(call.mask), _masks._Padding):
+    # a bare padding mask has only full blocks and a key limit: the tiled kernel reads each
+    # sequence's own keys, which beats the dense mask from TILED_PADDING_MIN_KEYS keys on
+    padding = isinstance(_bare(call.mask), _masks._Padding) and s.lk >= TILED_PADDING_MIN_KEYS
+    if s.lq * s.lk < TILED_MIN_PAIRS and s.lk <= TILED_MIN_KEYS and not padding:
         return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
     prepared = call.get_prepared()
     if prepared.everything:
