@@ -268,10 +268,10 @@ class _Ring:
     def _post(self, step, tag, sends, recv_spans, k_like, v_like, dtype):
         """Post one step's transfers of (K, V)-shaped pairs.
 
-        ``sends``: ``(peer, j, k_rows, v_rows)``; ``recv_spans``: ``(peer, j, lo, hi)``.
+        ``sends``: ``(peer, j, packed)`` (see :func:`_pack`); ``recv_spans``: ``(peer, j, lo, hi)``.
         Returns (pending works, {j: (buffer, k shape, v shape, lo, hi)}).
         """
-        out = [(peer, _pack(kk, vv), tag + step * 8 + j) for peer, j, kk, vv in sends]
+        out = [(peer, packed, tag + step * 8 + j) for peer, j, packed in sends]
         bufs = {}
         for peer, j, lo, hi in recv_spans:
             ks, vs = (*k_like.shape[:-2], hi - lo, k_like.shape[-1]), (*v_like.shape[:-2], hi - lo, v_like.shape[-1])
@@ -284,7 +284,8 @@ class _Ring:
         receive what we read of rank ``me - step``'s."""
         me, s = self.comm.rank, self.sched
         src, dst = s.source(me, step), s.target(me, step)
-        sends = [(dst, j, self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi)) for j, lo, hi in s.needs[dst][me]]
+        sends = [(dst, j, _pack(self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi)))
+                 for j, lo, hi in s.needs[dst][me]]
         recvs = [(src, j, lo, hi) for j, lo, hi in s.needs[me][src]]
         return self._post(step, 0, sends, recvs, k, v, k.dtype)
 
@@ -343,7 +344,9 @@ class _Ring:
         for step in range(comm.size):
             src, dst = s.source(me, step), s.target(me, step)
             kv, nxt = self._keys(step, nxt, k_pieces, v_pieces, k, v)
-            dkv = {j: (torch.zeros_like(kk, dtype=acc), torch.zeros_like(vv, dtype=acc)) for j, (kk, vv, _) in kv.items()}
+            # each received piece's dK/dV live in one buffer, sent back as it is (no packing copy)
+            flat = {j: torch.zeros(kk.numel() + vv.numel(), dtype=acc, device=kk.device) for j, (kk, vv, _) in kv.items()}
+            dkv = {j: _unpack(flat[j], kk.shape, vv.shape) for j, (kk, vv, _) in kv.items()}
             for i, j in s.pairs[me][src]:
                 kk, vv, span = kv[j]
                 grad = self._rectangle_grad if learned else self._rectangle_backward
@@ -363,10 +366,11 @@ class _Ring:
                     self._own(dk_own, j, lo, hi).add_(dk_j)
                     self._own(dv_own, j, lo, hi).add_(dv_j)
                 continue
+            kv = dkv = None  # the received keys are used up: free them before more buffers arrive
             self._collect(grads_in_flight, dk_own, dv_own)
             # dK/dV of the keys received from src go back to it; those of our keys that
             # rank dst read come from it
-            sends = [(src, j, *dkv[j]) for j in sorted(dkv)]
+            sends = [(src, j, flat[j]) for j in sorted(flat)]
             recvs = [(dst, j, lo, hi) for j, lo, hi in s.needs[dst][me]]
             grads_in_flight = self._post(step, _GRAD_TAG, sends, recvs, dk_own[0], dv_own[0], acc)
         self._collect(grads_in_flight, dk_own, dv_own)
