@@ -334,9 +334,11 @@ class _Ring:
         dlse_pieces = list(torch.split(dlse, q_sizes, dim=-1)) if dlse is not None else [None] * len(q_sizes)
         k_pieces = _split(k, self.sizes(s.kv_pieces[me]))
         v_pieces = _split(v, self.sizes(s.kv_pieces[me]))
-        dq = [torch.zeros_like(p, dtype=acc) for p in q_pieces]
-        dk_own = [torch.zeros_like(p, dtype=acc) for p in k_pieces]
-        dv_own = [torch.zeros_like(p, dtype=acc) for p in v_pieces]
+        # whole gradients, accumulated through views of their pieces (no concatenation at the end)
+        dq_all, dk_all, dv_all = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
+        dq = _split(dq_all, q_sizes)
+        dk_own = _split(dk_all, self.sizes(s.kv_pieces[me]))
+        dv_own = _split(dv_all, self.sizes(s.kv_pieces[me]))
         dparams = [None] * len(params)
         learned = any(p.requires_grad for p in params)  # bias parameters: recompute with autograd
         nxt = ([], {})
@@ -344,9 +346,12 @@ class _Ring:
         for step in range(comm.size):
             src, dst = s.source(me, step), s.target(me, step)
             kv, nxt = self._keys(step, nxt, k_pieces, v_pieces, k, v)
-            # each received piece's dK/dV live in one buffer, sent back as it is (no packing copy)
-            flat = {j: torch.zeros(kk.numel() + vv.numel(), dtype=acc, device=kk.device) for j, (kk, vv, _) in kv.items()}
-            dkv = {j: _unpack(flat[j], kk.shape, vv.shape) for j, (kk, vv, _) in kv.items()}
+            if step == 0:  # our own keys: straight into our gradients
+                flat = {}
+                dkv = {j: (self._own(dk_own, j, lo, hi), self._own(dv_own, j, lo, hi)) for j, (_, _, (lo, hi)) in kv.items()}
+            else:  # each received piece's dK/dV live in one buffer, sent back as it is (no packing copy)
+                flat = {j: torch.zeros(kk.numel() + vv.numel(), dtype=acc, device=kk.device) for j, (kk, vv, _) in kv.items()}
+                dkv = {j: _unpack(flat[j], kk.shape, vv.shape) for j, (kk, vv, _) in kv.items()}
             for i, j in s.pairs[me][src]:
                 kk, vv, span = kv[j]
                 grad = self._rectangle_grad if learned else self._rectangle_backward
@@ -354,17 +359,13 @@ class _Ring:
                     q_pieces[i], kk, vv, s.q_pieces[me][i], span, attn_bias, params,
                     out_pieces[i], lse_pieces[i], dout_pieces[i], dlse_pieces[i],
                 )
-                dq[i] += grads[0]
+                dq[i].add_(grads[0])
                 dkv[j][0].add_(grads[1])
                 dkv[j][1].add_(grads[2])
                 for n, g in enumerate(grads[3:]):
                     if g is not None:
                         dparams[n] = g if dparams[n] is None else dparams[n] + g
             if step == 0:
-                for j, (dk_j, dv_j) in dkv.items():
-                    lo, hi = kv[j][2]
-                    self._own(dk_own, j, lo, hi).add_(dk_j)
-                    self._own(dv_own, j, lo, hi).add_(dv_j)
                 continue
             kv = dkv = None  # the received keys are used up: free them before more buffers arrive
             self._collect(grads_in_flight, dk_own, dv_own)
@@ -375,8 +376,7 @@ class _Ring:
             grads_in_flight = self._post(step, _GRAD_TAG, sends, recvs, dk_own[0], dv_own[0], acc)
         self._collect(grads_in_flight, dk_own, dv_own)
         comm.finish(nxt[0])
-        return (torch.cat(dq, -2).to(q.dtype), torch.cat(dk_own, -2).to(k.dtype), torch.cat(dv_own, -2).to(v.dtype),
-                *dparams)
+        return dq_all.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), *dparams
 
     def _collect(self, in_flight, dk_own, dv_own) -> None:
         """Wait for dK/dV transfers and add what arrived to this rank's own gradients."""
