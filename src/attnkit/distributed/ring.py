@@ -365,6 +365,7 @@ class _Ring:
                 for n, g in enumerate(grads[3:]):
                     if g is not None:
                         dparams[n] = g if dparams[n] is None else dparams[n] + g
+                grads = None  # freed before the next rectangle's are made
             if step == 0:
                 continue
             kv = dkv = None  # the received keys are used up: free them before more buffers arrive
