@@ -23,10 +23,13 @@ import platform
 import statistics
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import attnkit
 from attnkit import masks
@@ -87,6 +90,47 @@ class PeakRSS:
     @property
     def rise_mb(self) -> float:
         return (self.peak - self.base) / 2**20
+
+
+class PeakTensors(TorchDispatchMode):
+    """Peak bytes of the tensors made inside the block and alive at once (exact, unlike
+    resident memory, which the allocator keeps after tensors are freed). Views and
+    in-place results count with the storage they share; inputs made before it, never."""
+
+    def __enter__(self):
+        self.refs: dict[int, int] = {}  # storage address -> live tensors on it
+        self.sizes: dict[int, int] = {}
+        self.outside: set[int] = set()
+        self.now = self.peak = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in self.outside or (key in given and key not in self.refs):
+                self.outside.add(key)  # a view or in-place result of a tensor from outside
+                continue
+            if key not in self.refs:
+                self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+                self.now += self.sizes[key]
+                self.peak = max(self.peak, self.now)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.now -= self.sizes.pop(key)
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak / 2**20
 
 
 def decode_rows(repeats: int) -> list[dict]:

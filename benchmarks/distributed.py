@@ -11,8 +11,10 @@ B=1, H=8, D=64, fp32, causal and document & causal masks (documents of random le
   1 thread each; time is the slowest rank's median.
 
 Forward and forward+backward times (medians over ``--repeats``), the per-rank peak
-memory rise during the call (RSS sampled every 2 ms, from a baseline holding the
-inputs), the bytes each rank sends (forward), and the work balance of zigzag against
+memory during the call: the bytes of tensors made by the call and alive at once
+(counted exactly in one more, untimed run; see ``core.PeakTensors``) and the rise of
+resident memory (sampled every 2 ms, from a baseline holding the inputs; the allocator
+keeps freed memory, so it is noisy), the bytes each rank sends (forward), and the work balance of zigzag against
 contiguous from :func:`attnkit.distributed.explain`. A second table gives the error of
 ring attention against the float64 reference by world size (1-4), fp32, L=1024.
 """
@@ -35,7 +37,7 @@ from attnkit import distributed as D
 from attnkit import masks
 from attnkit.distributed.local import run_local
 import core
-from core import PeakRSS
+from core import PeakRSS, PeakTensors
 
 RESULTS = Path(__file__).parent / "results"
 B, H, DH = 1, 8, 64
@@ -51,6 +53,7 @@ def inputs(length: int):
 
 
 def _timed(fn, repeats: int, backward: bool):
+    """(median ms, largest resident-memory rise in MB, peak MB of live tensors made in the call)."""
     times, peaks = [], []
     for _ in range(repeats + 1):  # the first run warms up
         with PeakRSS() as mem:
@@ -58,7 +61,9 @@ def _timed(fn, repeats: int, backward: bool):
             fn(backward)
             times.append(time.perf_counter() - start)
         peaks.append(mem.rise_mb)
-    return 1e3 * statistics.median(times[1:]), max(peaks[1:])
+    with PeakTensors() as live:  # one more run, untimed: the tracking costs time
+        fn(backward)
+    return 1e3 * statistics.median(times[1:]), max(peaks[1:]), live.peak_mb
 
 
 def single(rank, world, length, kind, repeats):
@@ -158,9 +163,11 @@ def main():
             plans = {lay: D.explain(mask, length, world_size=2, layout=lay) for lay in ("zigzag", "contiguous")}
             row = {"L": length, "mask": kind, **{k: v[0] for k, v in one.items()}}
             row.update({f"{k}_mem_mb": v[1] for k, v in one.items()})
+            row.update({f"{k}_tensors_mb": v[2] for k, v in one.items()})
             for name in ("ring_fwd", "ring_fwdbwd"):
                 row[name] = max(r[name][0] for r in two)
                 row[f"{name}_mem_mb"] = [r[name][1] for r in two]
+                row[f"{name}_tensors_mb"] = [r[name][2] for r in two]
             row["sent_mb"] = [plans["zigzag"].bytes_sent(r, B, H, DH) / 2**20 for r in range(2)]
             row["balance_zigzag"] = plans["zigzag"].balance
             row["balance_contiguous"] = plans["contiguous"].balance
@@ -182,14 +189,16 @@ def table(rows) -> str:
 
     lines = [
         "| L | mask | attnkit 1x2 fwd / fwd+bwd (ms) | SDPA 1x2 fwd / fwd+bwd | ring 2x1 fwd / fwd+bwd | ring / attnkit fwd+bwd "
-        "| peak MB 1 proc (fwd+bwd) | peak MB per rank (fwd+bwd) | MB sent per rank (fwd) | balance zigzag / contiguous |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| peak tensors MB 1 proc (fwd+bwd) | per rank | RSS rise MB 1 proc | per rank | MB sent per rank (fwd) "
+        "| balance zigzag / contiguous |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sdpa = f"{ms(r.get('sdpa_fwd'))} / {ms(r.get('sdpa_fwdbwd'))}" if "sdpa_fwd" in r else "does not fit"
         lines.append(
             f"| {r['L']} | {r['mask']} | {ms(r['attnkit_fwd'])} / {ms(r['attnkit_fwdbwd'])} | {sdpa} "
             f"| {ms(r['ring_fwd'])} / {ms(r['ring_fwdbwd'])} | {r['ring_fwdbwd'] / r['attnkit_fwdbwd']:.2f} "
+            f"| {r['attnkit_fwdbwd_tensors_mb']:.0f} | {' / '.join(f'{m:.0f}' for m in r['ring_fwdbwd_tensors_mb'])} "
             f"| {r['attnkit_fwdbwd_mem_mb']:.0f} | {' / '.join(f'{m:.0f}' for m in r['ring_fwdbwd_mem_mb'])} "
             f"| {' / '.join(f'{m:.1f}' for m in r['sent_mb'])} "
             f"| {r['balance_zigzag']:.2f} / {r['balance_contiguous']:.2f} |"
