@@ -273,6 +273,15 @@ def _command(args) -> str:
     return f"attnkit train {args.model} --steps {args.steps} --seed {args.seed} --batch-size {args.batch_size}"
 
 
+def _save_trained(args, model, record, path: Path, summary: str) -> int:
+    """Record the command with the weights, write them to ``path`` and print ``summary``."""
+    record["command"] = _command(args)
+    written = model.save(path, training=record)
+    print(summary)
+    print(f"wrote {written}")
+    return 0
+
+
 def train(args) -> int:
     if args.model == "captioner":
         return _train_captioner(args)
@@ -288,12 +297,9 @@ def train(args) -> int:
     _out_dir(args.out)
     _say(f"training DateTranslator: {args.steps} steps, seed {args.seed}, batch {args.batch_size}")
     model, record = train_translator(args.steps, seed=args.seed, batch_size=args.batch_size)
-    record["command"] = _command(args)
-    path = model.save(Path(args.out) / WEIGHTS, training=record)
-    print(f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
-          f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)")
-    print(f"wrote {path}")
-    return 0
+    return _save_trained(args, model, record, Path(args.out) / WEIGHTS,
+                         f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
+                         f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)")
 
 
 def _train_captioner(args) -> int:
@@ -303,13 +309,10 @@ def _train_captioner(args) -> int:
     out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training DigitCaptioner: {steps} steps, seed {args.seed}, batch {batch_size}")
     model, record = train_captioner(steps, seed=args.seed, batch_size=batch_size)
-    record["command"] = _command(args)
-    path = model.save(out / WEIGHTS, training=record)
-    print(f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
-          f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
-          f"({record['seconds']:.0f} s of training)")
-    print(f"wrote {path}")
-    return 0
+    return _save_trained(args, model, record, out / WEIGHTS,
+                         f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
+                         f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
+                         f"({record['seconds']:.0f} s of training)")
 
 
 def _train_speech(args) -> int:
@@ -320,15 +323,12 @@ def _train_speech(args) -> int:
     _say(f"training SpeechRecognizer: {steps} steps, seed {args.seed}, batch {batch_size}, on espeak-ng speech "
          "(accents en-us, en-gb; voices m1-m4, f1-f2)")
     model, record = train_speech(steps, seed=args.seed, batch_size=batch_size, log=_say)
-    record["command"] = _command(args)
     _say("scoring 100 utterances of held-out voices ...")
-    record["held_out_100"] = evaluate(model, dataset(100, TEST_VOICES, 10_000))
-    path = model.save(out / WEIGHTS, training=record)
-    h = record["held_out_100"]
-    print(f"held-out voices, 100 utterances: {h['exact']:.1%} exact, CER {h['cer']:.1%}, "
-          f"{h['monotonic']:.0%} monotonic alignments ({record['seconds']:.0f} s); benchmarks/speech.py scores 500")
-    print(f"wrote {path}")
-    return 0
+    h = record["held_out_100"] = evaluate(model, dataset(100, TEST_VOICES, 10_000))
+    return _save_trained(args, model, record, out / WEIGHTS,
+                         f"held-out voices, 100 utterances: {h['exact']:.1%} exact, CER {h['cer']:.1%}, "
+                         f"{h['monotonic']:.0%} monotonic alignments ({record['seconds']:.0f} s); "
+                         "benchmarks/speech.py scores 500")
 
 
 def _train_recall(args) -> int:
@@ -338,13 +338,10 @@ def _train_recall(args) -> int:
     out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training RecallLM: {steps} steps, seed {args.seed}, batch {batch_size}, texts of 64 growing to 1024 tokens")
     model, record = train_recall(steps, seed=args.seed, batch_size=batch_size, log=_say)
-    record["command"] = _command(args)
     record["accuracy_1024"] = accuracy(model, 1024, n=200, seed=1)
-    path = model.save(out / WEIGHTS, training=record)
-    print(f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
-          f"({record['seconds']:.0f} s of training); benchmarks/long_context.py measures 4k-32k")
-    print(f"wrote {path}")
-    return 0
+    return _save_trained(args, model, record, out / WEIGHTS,
+                         f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
+                         f"({record['seconds']:.0f} s of training); benchmarks/long_context.py measures 4k-32k")
 
 
 def _train_recommender(args) -> int:
@@ -354,12 +351,9 @@ def _train_recommender(args) -> int:
     out, epochs, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training SASRec on MovieLens-100K: {epochs} epochs, seed {args.seed}, batch {batch_size}")
     model, record = train_recommender(epochs, seed=args.seed, batch_size=batch_size, log=_say)
-    record["command"] = _command(args)
-    path = model.save(out / WEIGHTS, training=record)
-    print(f"test: HR@10 {record['test_HR@10']:.3f}, NDCG@10 {record['test_NDCG@10']:.3f} "
-          f"(best validation NDCG@10 {record['best_valid_NDCG@10']:.3f}, {record['seconds']:.0f} s)")
-    print(f"wrote {path}")
-    return 0
+    return _save_trained(args, model, record, out / WEIGHTS,
+                         f"test: HR@10 {record['test_HR@10']:.3f}, NDCG@10 {record['test_NDCG@10']:.3f} "
+                         f"(best validation NDCG@10 {record['best_valid_NDCG@10']:.3f}, {record['seconds']:.0f} s)")
 
 
 def recommend(args) -> int:

@@ -99,17 +99,17 @@ class _Group:
             return [t]
         out = [t if r == self.rank else torch.empty_like(t) for r in range(self.size)]
         failed: dict[int, Exception] = {}
-        pending = []
+        sends, recvs = [], []
         for r in range(self.size):
             if r == self.rank:
                 continue
-            for sends, recvs in (([(r, t, 0)], []), ([], [(r, out[r], 0)])):
+            for pending, transfer in ((sends, ([(r, t, 0)], [])), (recvs, ([], [(r, out[r], 0)]))):
                 try:
-                    pending += self.exchange(sends, recvs)
+                    pending += self.exchange(*transfer)
                 except RingError as e:
                     failed.setdefault(r, e)
         deadline = time.monotonic() + self.timeout
-        for work, peer, label in sorted(pending, key=lambda w: w[2].startswith("sending")):  # receives first
+        for work, peer, label in recvs + sends:  # receives first, in rank order
             # once a peer has failed, the others get a short grace to deliver, not the whole timeout
             left = deadline - time.monotonic() if not failed else min(_GRACE, deadline - time.monotonic())
             try:

@@ -41,8 +41,7 @@ from torch import nn
 from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models._weights import ShippedWeights
-from attnkit.models.translator import DecoderLayer, EncoderLayer
-from attnkit.nn import KVCache
+from attnkit.models.translator import DecoderLayer, EncoderLayer, greedy_decode
 
 __all__ = ["SpeechRecognizer", "Config", "TRAIN_VOICES", "TEST_VOICES", "say", "dataset", "read_wav", "train",
            "examples", "WEIGHTS"]
@@ -335,23 +334,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         return self._greedy(*self.encode(feats, lengths))
 
     def _greedy(self, memory, padding) -> torch.Tensor:
-        b = memory.shape[0]
-        memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        c = self.config
-        caches = KVCache.for_layers(len(self.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads,
-                                    device=memory.device, dtype=memory.dtype)
-        token = torch.full((b, 1), BOS, dtype=torch.long)
-        out, done = [], torch.zeros(b, dtype=torch.bool)
-        for step in range(c.max_target_len - 1):
-            y = self.embed(token) + self.target_pos.weight[step]
-            for layer, cache, kv in zip(self.decoder, caches, memory_kv):
-                y = layer(y, kv, padding, cache=cache)
-            token = self.head(self.decoder_norm(y))[:, 0].argmax(-1, keepdim=True)
-            out.append(token)
-            done |= token[:, 0] == EOS
-            if done.all():
-                break
-        return torch.cat(out, dim=1)
+        return greedy_decode(self, self.embed, memory, padding, bos=BOS, eos=EOS)[0]
 
     @torch.no_grad()
     def decode_ensemble(self, feats, lengths, warps=None) -> torch.Tensor:

@@ -85,6 +85,41 @@ class DecoderLayer(nn.Module):
         return y + self.ff(self.norm3(y))
 
 
+@torch.no_grad()
+def greedy_decode(model: nn.Module, embed: nn.Embedding, memory, padding, *, bos: int, eos: int):
+    """Greedy decoding with a KV cache per :class:`DecoderLayer` of ``model.decoder``.
+
+    ``model`` holds ``decoder``, ``target_pos``, ``decoder_norm``, ``head`` and a ``config``
+    with ``num_heads``, ``d_model`` and ``max_target_len``; ``embed`` embeds its target
+    tokens. Returns ``(tokens (B, T) after BOS, log_prob (B,))``: each sequence's summed
+    log-probability of its chosen tokens up to and including ``eos``.
+    """
+    b = memory.shape[0]
+    memory_kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]  # once per source
+    c = model.config
+    caches = KVCache.for_layers(
+        len(model.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads,
+        device=memory.device, dtype=memory.dtype,
+    )
+    token = torch.full((b, 1), bos, dtype=torch.long, device=memory.device)
+    out = []
+    done = torch.zeros(b, dtype=torch.bool, device=memory.device)
+    log_prob = torch.zeros(b, device=memory.device)
+    for step in range(c.max_target_len - 1):
+        y = embed(token) + model.target_pos.weight[step]
+        for layer, cache, kv in zip(model.decoder, caches, memory_kv):
+            y = layer(y, kv, padding, cache=cache)
+        logits = model.head(model.decoder_norm(y))[:, 0]  # (B, vocab)
+        token = logits.argmax(-1, keepdim=True)  # (B, 1)
+        chosen = torch.log_softmax(logits.float(), -1).gather(1, token)[:, 0]
+        log_prob += torch.where(done, 0.0, chosen)  # sequences already ended add nothing
+        out.append(token)
+        done |= token[:, 0] == eos
+        if done.all():
+            break
+    return torch.cat(out, dim=1), log_prob
+
+
 @dataclass(frozen=True)
 class DateAnswer:
     """One text's answer: ``iso`` (None when refused), ``confidence`` in [0, 1], ``reason``."""
@@ -179,31 +214,7 @@ class DateTranslator(ShippedWeights, nn.Module):
         With ``return_log_prob``, also each sequence's log-probability ``(B,)`` (the sum of
         its chosen tokens' log-probabilities up to and including EOS).
         """
-        b = source.shape[0]
-        memory, padding = self.encode(source, lengths)
-        memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]  # once per source
-        c = self.config
-        caches = KVCache.for_layers(
-            len(self.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads,
-            device=memory.device, dtype=memory.dtype,
-        )
-        token = torch.full((b, 1), BOS, dtype=torch.long, device=memory.device)
-        out = []
-        done = torch.zeros(b, dtype=torch.bool, device=memory.device)
-        log_prob = torch.zeros(b, device=memory.device)
-        for step in range(c.max_target_len - 1):
-            y = self.target_embed(token) + self.target_pos.weight[step]
-            for layer, cache, kv in zip(self.decoder, caches, memory_kv):
-                y = layer(y, kv, padding, cache=cache)
-            logits = self.head(self.decoder_norm(y))[:, 0]  # (B, vocab)
-            token = logits.argmax(-1, keepdim=True)  # (B, 1)
-            chosen = torch.log_softmax(logits.float(), -1).gather(1, token)[:, 0]
-            log_prob += torch.where(done, 0.0, chosen)  # sequences already ended add nothing
-            out.append(token)
-            done |= token[:, 0] == EOS
-            if done.all():
-                break
-        tokens = torch.cat(out, dim=1)
+        tokens, log_prob = greedy_decode(self, self.target_embed, *self.encode(source, lengths), bos=BOS, eos=EOS)
         return (tokens, log_prob) if return_log_prob else tokens
 
     def answers(self, texts: list[str], batch_size: int = 256) -> list[DateAnswer]:
