@@ -80,6 +80,34 @@ if AVAILABLE:
         return tl.where(keep, s, float("-inf")), keep
 
     @triton.jit
+    def _limit_and_slope(LIMIT, SLOPES, mb, h, LK, HAS_LIMIT: tl.constexpr, ALIBI: tl.constexpr):
+        """The row's key limit (padding) and its head's ALiBi slope."""
+        limit = LK
+        if HAS_LIMIT:
+            limit = tl.load(LIMIT + mb)
+        slope = 0.0
+        if ALIBI != 0:
+            slope = tl.load(SLOPES + h)
+        return limit, slope
+
+    @triton.jit
+    def _kv_tile(K, V, KV_IDX, TILE_IDS, at, b, hk, limit, skb, skh, skl, svb, svh, svl, offs_d, offs_dv, D, DV,
+                 BK: tl.constexpr, UPCAST: tl.constexpr):
+        """The listed key block at ``at``: its bit-tile id, key offsets, which keys exist, K and V."""
+        kb = tl.load(KV_IDX + at)
+        tile_id = tl.load(TILE_IDS + at)
+        offs_n = kb * BK + tl.arange(0, BK)
+        col_ok = offs_n < limit
+        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skl + offs_d[None, :],
+                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svl + offs_dv[None, :],
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        return tile_id, offs_n, col_ok, k, v
+
+    @triton.jit
     def _forward_kernel(
         Q, K, V, O, LSE, KV_NUM, KV_IDX, TILE_IDS, TILES, LIMIT, SLOPES,
         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
@@ -104,27 +132,14 @@ if AVAILABLE:
                     mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        limit = LK
-        if HAS_LIMIT:
-            limit = tl.load(LIMIT + mb)
-        slope = 0.0
-        if ALIBI != 0:
-            slope = tl.load(SLOPES + h)
+        limit, slope = _limit_and_slope(LIMIT, SLOPES, mb, h, LK, HAS_LIMIT, ALIBI)
         m_i = tl.full([BQ], float("-inf"), tl.float32)
         l_i = tl.zeros([BQ], tl.float32)
         acc = tl.zeros([BQ, BDV], tl.float32)
         n = tl.load(KV_NUM + mb * s_nb + mh * s_nh + qb * s_nq)
         for t in range(0, n):
-            kb = tl.load(KV_IDX + mb * s_ib + mh * s_ih + qb * s_iq + t)
-            tile_id = tl.load(TILE_IDS + mb * s_ib + mh * s_ih + qb * s_iq + t)
-            offs_n = kb * BK + tl.arange(0, BK)
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skl + offs_d[None, :],
-                        mask=(offs_n[:, None] < limit) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svl + offs_dv[None, :],
-                        mask=(offs_n[:, None] < limit) & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            tile_id, offs_n, _, k, v = _kv_tile(K, V, KV_IDX, TILE_IDS, mb * s_ib + mh * s_ih + qb * s_iq + t, b, hk,
+                                                limit, skb, skh, skl, svb, svh, svl, offs_d, offs_dv, D, DV, BK, UPCAST)
             s, keep = _scores(q, k, offs_m, offs_n, b, h, scale, softcap, slope, q_shift, kv_shift, lo_band,
                               hi_band, limit, TILES, tile_id, LQ, LK, BQ, BK, SOFTCAP, ALIBI, BAND, FP32)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -176,26 +191,13 @@ if AVAILABLE:
         lse = tl.load(LSE + bh * LQ + offs_m, mask=row_ok, other=float("-inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: every p is 0
         delta = tl.load(DELTA + bh * LQ + offs_m, mask=row_ok, other=0.0)
-        limit = LK
-        if HAS_LIMIT:
-            limit = tl.load(LIMIT + mb)
-        slope = 0.0
-        if ALIBI != 0:
-            slope = tl.load(SLOPES + h)
+        limit, slope = _limit_and_slope(LIMIT, SLOPES, mb, h, LK, HAS_LIMIT, ALIBI)
         dq = tl.zeros([BQ, BD], tl.float32)
         n = tl.load(KV_NUM + mb * s_nb + mh * s_nh + qb * s_nq)
         for t in range(0, n):
-            kb = tl.load(KV_IDX + mb * s_ib + mh * s_ih + qb * s_iq + t)
-            tile_id = tl.load(TILE_IDS + mb * s_ib + mh * s_ih + qb * s_iq + t)
-            offs_n = kb * BK + tl.arange(0, BK)
-            col_ok = offs_n < limit
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skl + offs_d[None, :],
-                        mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svl + offs_dv[None, :],
-                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            tile_id, offs_n, col_ok, k, v = _kv_tile(K, V, KV_IDX, TILE_IDS, mb * s_ib + mh * s_ih + qb * s_iq + t, b,
+                                                     hk, limit, skb, skh, skl, svb, svh, svl, offs_d, offs_dv, D, DV,
+                                                     BK, UPCAST)
             s, keep = _scores(q, k, offs_m, offs_n, b, h, scale, softcap, slope, q_shift, kv_shift, lo_band,
                               hi_band, limit, TILES, tile_id, LQ, LK, BQ, BK, SOFTCAP, ALIBI, BAND, FP32)
             p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
