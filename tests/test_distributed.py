@@ -16,6 +16,7 @@ import attnkit
 from attnkit import bias, masks
 from attnkit import distributed as D
 from attnkit.distributed.local import RankFailure, run_local
+from attnkit.nn import RotaryEmbedding
 
 # --- the cases: built identically on every rank and in the test process ----------------------
 
@@ -101,6 +102,12 @@ def _worker(rank, world, names, layouts):
     x = torch.randn(2, 27, 16, generator=torch.Generator().manual_seed(9))
     y, _ = ring(D.shard(x, 1)[0], mask=masks.causal())
     results["module"] = D.unshard(y.detach(), 1)
+    # with a rotary embedding, at each token's global position (worked out, or from shard)
+    torch.manual_seed(0)
+    ring = D.RingMultiHeadAttention(16, 4, num_kv_heads=2, rotary=RotaryEmbedding(4))
+    part, pos = D.shard(x, 1)
+    results["rotary"] = D.unshard(ring(part, mask=masks.causal())[0].detach(), 1)
+    results["rotary_positions"] = D.unshard(ring(part, mask=masks.causal(), positions=pos)[0].detach(), 1)
     return results
 
 
@@ -140,6 +147,11 @@ def test_ring_equals_single_process(world, expected):
     x = torch.randn(2, 27, 16, generator=torch.Generator().manual_seed(9))
     y, _ = mha(x, mask=masks.causal())
     torch.testing.assert_close(results[0]["module"], y.detach(), atol=1e-5, rtol=1e-5)
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, rotary=RotaryEmbedding(4))
+    y, _ = mha(x, mask=masks.causal())
+    for key in ("rotary", "rotary_positions"):  # F6: the ring layer used to ignore its rotary embedding
+        torch.testing.assert_close(results[0][key], y.detach(), atol=1e-5, rtol=1e-5)
 
 
 # --- faults -------------------------------------------------------------------------------------

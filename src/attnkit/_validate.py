@@ -8,6 +8,7 @@ so callers can catch either the library's family or the builtin type.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from numbers import Real
 
@@ -208,6 +209,15 @@ def check_int_tensor(t, name: str, ndims: tuple[int, ...]) -> torch.Tensor:
             f"{name} must have {want} dimension(s), but got shape {tuple(t.shape)}."
         )
     return t
+
+
+def check_positive_int(x, name: str) -> int:
+    """Check a count argument (``batch_size``, ``k``, ...) is an int >= 1 (NumPy integers accepted)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise AttnkitTypeError(f"{name} must be an int >= 1, but got {short(x)}.")
+    if x < 1:
+        raise AttnkitValueError(f"{name} must be >= 1, but got {name}={int(x)}.")
+    return int(x)
 
 
 def check_nonnegative_int(x, name: str) -> int:

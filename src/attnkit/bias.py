@@ -34,7 +34,7 @@ import torch
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_nonnegative_int, short
 from attnkit.masks import _check_align, _check_offset, _fmt, _shifted, _span
 
-__all__ = ["Bias", "alibi", "alibi_slopes", "dense", "from_fn", "relative"]
+__all__ = ["Bias", "alibi", "alibi_slopes", "cached", "dense", "from_fn", "relative"]
 
 
 class Bias:
@@ -63,6 +63,10 @@ class Bias:
     def describe(self) -> str:
         """A short name for :func:`attnkit.explain`."""
         return type(self).__name__.lower()
+
+    def _in_cache(self, start: torch.Tensor) -> Bias:
+        """This bias for queries at key positions ``start[b] + i`` (see :func:`cached`)."""
+        return self
 
     def _add_grad(self, grads: dict, dtile: torch.Tensor, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> None:
         """Add this tile's contribution ``d loss / d params`` to ``grads`` (keyed by id)."""
@@ -142,6 +146,9 @@ class _Sum(Bias):
     def _part(self, *where):
         return _Sum(part._part(*where) for part in self.parts)
 
+    def _in_cache(self, start):
+        return _Sum(part._in_cache(start) for part in self.parts)
+
     def _add_grad(self, grads, dtile, *index):
         for part in self.parts:
             part._add_grad(grads, dtile, *index)
@@ -179,6 +186,14 @@ class _Positional(Bias):
         other.align = "top_left"
         other.q_offset = _shifted(self.q_offset, shift)
         other.kv_offset = _shifted(self.kv_offset, kv_start)
+        return other
+
+    def _in_cache(self, start):
+        if self.align != "bottom_right":
+            return self  # top-left positions are the ones the offsets give
+        other = copy.copy(self)
+        other.align = "top_left"
+        other.q_offset = self.q_offset + start  # (B,): each sequence's own end
         return other
 
     def _by_distance(self, distance: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -409,6 +424,11 @@ class _FromFn(_Positional):
             )
         return out
 
+    def _in_cache(self, start):
+        other = copy.copy(self)
+        other.q_offset = self.q_offset + start  # q_idx is each query's position in its sequence
+        return other
+
     def describe(self):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
 
@@ -489,6 +509,24 @@ class _Dense(Bias):
 
     def describe(self):
         return f"dense{tuple(self.tensor.shape)}"
+
+
+def cached(bias: Bias, start) -> Bias:
+    """``bias`` for queries stored in a KV cache after ``start[b]`` entries of sequence b.
+
+    Query i of sequence b sits at key position ``start[b] + i``, as in
+    :func:`attnkit.masks.cached`: bottom-right aligned biases (ALiBi, relative) measure
+    distances from each sequence's own end, and :func:`from_fn` sees ``start[b] + i`` as
+    the query's index; top-left aligned biases keep the positions their offsets give, and
+    a dense bias is for the call's ``(Lq, Lk)`` as given. ``start: (B,)`` integers.
+    :class:`attnkit.nn.KVCache` (``cache.bias(b)``) and
+    :class:`~attnkit.MultiHeadAttention` with ``cache=`` apply it for you.
+    """
+    if not isinstance(bias, Bias):
+        raise AttnkitTypeError(f"cached() takes an attnkit.bias object, but got {type(bias).__name__}.")
+    from attnkit._validate import check_int_tensor
+
+    return bias._in_cache(check_int_tensor(start, "start", (1,)).detach().clone())
 
 
 def dense(tensor: torch.Tensor) -> Bias:

@@ -105,6 +105,14 @@ def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
         if isinstance(softcap, bool) or not isinstance(softcap, Real) or not math.isfinite(softcap) or softcap <= 0:
             raise AttnkitValueError(f"softcap must be a positive finite number (e.g. 50.0) or None, but got {short(softcap)}.")
         softcap = float(softcap)
+        # scores are soft-capped in float32 (float64 for float64 inputs): softcap and 1/softcap must be finite there
+        info = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        if not info.tiny <= softcap <= info.max:
+            raise AttnkitValueError(
+                f"softcap={softcap:g} cannot be represented in {q.dtype} attention (scores are capped in "
+                f"{info.dtype}, whose range is {info.tiny:g} to {info.max:g}); use a softcap in that range, "
+                "e.g. 50.0, or None."
+            )
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
             raise AttnkitTypeError(

@@ -87,8 +87,17 @@ def _check_align(align: str) -> str:
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of a tensor a mask is built from (masks are values)."""
-    return t.detach().clone()
+    """A private copy of a tensor a mask is built from (masks are values).
+
+    Broadcast dimensions (stride 0, as ``expand`` makes them) stay broadcast: the copy
+    holds the distinct elements only, so ``dense(t.expand(B, H, L, L))`` costs ``L x L``.
+    """
+    t = t.detach()
+    compact = t
+    for dim in range(t.dim()):
+        if t.stride(dim) == 0 and t.shape[dim] > 1:
+            compact = compact.narrow(dim, 0, 1)
+    return compact.clone().expand(t.shape)
 
 
 def _check_offset(x, name: str):
@@ -105,6 +114,18 @@ def _per_seq(x, device, ndim: int = 4):
     if isinstance(x, torch.Tensor):
         return x.to(device).view(-1, *([1] * (ndim - 1)))
     return x
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Positions ``(..., L)`` with per-sequence leading dims as ``(B or 1, L)``."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _indexed_positions(q_offset, kv_offset, q_len: int, kv_len: int, device):
+    """``(q_idx + q_offset, kv_idx + kv_offset)`` as ``(B or 1, L)``: masks whose indices are positions."""
+    q = torch.arange(q_len, device=device)[None, :] + _per_seq(q_offset, device, 2)
+    k = torch.arange(kv_len, device=device)[None, :] + _per_seq(kv_offset, device, 2)
+    return q, k
 
 
 def _batch_of(*values) -> int | None:
@@ -138,6 +159,13 @@ class _Positional:
 
     def _k_pos(self, kv_idx):
         return kv_idx + _per_seq(self.kv_offset, kv_idx.device)
+
+    def positions(self, q_len, kv_len, device=None):
+        if device is None:
+            device = self._device()
+        q_pos = self._q_pos(torch.arange(q_len, device=device)[None, :], q_len, kv_len)  # (B or 1, Lq)
+        k_pos = self._k_pos(torch.arange(kv_len, device=device)[None, :])  # (B or 1, Lk)
+        return _rows(q_pos), _rows(k_pos)
 
     def _position_repr(self) -> str:
         extra = f"align={self.align!r}"
@@ -270,6 +298,29 @@ class Mask:
     def _key(self):
         """A hashable value that determines the mask, or None if it holds tensors."""
         return None
+
+    def positions(self, q_len: int, kv_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Key-axis positions of the queries and keys: ``(q_pos (B or 1, Lq), k_pos (B or 1, Lk))``.
+
+        Query i sits at ``q_pos[b, i]`` and key j at ``k_pos[b, j]`` on one axis (the
+        positions the mask's formula compares; what ``mean_distance`` in
+        :func:`attnkit.inspect.attention_stats` measures). None for masks that do not
+        place queries (padding, dense masks): the caller then uses bottom-right
+        alignment, ``q_pos = i + Lk - Lq``.
+
+        >>> causal().positions(2, 4)
+        (tensor([[2, 3]]), tensor([[0, 1, 2, 3]]))
+        """
+        return None
+
+    def _in_cache(self, start: torch.Tensor) -> Mask:
+        """This mask for queries that sit at key positions ``start[b] + i`` (a KV cache).
+
+        Positional masks align through the per-sequence key length :class:`_Cached` gives
+        them; masks whose indices *are* positions (``from_fn``, documents) move their
+        query offsets by ``start`` here. Dense masks are for the call's shape as given.
+        """
+        return self
 
     def _kv_limit(self):
         """``(B or 1,)`` tensor: keys from ``limit[b]`` on are hidden for every query of b.
@@ -519,6 +570,15 @@ class _Document(Mask):
         other.is_part = True
         return other
 
+    def positions(self, q_len, kv_len, device=None):
+        return _indexed_positions(self.q_offset, self.kv_offset, q_len, kv_len, device or self.ids.device)
+
+    def _in_cache(self, start):
+        other = self._part(0, 0, 0, 0, 0, 0)
+        other.q_offset = self.q_offset + start  # (B,): query i of sequence b is token start[b] + i
+        other.batch_size = _batch_of(self.ids, other.q_offset, self.kv_offset)
+        return other
+
     def _ids_at(self, offset, idx: torch.Tensor) -> torch.Tensor:
         """ids of positions ``idx + offset``: ``(B or 1, n)``."""
         ids = self.ids.to(idx.device)
@@ -625,7 +685,7 @@ class _Dense(Mask):
             )
         while tensor.dim() < 2:
             tensor = tensor[None]
-        self.tensor = _as4d(tensor)  # (B or 1, H or 1, Lq or 1, Lk or 1), a view: not copied
+        self.tensor = _as4d(_own(tensor))  # (B or 1, H or 1, Lq or 1, Lk or 1), a copy: masks are values
         self.batch_size = self.tensor.shape[0] if self.tensor.shape[0] != 1 else None
 
     def _held(self):
@@ -697,6 +757,14 @@ class _FromFn(Mask):
         other = copy.copy(self)
         other.q_offset = _shifted(self.q_offset, q_start)
         other.kv_offset = _shifted(self.kv_offset, kv_start)
+        return other
+
+    def positions(self, q_len, kv_len, device=None):
+        return _indexed_positions(self.q_offset, self.kv_offset, q_len, kv_len, device or self._device())
+
+    def _in_cache(self, start):
+        other = copy.copy(self)
+        other.q_offset = self.q_offset + start  # (B,): q_idx is each query's position in its sequence
         return other
 
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
@@ -785,6 +853,13 @@ class _Combine(Mask):
     def _part(self, *where):
         return _Combine(self.op, self.left._part(*where), self.right._part(*where))
 
+    def _in_cache(self, start):
+        return _Combine(self.op, self.left._in_cache(start), self.right._in_cache(start))
+
+    def positions(self, q_len, kv_len, device=None):
+        found = self.left.positions(q_len, kv_len, device)
+        return found if found is not None else self.right.positions(q_len, kv_len, device)
+
     def _elements(self, q_idx, kv_idx, q_len, kv_len):
         a = _as4d(self.left._elements(q_idx, kv_idx, q_len, kv_len))
         b = _as4d(self.right._elements(q_idx, kv_idx, q_len, kv_len))
@@ -804,7 +879,6 @@ class _Combine(Mask):
 
 class _Cached(Mask):
     def __init__(self, mask, start, lengths):
-        self.mask = None if mask is None else as_mask(mask)
         self.start = _own(check_int_tensor(start, "start", (1,)))
         self.lengths = _own(check_int_tensor(lengths, "lengths", (1,)))
         if self.start.shape != self.lengths.shape:
@@ -812,6 +886,7 @@ class _Cached(Mask):
                 f"start and lengths must have one entry per sequence, but got shapes "
                 f"{tuple(self.start.shape)} and {tuple(self.lengths.shape)}."
             )
+        self.mask = None if mask is None else as_mask(mask)._in_cache(self.start)
         self.batch_size = self.start.shape[0]
 
     def _held(self):
@@ -828,6 +903,11 @@ class _Cached(Mask):
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
         if longest > kv_len:
             raise AttnkitValueError(f"cached mask has a sequence of length {longest} but only Lk={kv_len} keys.")
+
+    def positions(self, q_len, kv_len, device=None):
+        device = device or self.start.device
+        q = self.start.to(device)[:, None] + torch.arange(q_len, device=device)  # (B, Lq): after each fill
+        return q, torch.arange(kv_len, device=device)[None, :]
 
     def _ends(self, q_len, device):
         """Where each sequence's queries end, ``(B, 1, 1, 1)``."""
@@ -856,10 +936,12 @@ def cached(mask, start, lengths) -> Mask:
     """``mask`` for sequences stored left-aligned in a KV cache of varying fill.
 
     Query i of sequence b sits at key position ``start[b] + i`` (so a bottom-right
-    aligned mask is aligned with each sequence's own end) and keys ``j >= lengths[b]``
-    are empty slots. :class:`attnkit.nn.KVCache` builds this for you. The inner mask
-    keeps its block structure (a causal prefill into a cache skips the blocks above
-    the diagonal).
+    aligned mask is aligned with each sequence's own end, and ``from_fn`` and document
+    masks see ``start[b] + i`` as the query's index) and keys ``j >= lengths[b]`` are
+    empty slots; top-left aligned masks keep the positions their offsets give, and a
+    dense mask is for the call's ``(Lq, Lk)`` as given. :class:`attnkit.nn.KVCache`
+    builds this for you. The inner mask keeps its block structure (a causal prefill
+    into a cache skips the blocks above the diagonal).
 
     >>> print(cached(causal(), start=torch.tensor([1, 3]), lengths=torch.tensor([3, 5])).picture(2, 5, batch=0))
     1 1 0 0 0
@@ -955,7 +1037,9 @@ def dense(tensor: torch.Tensor) -> Mask:
 
     As for ``scaled_dot_product_attention``'s ``attn_mask``: ``(Lq, Lk)`` is the same
     for every sequence and head, ``(H, Lq, Lk)`` is per head, ``(B, 1, Lq, Lk)`` per
-    sequence; sizes of 1 broadcast. The tensor is used as given, not copied.
+    sequence; sizes of 1 broadcast. The mask holds a copy of the tensor (masks are
+    values: editing the tensor afterwards does not change the mask); broadcast
+    dimensions of an ``expand``-ed tensor are not materialised.
 
     >>> import torch
     >>> m = dense(torch.tensor([[True, False], [True, True]])) & causal()

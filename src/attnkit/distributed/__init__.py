@@ -183,8 +183,9 @@ class RingMultiHeadAttention(MultiHeadAttention):
     The same parameters and state dict as ``MultiHeadAttention`` (load one into the
     other); ``forward`` takes this rank's part of the sequence, ``(B, L_local, E)``, cut
     with :func:`shard` under ``layout``, and the mask/bias of the whole sequence. Call it
-    on every rank. No KV cache or ``need_weights`` (use the unsplit module to decode or
-    to look at weights).
+    on every rank. A ``rotary`` embedding is applied at each token's global position
+    (``positions=`` from :func:`shard`, or worked out from the layout). No KV cache or
+    ``need_weights`` (use the unsplit module to decode or to look at weights).
 
     >>> import torch
     >>> from attnkit import masks
@@ -201,8 +202,26 @@ class RingMultiHeadAttention(MultiHeadAttention):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layout={self.layout!r}"
 
+    def local_positions(self, local_length: int, device=None) -> torch.Tensor:
+        """The global positions ``(L_local,)`` of this rank's part of a sequence split under
+        ``layout`` (what :func:`shard` returns; the rotary embedding's positions).
+
+        A collective when the group has several ranks (it gathers the parts' lengths): pass
+        ``positions=`` to :meth:`forward`, from :func:`shard`, to skip it.
+        """
+        comm = _Group(self.group, self.timeout)
+        lengths = comm.all_gather(torch.tensor([local_length]), "gathering the parts' lengths for the positions")
+        total = sum(int(n) for n in lengths)
+        local = _layout.positions(total, comm.size, comm.rank, self.layout)
+        if local.numel() != local_length:
+            raise AttnkitValueError(
+                f"this rank holds {local_length} positions, but a sequence of {total} split {self.layout!r} over "
+                f"{comm.size} ranks gives it {local.numel()}: cut the sequence with attnkit.distributed.shard."
+            )
+        return local.to(device)
+
     def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *, attn_bias=None,
-                **unsupported):
+                positions=None, **unsupported):
         if need_weights or unsupported:
             what = "need_weights=True" if need_weights else ", ".join(f"{k}=" for k in unsupported)
             raise AttnkitValueError(
@@ -214,8 +233,14 @@ class RingMultiHeadAttention(MultiHeadAttention):
         if isinstance(query, torch.Tensor) and query.dim() != 3:
             raise AttnkitValueError(f"query must have shape (B, L_local, {self.d_model}), but got {tuple(query.shape)}.")
         q, k, v = self.project(query, key, value)
-        for hook in self._attention_hooks.values():
-            hook(self, q, k, v, mask)
+        if self.rotary is not None:
+            if key is not None and key is not query:
+                raise AttnkitValueError("rotary embeddings are for self-attention: call forward(x) without key/value.")
+            if positions is None:
+                positions = self.local_positions(q.shape[-2], q.device)
+            q, k = self._rotate(q, positions), self._rotate(k, positions)
+        mods = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=0.0)
+        self._run_attention_hooks(q, k, v, mask, mods)
         out = ring_attention(q, k, v, mask, group=self.group, layout=self.layout, attn_bias=attn_bias,
                              softcap=self.softcap, sinks=self.sinks, timeout=self.timeout)
         return self.out_proj(self.merge_heads(out)), None

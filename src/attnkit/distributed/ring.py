@@ -501,7 +501,7 @@ def ring_attention(q, k, v, mask=None, *, group=None, layout: str = "zigzag", sc
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],):
             raise AttnkitValueError(f"sinks must be a float tensor of shape (Hq,) = ({q.shape[1]},), but got {short(sinks)}.")
-        out, lse, _ = add_sinks(out, lse, sinks)
+        out, lse = add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -83,8 +83,10 @@ class Capture:
         self.names.append(name)
 
     def _hook(self, name: str):
-        def hook(module, q, k, v, mask):
-            mods = {"softcap": module.softcap, "sinks": None if module.sinks is None else module.sinks.detach()}
+        def hook(module, q, k, v, mask, kwargs):
+            mods = {key: kwargs.get(key) for key in ("attn_bias", "softcap", "sinks")}
+            if mods["sinks"] is not None:
+                mods["sinks"] = mods["sinks"].detach()
             self._record(name, q, k, v, mask, mods)
 
         return hook
@@ -102,7 +104,7 @@ class Capture:
             self._handles.append(register_attention_hook(self._hf_hook))
             return self
         for name, layer in self.layers:
-            self._handles.append(layer.register_attention_hook(self._hook(name or type(layer).__name__)))
+            self._handles.append(layer.register_attention_hook(self._hook(name or type(layer).__name__), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from attnkit import masks as _masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.functional import _call
 from attnkit.kernels import registry as _registry
@@ -38,7 +37,8 @@ class AttentionStats:
     - ``max_weight`` and ``argmax``: the largest weight and its key (``-1`` for a fully
       masked row);
     - ``sink_mass``: weight on the first ``sink_tokens`` keys;
-    - ``mean_distance``: ``sum_j w_ij |p(i) - j|`` with the mask's query positions ``p``;
+    - ``mean_distance``: ``sum_j w_ij |p(i) - k(j)|`` with the mask's positions
+      (:meth:`attnkit.masks.Mask.positions`: each sequence's own inside a KV cache);
     - ``received (B, H, Lk)``: each key's total weight over all queries;
     - ``topk_keys`` / ``topk_weights (B, H, Lq, topk)``: the largest weights of each row,
       largest first (keys ``-1`` / weights 0 where a row has fewer allowed keys); None
@@ -89,20 +89,12 @@ class AttentionStats:
 
 
 def _positions(mask, q_len: int, kv_len: int, device, dtype):
-    """Key-axis positions of the queries and keys (the first positional mask's, else bottom-right)."""
-    found = None
-    stack = [mask]
-    while stack and found is None:
-        m = stack.pop(0)
-        if isinstance(m, _masks._Positional):
-            found = m
-        elif isinstance(m, _masks._Combine):
-            stack += [m.left, m.right]
-    q_idx = torch.arange(q_len, device=device)
-    kv_idx = torch.arange(kv_len, device=device)
-    if found is None or any(isinstance(x, torch.Tensor) for x in (found.q_offset, found.kv_offset)):
-        return (q_idx + (kv_len - q_len)).to(dtype), kv_idx.to(dtype)
-    return found._q_pos(q_idx, q_len, kv_len).to(dtype), found._k_pos(kv_idx).to(dtype)
+    """Key-axis positions ``(B or 1, Lq)`` and ``(B or 1, Lk)`` of the queries and keys
+    (:meth:`attnkit.masks.Mask.positions`; bottom-right alignment for masks without any)."""
+    found = None if mask is None else mask.positions(q_len, kv_len, device)
+    if found is None:
+        found = (torch.arange(q_len, device=device)[None] + (kv_len - q_len), torch.arange(kv_len, device=device)[None])
+    return found[0].to(device, dtype), found[1].to(device, dtype)
 
 
 class _Accumulator:
@@ -133,14 +125,20 @@ class _Accumulator:
         self.argmax[..., rows] = torch.where(better, where + k0, self.argmax[..., rows])
         if k0 < self.sink_tokens:
             self.sink_mass[..., rows] += w[..., : self.sink_tokens - k0].sum(-1)
-        # sum_j w |p - j|: one matrix product where the tile lies on one side of every query
-        p, j = self.qpos[rows], self.kpos[k0:k1]
-        if j[-1] <= p[0] or j[0] >= p[-1]:
-            sums = w @ torch.stack([torch.ones_like(j), j], dim=-1)  # (Bs, Hs, n, 2): sum_j w, sum_j w j
-            signed = p * sums[..., 0] - sums[..., 1]
-            self.mean_distance[..., rows] += signed if j[-1] <= p[0] else -signed
+        # sum_j w |p - j| with positions (Bp, n) and (Bj, S), Bp and Bj 1 or the group's rows:
+        # one matrix product where the tile lies on one side of every query
+        p, j = self.qpos[:, rows], self.kpos[:, k0:k1]
+        before, after = bool(j.amax() <= p.amin()), bool(j.amin() >= p.amax())
+        if before or after:
+            ones_j = torch.stack([torch.ones_like(j), j], dim=-1)[:, None]  # (Bj, 1, S, 2)
+            sums = w @ ones_j  # (Bs, Hs, n, 2): sum_j w, sum_j w j
+            signed = p[:, None] * sums[..., 0] - sums[..., 1]
+            self.mean_distance[..., rows] += signed if before else -signed
+        elif p.shape[0] == 1 and j.shape[0] == 1:
+            self.mean_distance[..., rows] += torch.einsum("bhij,ij->bhi", w, (p[0, :, None] - j[0, None, :]).abs())
         else:
-            self.mean_distance[..., rows] += torch.einsum("bhij,ij->bhi", w, (p[:, None] - j[None, :]).abs())
+            distance = (p[:, :, None] - j[:, None, :]).abs()[:, None]  # (B, 1, n, S)
+            self.mean_distance[..., rows] += (w * distance).sum(-1)
         self.received[..., k0:k1] += w.sum(-2)
         if self.topk:
             vals, idx = _row_topk(w, self.topk)
@@ -262,7 +260,8 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
             sel = _tiled._select(group, prepared, b, hq, hkv, q.device, call.bias)
             qg, kg, vg = _tiled._group_inputs(sel, q, k, v)
             lse_g = _tiled._take(_tiled._take(lse, 0, sel.batch), 1, sel.q_heads)
-            acc = _Accumulator(lse_g, lk, sink_tokens, topk, qpos, kpos)
+            qpos_g, kpos_g = (pos if pos.shape[0] == 1 else _tiled._take(pos, 0, sel.batch) for pos in (qpos, kpos))
+            acc = _Accumulator(lse_g, lk, sink_tokens, topk, qpos_g, kpos_g)
             _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, acc)
             for name in out:
                 _tiled._put_rows(out[name], sel, getattr(acc, name))
@@ -286,10 +285,10 @@ def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:
                 chunk = Run(k0, min(k0 + STATS_KEYS, run.k1), run.full)
                 qf, kr, _, tile = _tiled._run_inputs(tcall, gi, sel, q, k, v, row, chunk)
                 bias_tile = _tiled._bias_tile(tcall, sel, row, chunk, hq, hkv)
-                s, _ = _tiled._math_scores(tcall, qf, kr, None, bias_tile)  # (Bs, Hkv, g*n, S)
-                d = s.sub_(lf).clamp_(min=_tiled._EXP_FLOOR, max=0.0)  # log-weights (<= 0 up to rounding)
-                w = torch.exp(d)
-                if tile is not None:
-                    w = w.mul_(tile.keep)
+                s, _ = _tiled._math_scores(tcall, qf, kr, tile, bias_tile)  # (Bs, Hkv, g*n, S), -inf where hidden
+                d = s.sub_(lf)  # log-weights (<= 0 up to rounding), -inf for pairs that get no weight
+                counted = d > _tiled._EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
+                d = d.clamp_(min=_tiled._EXP_FLOOR, max=0.0)
+                w = torch.exp(d).mul_(counted)
                 acc.add(_tiled._unfold(w, hq), _tiled._unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
 

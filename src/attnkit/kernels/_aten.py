@@ -15,19 +15,27 @@ AVAILABLE = hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu") and has
 )
 
 
+def rows_contiguous(t):
+    """``t`` with a unit stride in its last dimension: the private kernels read each row as
+    contiguous memory and give garbage for ``x[..., ::2]`` or a transposed ``(B, H, D, L)``."""
+    return t if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def flash_forward(q, k, v, *, attn_mask=None, scale: float, is_causal: bool = False):
     """``(out (B, H, L, Dv), lse (B, H, L) float32)`` of PyTorch's CPU flash kernel.
 
     q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, D); ``attn_mask`` additive
-    (0 / -inf) in q's dtype, broadcastable to (B, H, Lq, Lk).
+    (0 / -inf) in q's dtype, broadcastable to (B, H, Lq, Lk). Any strides.
     """
+    q, k, v, attn_mask = (rows_contiguous(t) for t in (q, k, v, attn_mask))
     return _ops._scaled_dot_product_flash_attention_for_cpu(
         query=q, key=k, value=v, dropout_p=0.0, is_causal=is_causal, attn_mask=attn_mask, scale=scale
     )
 
 
 def flash_backward(grad_out, q, k, v, out, lse, *, attn_mask=None, scale: float, is_causal: bool = False):
-    """``(dq, dk, dv)`` of :func:`flash_forward`, recomputed from its saved ``lse``."""
+    """``(dq, dk, dv)`` of :func:`flash_forward`, recomputed from its saved ``lse``. Any strides."""
+    grad_out, q, k, v, out, attn_mask = (rows_contiguous(t) for t in (grad_out, q, k, v, out, attn_mask))
     return _ops._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out=grad_out, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
         is_causal=is_causal, attn_mask=attn_mask, scale=scale,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.kernels.registry import Kernel, add_sinks
+from attnkit.kernels.registry import Kernel, sink_factor
 
 
 def expand_kv_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
@@ -102,6 +102,19 @@ def scores(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=
     return s
 
 
+def _normalise(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(s), logsumexp(s))`` over the last dim; a row of all ``-inf`` gives 0 / ``-inf``."""
+    if s.shape[-1] == 0:
+        return s, s.sum(dim=-1).fill_(float("-inf"))
+    hidden = (s == float("-inf")).all(dim=-1, keepdim=True)  # fully masked rows: weights 0, lse -inf
+    row_max = s.detach().amax(dim=-1, keepdim=True).masked_fill(hidden, 0.0)
+    p = torch.exp(s - row_max)
+    total = p.sum(dim=-1, keepdim=True)
+    weights = p / torch.where(total == 0, 1.0, total)
+    lse = torch.logsumexp(s.masked_fill(hidden, 0.0), dim=-1).masked_fill(hidden[..., 0], float("-inf"))
+    return weights, lse
+
+
 def softmax_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,14 +130,7 @@ def softmax_weights(
     or additive float, broadcastable to (..., Hq, Lq, Lk); ``softcap`` and ``bias``
     as in :func:`scores`.
     """
-    s = scores(q, k, mask, scale=scale, softcap=softcap, bias=bias)
-    if s.shape[-1] == 0:
-        return s
-    row_max = s.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # fully masked rows
-    p = torch.exp(s - row_max)
-    total = p.sum(dim=-1, keepdim=True)
-    return p / torch.where(total == 0, 1.0, total)
+    return _normalise(scores(q, k, mask, scale=scale, softcap=softcap, bias=bias))[0]
 
 
 def attention(
@@ -146,14 +152,18 @@ def attention(
     is drawn by :func:`draw_dropout_mask` from the global generator.
     """
     weights = softmax_weights(q, k, mask, scale=scale, softcap=softcap, bias=bias)
+    return _weighted(weights, v, dropout_p, dropout_mask), weights
+
+
+def _weighted(weights: torch.Tensor, v: torch.Tensor, dropout_p: float, dropout_mask=None) -> torch.Tensor:
+    """``dropout(weights) @ v`` (K/V heads repeated for GQA): the output, computed from ``weights``."""
     v = expand_kv_heads(v, weights.shape[-3] if weights.dim() >= 3 else 1)
     dropped = weights
     if dropout_p > 0.0:
         if dropout_mask is None:
             dropout_mask = draw_dropout_mask(weights.shape, dropout_p, weights.device)
         dropped = weights * dropout_mask / (1.0 - dropout_p)
-    out = dropped @ v  # (..., Hq, Lq, Lk) x (..., Hq, Lk, Dv) -> (..., Hq, Lq, Dv)
-    return out, weights
+    return dropped @ v  # (..., Hq, Lq, Lk) x (..., Hq, Lk, Dv) -> (..., Hq, Lq, Dv)
 
 
 def draw_dropout_mask(shape, p: float, device) -> torch.Tensor:
@@ -167,11 +177,7 @@ def log_sum_exp(q, k, mask=None, *, scale: float, softcap: float | None = None, 
     Equivalent pytorch code: ``torch.logsumexp(q @ k.transpose(-2, -1) * scale + bias, dim=-1)``.
     Two attention outputs over disjoint key sets merge exactly with these weights.
     """
-    s = scores(q, k, mask, scale=scale, softcap=softcap, bias=bias)
-    if s.shape[-1] == 0:
-        return s.sum(dim=-1).fill_(float("-inf"))
-    hidden = (s == float("-inf")).all(dim=-1, keepdim=True)  # fully masked rows: -inf, zero gradient
-    return torch.logsumexp(s.masked_fill(hidden, 0.0), dim=-1).masked_fill(hidden[..., 0], float("-inf"))
+    return _normalise(scores(q, k, mask, scale=scale, softcap=softcap, bias=bias))[1]
 
 
 # --- as a kernel of the registry -------------------------------------------------------
@@ -195,13 +201,15 @@ def dense_mask(call) -> torch.Tensor | None:
     return dense
 
 
-def run_with_weights(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_with_weights(call, *, out_from_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, lse)`` of the plain formula on a validated call.
 
     Half-precision inputs are computed in float32; ``out`` and ``weights`` come back
     in q's dtype, ``lse`` in float32 (float64 for float64 inputs). Soft-capping, the
     bias (evaluated whole: ``(B, Hq, Lq, Lk)``) and sinks follow the formula of
-    :func:`attnkit.attention`.
+    :func:`attnkit.attention`. ``out`` is computed from the returned ``weights`` (as
+    eager attention does), so the output's gradient reaches them; with
+    ``out_from_weights=False`` (the kernel) from the float32 weights, before rounding.
     """
     q, k, v = call.q, call.k, call.v
     dense = dense_mask(call)
@@ -212,15 +220,18 @@ def run_with_weights(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = q.float(), k.float(), v.float()
         if dense is not None and dense.is_floating_point():
             dense = dense.float()
-    bias = dense_bias(call)
-    mods = dict(softcap=call.softcap, bias=bias)
-    out, weights = attention(q, k, v, dense, scale=call.scale, dropout_p=call.dropout_p, **mods)
-    lse = None
-    if call.return_lse or call.sinks is not None:
-        lse = log_sum_exp(q, k, dense, scale=call.scale, **mods)
-    if call.sinks is not None:
-        out, lse, weights = add_sinks(out, lse, call.sinks, weights)
-    return out.to(dtype), weights.to(dtype), lse
+    s = scores(q, k, dense, scale=call.scale, softcap=call.softcap, bias=dense_bias(call))
+    weights, lse = _normalise(s)
+    if call.sinks is not None:  # the sink's share of each row: weights * sigmoid(lse - sink)
+        factor, lse = sink_factor(lse, call.sinks)
+        weights = weights * factor[..., None]
+    if out_from_weights:
+        weights = weights.to(dtype)  # what the caller gets; the output is made from it
+        out = _weighted(weights.to(v.dtype), v, call.dropout_p)
+    else:
+        out = _weighted(weights, v, call.dropout_p)
+        weights = weights.to(dtype)
+    return out.to(dtype), weights, lse
 
 
 def dense_bias(call) -> torch.Tensor | None:
@@ -240,11 +251,12 @@ class ReferenceKernel(Kernel):
     """The plain formula: any device, dtype, mask, dropout, lse, score modification; O(Lq x Lk) memory."""
 
     name = "reference"
+    supports_double_backward = True
     supports_dropout = True
     supports_float_mask = True
     supports_lse = True
     supports_score_mods = ("bias", "softcap", "sinks")
 
     def run(self, call):
-        out, _, lse = run_with_weights(call)
+        out, _, lse = run_with_weights(call, out_from_weights=False)
         return out, lse

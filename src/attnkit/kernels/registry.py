@@ -113,6 +113,8 @@ class Kernel:
     supports_float_mask: bool = False
     supports_lse: bool = False
     supports_backward: bool = True
+    #: Whether its outputs can be differentiated twice (``create_graph=True``).
+    supports_double_backward: bool = False
     #: Score modifications it applies itself, among "bias", "softcap" and "sinks".
     #: Sinks need only the log-sum-exp: :func:`run` adds them for any kernel with lse.
     supports_score_mods: tuple[str, ...] = ()
@@ -344,21 +346,49 @@ def _auto(call: Call, refusals: dict) -> tuple[str, str]:
     return "sdpa", f"dense mask: {prepared.kept:.0%} of blocks kept"
 
 
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, weights: torch.Tensor | None = None):
-    """Put each head's sink logit in the softmax denominator: ``(out, lse, weights)`` rescaled.
+def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(factor, lse')`` of each head's sink logit in the softmax denominator.
 
-    A sink is an extra key per head with value 0 (gpt-oss): every weight is
-    multiplied by ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``, and
-    ``lse`` becomes ``logaddexp(lse, sink)``. A fully masked row (``lse = -inf``)
-    stays 0, with zero gradients. ``sinks: (Hq,)``; ``lse: (..., Hq, Lq)``.
+    A sink is an extra key per head with value 0 (gpt-oss): every weight of a row is
+    multiplied by ``factor = exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``,
+    and the row's log-sum-exp becomes ``lse' = logaddexp(lse, sink)``. A fully masked
+    row (``lse = -inf``) gets factor 0 (its output stays 0, with zero gradients) and
+    ``lse' = sink``, also for a sink of ``-inf``. ``sinks: (Hq,)``; ``lse: (..., Hq, Lq)``.
     """
     sink = sinks.to(lse.dtype)
     sink = sink.view(-1, 1) if lse.dim() >= 2 else sink.view(-1)  # (Hq, 1): broadcasts over Lq
-    factor = torch.sigmoid(lse - sink)  # (..., Hq, Lq)
-    out = (out.to(factor.dtype) * factor[..., None]).to(out.dtype)
-    if weights is not None:
-        weights = (weights.to(factor.dtype) * factor[..., None]).to(weights.dtype)
-    return out, torch.logaddexp(lse, sink), weights
+    dead = lse == float("-inf")  # rows with no key: only the sink is left (-inf - -inf would be NaN)
+    live = lse.masked_fill(dead, 0.0)
+    factor = torch.sigmoid(live - sink).masked_fill(dead, 0.0)  # (..., Hq, Lq)
+    return factor, torch.where(dead, sink.expand_as(lse), torch.logaddexp(live, sink))
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """``(out, lse)`` with each head's sink in the softmax denominator (see :func:`sink_factor`)."""
+    factor, lse = sink_factor(lse, sinks)
+    return (out.to(factor.dtype) * factor[..., None]).to(out.dtype), lse
+
+
+def double_backward_error(kernel: str) -> AttnkitValueError:
+    """The error for a second derivative through a kernel that computes first derivatives only."""
+    return AttnkitValueError(
+        f"the {kernel!r} kernel computes first derivatives only, but a second one was asked for "
+        "(create_graph=True, e.g. a gradient penalty). Pass kernel='reference' to attnkit.attention "
+        "for double backward."
+    )
+
+
+def _first_derivative_only(t: torch.Tensor | None, kernel: str) -> None:
+    """Make a backward pass with ``create_graph=True`` through ``t`` raise a clear error."""
+    if t is None or not t.requires_grad:
+        return
+
+    def hook(grad):
+        if torch.is_grad_enabled():  # autograd records the backward pass: a second derivative is wanted
+            raise double_backward_error(kernel)
+        return grad
+
+    t.register_hook(hook)
 
 
 def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -367,7 +397,12 @@ def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
         call.prepared = plan.prepared
     kernel = KERNELS["reference" if call.empty else plan.kernel]  # empty: zeros (and lse -inf)
     if call.sinks is None or "sinks" in kernel.supports_score_mods:
-        return kernel.run(call)
-    out, lse = kernel.run(replace(call, sinks=None, return_lse=True))
-    out, lse, _ = add_sinks(out, lse, call.sinks)
-    return out, lse if call.return_lse else None
+        out, lse = kernel.run(call)
+    else:
+        out, lse = kernel.run(replace(call, sinks=None, return_lse=True))
+        out, lse = add_sinks(out, lse, call.sinks)
+        lse = lse if call.return_lse else None
+    if call.backward and not kernel.supports_double_backward:
+        _first_derivative_only(out, kernel.name)
+        _first_derivative_only(lse, kernel.name)
+    return out, lse

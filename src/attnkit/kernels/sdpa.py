@@ -56,10 +56,14 @@ class SDPAKernel(Kernel):
             dense = reference.dense_mask(call)
             k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
             q = reference.zero_hidden_queries(call.q, dense)
-            bias = reference.dense_bias(call).to(call.q.dtype)  # (B or 1, Hq or 1, Lq, Lk)
+            # A bias grows with distance (ALiBi: -slope * 256 at L=257): in bfloat16 it would lose
+            # whole units, so a biased call runs in float32 and only the output is cast back.
+            work = torch.float32 if call.half else call.q.dtype
+            bias = reference.dense_bias(call).to(work)  # (B or 1, Hq or 1, Lq, Lk)
             if dense is not None:
-                bias = bias.masked_fill(~dense, float("-inf")) if dense.dtype == torch.bool else bias + dense
-            return sdpa(q, k, v, bias, **kw), None
+                bias = bias.masked_fill(~dense, float("-inf")) if dense.dtype == torch.bool else bias + dense.to(work)
+            out = sdpa(q.to(work), k.to(work), v.to(work), bias, **kw)
+            return out.to(call.q.dtype), None
         if call.mask is None:
             return sdpa(call.q, call.k, call.v, None, **kw), None
         if _sdpa_causal(call) and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0

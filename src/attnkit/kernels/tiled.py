@@ -33,7 +33,7 @@ import torch
 from attnkit._validate import AttnkitValueError
 from attnkit.kernels import _aten
 from attnkit.kernels.reference import used_keys
-from attnkit.kernels.registry import Call, Kernel
+from attnkit.kernels.registry import Call, Kernel, double_backward_error
 from attnkit import masks as _masks
 from attnkit.masks import _as4d
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run
@@ -144,6 +144,7 @@ class _Call:
     bias: object = None  # an attnkit.bias.Bias, evaluated per tile
     softcap: float | None = None
     params: tuple = ()  # the bias's tensors, inputs of the autograd function
+    own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
 
     @property
     def bias_grad(self) -> bool:
@@ -237,6 +238,8 @@ def _math_scores(call: _Call, qf, kr, tile: _Tile | None, bias_tile=None, keep_c
             s = s.mul_(call.softcap)
     if bias_tile is not None:
         s = s.add_(bias_tile.to(ct))
+        if tile is not None:  # a bias may hold NaN or +inf at pairs the mask hides: overwrite, never add
+            return s.masked_fill_(~tile.allowed, _NEG_INF), capped
     if tile is not None:
         s = s.add_(tile.additive)  # 0 / -inf: a broadcast add is faster than masked_fill_ here
     return s, capped
@@ -310,8 +313,11 @@ def _forward_group(call: _Call, gi: int, group: Group, sel: _Select, q, k, v):
             else:
                 s, _ = _math_scores(call, qf, kr, tile, bias_tile)
                 m = s.amax(dim=-1, keepdim=True)
-                m = torch.where(m == _NEG_INF, 0.0, m)  # rows this run hides entirely
+                dead = m == _NEG_INF  # rows with no finite score here (hidden, or a -inf bias on every key)
+                m = m.masked_fill(dead, 0.0)
                 p = _weights(s, m, tile)  # one exp pass: unnormalised weights
+                if call.bias is not None:  # the exp floor would give those rows weights exp(-60)
+                    p = p.masked_fill_(dead, 0.0)
                 total = p.sum(dim=-1, keepdim=True)
                 lse_r = (m + total.log()).squeeze(-1)  # -inf where every key is hidden
                 if call.dropout_p > 0.0:
@@ -396,52 +402,103 @@ def _backward_group(call: _Call, gi, group: Group, sel: _Select, q, k, v, out, l
             continue
         rows = slice(row.q0, row.q1)
         go = _fold(grad_out[:, :, rows], hkv)  # (B, Hkv, g*n, Dv)
-        of = _fold(out[:, :, rows], hkv)
         lf = _fold(lse_safe[:, :, rows, None], hkv)[..., 0]  # (B, Hkv, g*n)
-        dqf = 0
-        delta = (go.to(ct) * of.to(ct)).sum(dim=-1, keepdim=True)  # (B, Hkv, g*n, 1)
-        if grad_lse is not None:  # d lse / d s = p: the same as lowering delta by grad_lse
-            delta = delta - _fold(grad_lse[:, :, rows, None].to(ct), hkv)
-        for run in row.runs:
-            qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
-            bias_tile = _bias_tile(call, sel, row, run, hq, hkv)
-            keys = slice(run.k0, run.k1)
-            if fused:
+        if fused:
+            of = _fold(out[:, :, rows], hkv)
+            dqf = 0
+            for run in row.runs:
+                qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
                 g_q, g_k, g_v = _aten.flash_backward(
                     go.contiguous(), qf, kr, vr, of, lf,
                     attn_mask=None if tile is None else tile.additive, scale=call.scale,
                 )
-            else:
-                s, capped = _math_scores(call, qf, kr, tile, bias_tile, keep_capped=True)
-                p = _weights(s, lf[..., None], tile)  # (B, Hkv, g*n, S)
-                if tile is not None and tile.hidden_rows is not None:
-                    p = p.masked_fill(tile.hidden_rows[..., None], 0.0)
-                dp = go.to(ct) @ vr.to(ct).transpose(-2, -1)
-                pd = p
-                if call.dropout_p > 0.0:
-                    keep = _keep_mask(call, gi, row, run, p.shape, q.device).to(ct) / (1.0 - call.dropout_p)
-                    pd, dp = p * keep, dp * keep
-                g_v = pd.transpose(-2, -1) @ go.to(ct)
-                ds = p * (dp - delta)  # d loss / d (modified score)
-                if call.bias_grad:
-                    index = (sel.b_idx, sel.h_idx, torch.arange(row.q0, row.q1, device=q.device).view(1, 1, -1, 1),
-                             torch.arange(run.k0, run.k1, device=q.device).view(1, 1, 1, -1))
-                    call.bias._add_grad(grads, _unfold(ds, hq), *index, call.prepared.q_len, call.prepared.kv_len)
-                if capped is not None:
-                    ds = ds * (1.0 - capped * capped)  # d (c tanh(s / c)) / ds
-                ds = ds * call.scale
-                g_q = ds @ kr.to(ct)
-                g_k = ds.transpose(-2, -1) @ qf.to(ct)
-            dqf = dqf + g_q.to(ct)
-            dk[:, :, keys] += g_k.to(ct)
-            dv[:, :, keys] += g_v.to(ct)
+                dqf = dqf + g_q.to(ct)
+                dk[:, :, run.k0 : run.k1] += g_k.to(ct)
+                dv[:, :, run.k0 : run.k1] += g_v.to(ct)
+        else:
+            gl = None if grad_lse is None else _fold(grad_lse[:, :, rows, None].to(ct), hkv)
+            # the row's delta from its own weights, or (the keys being a part) from the merged output
+            delta = None if call.own_lse else (go.to(ct) * _fold(out[:, :, rows], hkv).to(ct)).sum(-1, keepdim=True)
+            dqf = _math_backward_row(call, gi, sel, q, k, v, row, go.to(ct), lf, gl, delta, dk, dv, grads)
         dq[:, :, rows] = _unfold(dqf, hq)
     return dq, dk, dv
+
+
+def _math_backward_row(call: _Call, gi, sel: _Select, q, k, v, row: RowBlock, go, lf, grad_lse, delta, dk, dv,
+                       grads):
+    """The math engine's backward pass for one row block: returns its folded dQ, adds to dK/dV.
+
+    ``dS = P (dP - delta)`` with ``delta = rowsum(P dP)`` summed over the row's runs (the
+    softmax's own backward, as the naive formula computes it: with one key dS is exactly 0),
+    lowered by ``grad_lse`` (``d lse / d s = P``). When the row's runs hold all its keys
+    (``call.own_lse``), ``P`` is renormalised from the row's own scores rather than taken as
+    ``exp(S - lse)``, whose float32 lse carries ``|max score| x 6e-8`` of rounding into every
+    weight. Ring attention's parts (``backward_part``) hold some of the keys: they pass
+    ``delta = rowsum(dO O)`` of the merged output and use the merged lse. Each run's tiles
+    are kept until the row is done: ``rows x (keys of the row)`` values, as in the forward.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    ct = go.dtype
+    scored = []
+    for run in row.runs:
+        qf, kr, vr, tile = _run_inputs(call, gi, sel, q, k, v, row, run)
+        s, capped = _math_scores(call, qf, kr, tile, _bias_tile(call, sel, row, run, hq, hkv), keep_capped=True)
+        scored.append((run, qf, kr, vr, tile, s, capped))
+    if call.own_lse:
+        m = torch.stack([s.amax(dim=-1) for *_, s, _ in scored]).amax(dim=0)[..., None]  # (B, Hkv, g*n, 1)
+        shift = m.masked_fill(m == _NEG_INF, 0.0)
+    else:
+        shift = lf[..., None]
+    own_delta = delta is None
+    pieces, total = [], 0
+    delta = 0 if own_delta else delta
+    for run, qf, kr, vr, tile, s, capped in scored:
+        p = _weights(s, shift, tile)  # (B, Hkv, g*n, S)
+        if tile is not None and tile.hidden_rows is not None:
+            p = p.masked_fill(tile.hidden_rows[..., None], 0.0)
+        if call.own_lse:
+            total = total + p.sum(dim=-1, keepdim=True)
+        pieces.append((run, qf, kr, vr, p, capped))
+    if call.own_lse:
+        inv = 1.0 / torch.where(total == 0, 1.0, total)
+    done = []
+    for run, qf, kr, vr, p, capped in pieces:
+        if call.own_lse:
+            p = p.mul_(inv)
+        dp = go @ vr.to(ct).transpose(-2, -1)  # (B, Hkv, g*n, Dv) x (B, Hkv, Dv, S)
+        pd = p
+        if call.dropout_p > 0.0:
+            keep = _keep_mask(call, gi, row, run, p.shape, q.device).to(ct) / (1.0 - call.dropout_p)
+            pd, dp = p * keep, dp * keep
+        if own_delta:
+            delta = delta + (p * dp).sum(dim=-1, keepdim=True)  # (B, Hkv, g*n, 1)
+        done.append((run, qf, kr, p, pd, dp, capped))
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    dqf = 0
+    for run, qf, kr, p, pd, dp, capped in done:
+        keys = slice(run.k0, run.k1)
+        dv[:, :, keys] += pd.transpose(-2, -1) @ go
+        ds = p * (dp - delta)  # d loss / d (modified score)
+        if call.bias_grad:
+            index = (sel.b_idx, sel.h_idx, torch.arange(row.q0, row.q1, device=q.device).view(1, 1, -1, 1),
+                     torch.arange(run.k0, run.k1, device=q.device).view(1, 1, 1, -1))
+            call.bias._add_grad(grads, _unfold(ds, hq), *index, call.prepared.q_len, call.prepared.kv_len)
+        if capped is not None:
+            ds = ds * (1.0 - capped * capped)  # d (c tanh(s / c)) / ds
+        ds = ds * call.scale
+        dqf = dqf + ds @ kr.to(ct)
+        dk[:, :, keys] += ds.transpose(-2, -1) @ qf.to(ct)
+    return dqf
 
 
 def _backward(call: _Call, q, k, v, out, lse, grad_out, grad_lse, grads):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    if call.bias is not None:  # rows a -inf bias empties (lse -inf): no gradient flows through them
+        dead = lse == _NEG_INF
+        grad_out = grad_out.masked_fill(dead[..., None], 0.0)
+        grad_lse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
     causal = _one_fused_call(call, q, k) if grad_lse is None else None
     if causal is not None:  # as in _forward: the fused kernel's own loop, one call
         dq, dk, dv = _aten.flash_backward(grad_out.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype),
@@ -488,10 +545,7 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted
-            raise AttnkitValueError(
-                "the tiled kernel computes first derivatives only, but a second one was asked "
-                "for (create_graph=True). Use kernel='reference' for double backward."
-            )
+            raise double_backward_error("tiled")
         q, k, v, out, lse = ctx.saved_tensors
         call, grads = ctx.call, {}
         dq, dk, dv = _backward(call, q, k, v, out, lse, grad_out, grad_lse, grads)
@@ -522,6 +576,8 @@ def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float
     """
     if dropout_p > 0.0 and seed is None:
         seed = draw_seed()
+    # one copy here rather than one per run: the fused engine needs unit-stride rows
+    q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
     # With a bias the math engine is as fast or faster: the fused kernel would take the
     # bias as an additive mask tile, and biases that grow with distance (ALiBi) push its
     # exp() into subnormal numbers, which the math engine floors (see _EXP_FLOOR).
@@ -544,7 +600,8 @@ def backward_part(q, k, v, prepared: PreparedMask, out, lse, grad_out, grad_lse=
     is the gradient of the merged lse (or None). Bias parameters get no gradient here.
     """
     fused = softcap is None and bias is None and fused_available(q, v)
-    call = _Call(prepared, scale, 0.0, 0, fused, bias, softcap, ())
+    call = _Call(prepared, scale, 0.0, 0, fused, bias, softcap, (), own_lse=False)
+    q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
     return _backward(call, q, k, v, out, lse, grad_out, grad_lse, {})
 
 

@@ -119,14 +119,17 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         self._attention_hooks: OrderedDict = OrderedDict()
 
-    def register_attention_hook(self, hook) -> RemovableHandle:
+    def register_attention_hook(self, hook, *, with_kwargs: bool = False) -> RemovableHandle:
         """Call ``hook(module, q, k, v, mask)`` on every forward, just before attention.
 
         ``q: (B, num_heads, Lq, head_dim)``, ``k``/``v: (B, num_kv_heads, Lk, head_dim)``
-        are the projected heads (keys and values of a cache included) and ``mask`` is
-        the mask the attention call gets. The hook must not change them; its return
-        value is ignored. Returns a handle whose ``remove()`` unregisters it, like
-        ``torch.nn.Module.register_forward_hook``.
+        are the projected heads (keys and values of a cache included, rotary embeddings
+        applied) and ``mask`` is the mask the attention call gets. With
+        ``with_kwargs=True`` (as in ``torch.nn.Module.register_forward_pre_hook``) the hook
+        is called as ``hook(module, q, k, v, mask, kwargs)`` with the call's other keyword
+        arguments: ``attn_bias`` (aligned with a cache), ``softcap``, ``sinks`` and
+        ``dropout_p``. The hook must not change them; its return value is ignored. Returns
+        a handle whose ``remove()`` unregisters it, like ``register_forward_hook``.
 
         >>> import torch, attnkit
         >>> mha = attnkit.MultiHeadAttention(16, 4)
@@ -140,8 +143,15 @@ class MultiHeadAttention(nn.Module):
         if not callable(hook):
             raise AttnkitTypeError(f"hook must be callable as hook(module, q, k, v, mask), but got {type(hook).__name__}.")
         handle = RemovableHandle(self._attention_hooks)
-        self._attention_hooks[handle.id] = hook
+        self._attention_hooks[handle.id] = (hook, bool(with_kwargs))
         return handle
+
+    def _run_attention_hooks(self, q, k, v, mask, kwargs: dict) -> None:
+        for hook, with_kwargs in tuple(self._attention_hooks.values()):
+            if with_kwargs:
+                hook(self, q, k, v, mask, dict(kwargs))
+            else:
+                hook(self, q, k, v, mask)
 
     def extra_repr(self) -> str:
         extra = f"d_model={self.d_model}, num_heads={self.num_heads}"
@@ -269,7 +279,9 @@ class MultiHeadAttention(nn.Module):
         - ``cache``: a :class:`~attnkit.nn.KVCache`. The keys and values of ``query``'s
           tokens are appended (``counts: (B,)`` real tokens per sequence, default all)
           and the queries attend over everything stored; a mask object (e.g.
-          ``masks.causal()``) is aligned with each sequence's own end.
+          ``masks.causal()``) and a bias object (e.g. ``bias.relative(...)``) are aligned
+          with each sequence's own end (:meth:`KVCache.mask`, :meth:`KVCache.bias`), so
+          decoding a batch of mixed fills equals recomputing each prefix.
         - ``kv``: keys and values from :meth:`project_kv`, reused across calls.
 
         ``attn_bias``: an :mod:`attnkit.bias` object (or float tensor) added to the
@@ -304,16 +316,16 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.stored()
                 if mask is None or isinstance(mask, masks.Mask):
                     mask = cache.mask(mask)
+                attn_bias = cache.bias(attn_bias)
         else:
             q, k, v = self.project(query, key, value)
             if self.rotary is not None:
                 if key is not None and key is not query:
                     raise AttnkitValueError("rotary embeddings are for self-attention: call forward(x) without key/value.")
                 q, k = self._rotate(q, positions), self._rotate(k, positions)
-        for hook in self._attention_hooks.values():
-            hook(self, q, k, v, mask)
         p = self._dropout_p() if self.training else 0.0
         mods = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=p)
+        self._run_attention_hooks(q, k, v, mask, mods)
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, **mods)
         else:

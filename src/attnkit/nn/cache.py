@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from attnkit import bias as _bias
 from attnkit import masks
 from attnkit._validate import (
     AttnkitTypeError,
@@ -146,6 +147,13 @@ class KVCache:
     def mask(self, mask=None) -> masks.Mask:
         """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`)."""
         return masks.cached(mask, self._start, self.lengths)
+
+    def bias(self, attn_bias):
+        """``attn_bias`` aligned like :meth:`mask`: query i of sequence b at position ``start[b] + i``
+        (see :func:`attnkit.bias.cached`). A float tensor is for the call's ``(Lq, Lk)`` as given."""
+        if attn_bias is None or isinstance(attn_bias, torch.Tensor):
+            return attn_bias
+        return _bias.cached(attn_bias, self._start)
 
     def __repr__(self):
         b, h, n, d = self.keys.shape
