@@ -115,3 +115,12 @@ def test_cli_recommends_and_draws(tmp_path, capsys):
     assert (tmp_path / "recommend.png").stat().st_size > 10_000
     assert "next item" in (tmp_path / "recommend.html").read_text(encoding="utf-8")
     assert main(["recommend", "--user", "5000", "--out", str(tmp_path)]) == 2
+
+
+def test_recommend_never_returns_seen_items_or_padding_when_k_exceeds_the_unseen(model):
+    """F8: a history holding all but 3 items gets those 3, not items it has seen nor the padding id 0."""
+    n = model.config.num_items
+    history = list(range(1, n - 2))  # every item but the last three
+    got = model.recommend([history, [1, 2, 3]], k=10)
+    assert sorted(got[0]) == [n - 2, n - 1, n]
+    assert len(got[1]) == 10 and not set(got[1]) & {0, 1, 2, 3}

@@ -199,6 +199,54 @@ def test_models_that_bypass_the_interface_are_refused(config):
     assert hf.uses_attention_interface(transformers.LlamaForCausalLM)
 
 
+def _composite(kind):
+    """A tiny LLaVA (CLIP vision tower + Llama) or PaliGemma (SigLIP + Gemma) and inputs with image tokens."""
+    image_token = V + 5
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=V + 10, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    if kind == "llava":
+        config = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**vision),
+                                          text_config=LlamaConfig(**text), image_token_index=image_token,
+                                          vision_feature_layer=-1)
+        cls = transformers.LlavaForConditionalGeneration
+    else:
+        config = transformers.PaliGemmaConfig(vision_config=transformers.SiglipVisionConfig(**vision),
+                                              text_config=transformers.GemmaConfig(head_dim=16, **text),
+                                              image_token_index=image_token, projection_dim=64)
+        config.text_config.vocab_size = V + 10
+        cls = transformers.PaliGemmaForConditionalGeneration
+    ids = torch.randint(3, V, (2, 22), generator=torch.Generator().manual_seed(1))
+    ids[:, 2:18] = image_token  # (32 / 8)^2 = 16 image tokens
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))}
+    if kind == "paligemma":  # the prefix (image and prompt) is bidirectional, the suffix causal
+        inputs["token_type_ids"] = (torch.arange(22) >= 19).long().expand(2, -1)
+    return cls, config, inputs
+
+
+@pytest.mark.parametrize("kind", ["llava", "paligemma"])
+def test_composite_models_run_attnkit_in_every_part(kind):
+    """F24: the vision tower and the language model are models of their own, built and checked apart."""
+    cls, config, inputs = _composite(kind)
+    torch.manual_seed(0)
+    eager = cls._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation="attnkit").eval()
+    ours.load_state_dict(eager.state_dict())
+    parts = [m for m in ours.modules() if isinstance(m, transformers.PreTrainedModel)]
+    assert len(parts) >= 3 and all(m.config._attn_implementation == "attnkit" for m in parts)
+    hf.check_model(ours)
+    seen = []
+    handle = hf.register_attention_hook(lambda module, *args: seen.append(type(module).__name__))
+    try:
+        with torch.no_grad():
+            close(ours(**inputs).logits, eager(**inputs).logits)
+    finally:
+        handle.remove()
+    assert any("Vision" in n or "Siglip" in n or "CLIP" in n for n in seen) and any("Llama" in n or "Gemma" in n
+                                                                                     for n in seen)
+
+
 def test_the_attention_function_alone_drops_the_padding_mask():
     """Why the mask function is registered too: with the attention function alone,
     transformers builds no mask for the name and padding is silently ignored."""

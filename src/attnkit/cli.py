@@ -42,6 +42,29 @@ def _positive(text: str) -> int:
     return value
 
 
+#: The longest recall text ``attnkit show --model recall --length`` generates (2**20 tokens: minutes on 2 cores).
+MAX_LENGTH = 2**20
+
+
+def _length(text: str) -> int:
+    """argparse type: a token count in 1..MAX_LENGTH."""
+    value = _positive(text)
+    if value > MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_LENGTH:,} tokens, but got {value:,}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], but got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 = start of the text, 1 = end), but got {text!r}")
+    return value
+
+
 def _capture(model, call, tokens, layers: int, heads: int, rows_text) -> dict:
     """Run ``call()`` under capture: full weights when they fit the page, else statistics and rows."""
     import torch
@@ -156,6 +179,15 @@ def _read_text(args) -> str | None:
             raise AttnkitValueError(f"--file {args.file!r} is not UTF-8 text.") from None
     if args.text is None and args.model != "recall":
         raise AttnkitValueError("give a text to look at (or --file FILE).")
+    if args.text is not None:
+        try:
+            args.text.encode("utf-8")
+        except UnicodeEncodeError as err:  # bytes the terminal's encoding could not decode (surrogate escapes)
+            raise AttnkitValueError(
+                f"the text holds a byte that is not UTF-8 at character {err.start} "
+                f"({args.text[max(0, err.start - 10):err.start].encode('utf-8', 'replace').decode()!r} before it): "
+                "pass UTF-8 text, or put it in a UTF-8 file and use --file FILE."
+            ) from None
     return args.text
 
 
@@ -403,12 +435,15 @@ def _read_image(path):
     if file.suffix.lower() == ".npy":
         try:
             return np.load(file, allow_pickle=False).astype(np.float32)
-        except ValueError as err:
-            raise AttnkitValueError(f"--image {path!r} is not a numpy array file: {err}.") from None
+        except (ValueError, TypeError, EOFError) as err:
+            raise AttnkitValueError(f"--image {path!r} is not a numpy array file of numbers: {err}.") from None
     if file.suffix.lower() == ".png":
         import matplotlib.image
 
-        pixels = matplotlib.image.imread(file)
+        try:
+            pixels = matplotlib.image.imread(file)
+        except (SyntaxError, ValueError, OSError) as err:  # Pillow reports a file that is not a PNG as SyntaxError
+            raise AttnkitValueError(f"--image {path!r} is not a readable PNG image ({err}).") from None
         if pixels.ndim == 3:
             pixels = pixels[..., :3].mean(axis=-1)
         top = 255.0 if pixels.max() > 1.0 else 1.0
@@ -570,9 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="read the text from this UTF-8 file (long texts welcome)")
     p.add_argument("--model", help="'recall' (the shipped RecallLM) or a local checkpoint folder (config.json, "
                    "weights, tokenizer) run through transformers with attn_implementation='attnkit'")
-    p.add_argument("--length", type=_positive, default=4096,
-                   help="with --model recall and no text: generate a recall text of this many tokens (default 4096)")
-    p.add_argument("--depth", type=float, default=0.02,
+    p.add_argument("--length", type=_length, default=4096,
+                   help=f"with --model recall and no text: generate a recall text of this many tokens (default 4096, "
+                   f"at most {MAX_LENGTH:,})")
+    p.add_argument("--depth", type=_fraction, default=0.02,
                    help="with --length: where the asked pair sits, 0 = start of the text, 1 = end (default 0.02)")
     p.add_argument("--seed", type=int, default=0, help="with --length: the generated text's seed")
     p.add_argument("--rows", help="query positions whose full weights to keep, e.g. '0,-1' (default: the last token); "

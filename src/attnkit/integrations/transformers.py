@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import re
 import sys
 import warnings
 
@@ -282,7 +283,14 @@ def uses_attention_interface(model_class) -> bool:
 
     Some architectures (the ALiBi models Bloom, Falcon and MPT among them) compute
     attention in their own code and would ignore ``attn_implementation="attnkit"``.
+    A class qualifies if transformers marks it as taking attention backends
+    (``_supports_attention_backend``), if its module calls the attention interface, or
+    if it is a composite model (a config with sub-configs, e.g. LLaVA or PaliGemma) whose
+    module defines no attention of its own: its vision and text parts are models of
+    their own, each checked when it is built.
     """
+    if getattr(model_class, "_supports_attention_backend", False):
+        return True
     module = sys.modules.get(getattr(model_class, "__module__", ""), None)
     if module is None:
         return False
@@ -291,7 +299,9 @@ def uses_attention_interface(model_class) -> bool:
             source = inspect.getsource(module)
         except (OSError, TypeError):
             source = ""
-        _USES_INTERFACE[module.__name__] = "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
+        calls = "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
+        composite = bool(getattr(getattr(model_class, "config_class", None), "sub_configs", None))
+        _USES_INTERFACE[module.__name__] = calls or (composite and not re.search(r"^class \w*Attention\w*\(", source, re.M))
     return _USES_INTERFACE[module.__name__]
 
 

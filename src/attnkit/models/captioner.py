@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import masks
-from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int
 from attnkit.models._weights import ShippedWeights
 from attnkit.models.translator import DecoderLayer, EncoderLayer
 from attnkit.nn import KVCache
@@ -121,6 +121,10 @@ def check_image(image, index: int = 0) -> torch.Tensor:
         image = torch.from_numpy(np.asarray(image, dtype=np.float32))
     if not isinstance(image, torch.Tensor):
         raise AttnkitTypeError(f"{where} must be a 2-D numpy array or tensor, but got {type(image).__name__}.")
+    if image.device.type == "meta" or not (image.is_floating_point() or image.dtype in (torch.uint8, torch.int16,
+                                                                                        torch.int32, torch.int64)):
+        what = "a meta tensor (it holds no values)" if image.device.type == "meta" else f"dtype {image.dtype}"
+        raise AttnkitTypeError(f"{where} must hold pixel values as a real-valued tensor, but got {what}.")
     if image.dim() != 2 or image.shape[0] != 8 or image.shape[1] == 0 or image.shape[1] % 8:
         raise AttnkitValueError(
             f"{where} must have shape (8, 8n): n digits of 8 x 8 side by side, as np.hstack of "
@@ -234,6 +238,7 @@ class DigitCaptioner(ShippedWeights, nn.Module):
         """One caption per image: ``images`` is a list of ``(8, 8n)`` arrays or tensors in [0, 16], n <= 8."""
         if isinstance(images, torch.Tensor) and images.dim() == 2 or not isinstance(images, (list, tuple)):
             raise AttnkitTypeError("caption takes a list of images; wrap a single image in a list.")
+        batch_size = check_positive_int(batch_size, "batch_size")
         checked = [check_image(img, i) for i, img in enumerate(images)]
         captions = []
         for start in range(0, len(checked), batch_size):

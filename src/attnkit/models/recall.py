@@ -211,6 +211,8 @@ class RecallLM(ShippedWeights, nn.Module):
 
     def tokenize(self, text: str) -> torch.Tensor:
         """Token ids ``(L,)`` of a text of this vocabulary's words (``<bos>`` is prepended)."""
+        if not isinstance(text, str):
+            raise AttnkitTypeError(f"tokenize takes a str of RecallLM's words, but got {short(text)}.")
         index = {t: i for i, t in enumerate(self.task.tokens)}
         words = text.split()
         unknown = [w for w in words if w not in index]

@@ -130,13 +130,18 @@ class SASRec(ShippedWeights, nn.Module):
         return self.scores(last)
 
     def recommend(self, histories: list[list[int]], k: int = 10) -> list[list[int]]:
-        """The ``k`` best next items for each history, never one of its own items."""
+        """The ``k`` best next items for each history, best first: never one of its own items
+        nor the padding id 0. A history whose unseen items are fewer than ``k`` gets them all
+        (a shorter list), not items it has already seen."""
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.config.num_items:
             raise AttnkitValueError(f"k must be an int in 1..{self.config.num_items}, but got {short(k)}.")
         scores = self.next_scores(histories)
+        scores[:, 0] = float("-inf")  # the padding id is no item
         for row, h in enumerate(histories):
             scores[row, torch.tensor(sorted(set(h)))] = float("-inf")
-        return scores.topk(k, dim=-1).indices.tolist()
+        values, items = scores.topk(k, dim=-1)
+        return [[i for i, v in zip(row_items, row_values) if v > float("-inf")]
+                for row_items, row_values in zip(items.tolist(), values.tolist())]
 
     @torch.no_grad()
     def explain(self, history: list[int]) -> dict:

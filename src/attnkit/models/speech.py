@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+from numbers import Real
 import random
 import shutil
 import subprocess
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import masks
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int, short
 from attnkit.models._weights import ShippedWeights
 from attnkit.models.translator import DecoderLayer, EncoderLayer, greedy_decode
 
@@ -85,7 +86,12 @@ def read_wav(data) -> tuple[np.ndarray, int]:
         raise AttnkitValueError(f"cannot read {short(str(data)) if not isinstance(data, bytes) else 'the audio'} as a WAV file: {err}.") from None
     if width != 2:
         raise AttnkitValueError(f"attnkit reads 16-bit PCM WAV files, but this one has {8 * width}-bit samples.")
-    samples = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0
+    if channels < 1 or rate < 1:
+        raise AttnkitValueError(f"the WAV header says {channels} channels at {rate} Hz: the file is damaged.")
+    whole = len(frames) // (channels * width) * channels * width  # a truncated file can end inside a frame
+    if whole == 0:
+        raise AttnkitValueError("the WAV file holds no complete sample (it is empty or cut short).")
+    samples = np.frombuffer(frames[:whole], dtype="<i2").astype(np.float32) / 32768.0
     if channels > 1:
         samples = samples.reshape(-1, channels).T
     return samples, rate
@@ -346,6 +352,9 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         voices is read as the nearby voices the model knows, and a digit dropped or doubled
         under one warp is outvoted by the others. ``warps=(1.0,)`` is plain greedy decoding.
         """
+        if warps is not None and (isinstance(warps, (str, bytes)) or not hasattr(warps, "__iter__")
+                                  or not all(isinstance(a, Real) and not isinstance(a, bool) for a in warps)):
+            raise AttnkitTypeError(f"warps must be a sequence of numbers, e.g. (0.9, 1.0, 1.1), but got {short(warps)}.")
         warps = TEST_WARPS if warps is None else tuple(float(a) for a in warps)
         if not warps or not all(0.5 <= a <= 2.0 for a in warps):
             raise AttnkitValueError(f"warps must be factors between 0.5 and 2.0, e.g. (0.9, 1.0, 1.1), but got {warps}.")
@@ -383,6 +392,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
 
         ``warps``: the vocal-tract warps decoded and voted over (:meth:`decode_ensemble`;
         default :data:`TEST_WARPS`; ``(1.0,)`` for plain greedy decoding, 3x faster)."""
+        batch_size = check_positive_int(batch_size, "batch_size")
         feats, lengths = self.features(waveforms, sample_rate)
         self.eval()
         texts = []

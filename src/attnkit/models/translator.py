@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import masks
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int, short
 from attnkit.models import dates
 from attnkit.models._weights import ShippedWeights
 from attnkit.nn import KVCache, MultiHeadAttention
@@ -230,6 +230,7 @@ class DateTranslator(ShippedWeights, nn.Module):
         """
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise AttnkitTypeError("texts must be a list of str; wrap a single text in a list.")
+        batch_size = check_positive_int(batch_size, "batch_size")
         readings = [dates.read(t) for t in texts]
         runnable = [i for i, (date, _) in enumerate(readings) if date is not None]
         decoded: dict[int, tuple[str, float]] = {}

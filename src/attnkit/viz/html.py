@@ -31,6 +31,22 @@ from attnkit.viz.heatmap import as_array
 MAX_CELLS = 16_000_000
 #: The head view draws lines for at most this many tokens per side.
 MAX_LINE_TOKENS = 256
+#: Token labels longer than this many characters are cut (the page says so): the page's
+#: size is bounded by the number of weights, never by what the token text holds.
+MAX_LABEL = 48
+#: The page title and layer names are cut at these lengths.
+MAX_TITLE, MAX_NAME = 300, 80
+
+
+def cut_labels(labels, limit: int = MAX_LABEL) -> tuple[list[str], int]:
+    """``labels`` as str, each cut to ``limit`` characters with an ellipsis; and how many were cut."""
+    out, cut = [], 0
+    for label in labels:
+        label = str(label)
+        if len(label) > limit:
+            label, cut = label[: limit - 1] + "\u2026", cut + 1
+        out.append(label)
+    return out, cut
 
 
 def _asset(name: str) -> str:
@@ -85,12 +101,19 @@ def attention_html(weights, tokens, *, key_tokens=None, layer_names=None, title:
             f"than one page holds ({MAX_CELLS:,}). Pick some layers or heads, or a shorter text."
         )
     names = [str(n) for n in layer_names] if layer_names is not None else [f"layer {i}" for i in range(layers)]
+    names, _ = cut_labels(names, MAX_NAME)
+    (title,), _ = cut_labels([title], MAX_TITLE)
+    same = key_tokens is tokens  # self-attention: one list of labels
+    tokens, cut_q = cut_labels(tokens)
+    key_tokens, cut_k = (tokens, 0) if same else cut_labels(key_tokens)
+    note = f"{cut_q + cut_k} token labels longer than {MAX_LABEL} characters are cut" if cut_q + cut_k else ""
     array = np.nan_to_num(np.clip(array, 0.0, None))
     scale = array.reshape(layers * heads, -1).max(axis=1, initial=0.0)
     safe = np.where(scale > 0, scale, 1.0)[:, None]
     quantized = np.rint(array.reshape(layers * heads, -1) / safe * 255).astype(np.uint8)
     data = {
         "title": str(title),
+        "note": note,
         "tokens": tokens,
         "keyTokens": key_tokens,
         "layerNames": names,

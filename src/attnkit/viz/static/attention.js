@@ -6,7 +6,8 @@
   // the page's own glyphs (embedded by attnkit) first, then the system's
   const FONT = '"attnkit-glyphs", system-ui, sans-serif';
   $("title").textContent = data.title;
-  $("summary").textContent = L + " layers \u00d7 " + H + " heads, " + NQ + " \u00d7 " + NK + " tokens";
+  $("summary").textContent = L + " layers \u00d7 " + H + " heads, " + NQ + " \u00d7 " + NK + " tokens" +
+    (data.note ? " \u00b7 " + data.note : "");
 
   const raw = atob(data.weights);
   const bytes = new Uint8Array(raw.length);
