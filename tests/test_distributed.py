@@ -108,6 +108,12 @@ def _worker(rank, world, names, layouts):
     part, pos = D.shard(x, 1)
     results["rotary"] = D.unshard(ring(part, mask=masks.causal())[0].detach(), 1)
     results["rotary_positions"] = D.unshard(ring(part, mask=masks.causal(), positions=pos)[0].detach(), 1)
+    try:  # capture of a layer that holds a shard: refused on several ranks, plain weights on one
+        with attnkit.capture(ring) as cap:
+            ring(part, mask=masks.causal())
+        results["capture"] = tuple(cap.weights[0].shape)
+    except ValueError as err:
+        results["capture"] = str(err)
     return results
 
 
@@ -152,6 +158,10 @@ def test_ring_equals_single_process(world, expected):
     y, _ = mha(x, mask=masks.causal())
     for key in ("rotary", "rotary_positions"):  # F6: the ring layer used to ignore its rotary embedding
         torch.testing.assert_close(results[0][key], y.detach(), atol=1e-5, rtol=1e-5)
+    if world == 1:
+        assert results[0]["capture"] == (2, 4, 27, 27)
+    else:
+        assert all("holds a shard" in r["capture"] and "MultiHeadAttention" in r["capture"] for r in results)
 
 
 # --- faults -------------------------------------------------------------------------------------

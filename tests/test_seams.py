@@ -389,3 +389,39 @@ def test_f6_ring_layer_applies_its_rotary_embedding():
     torch.testing.assert_close(ring(x, mask=masks.causal())[0], plain(x, mask=masks.causal())[0])
     torch.testing.assert_close(ring(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0],
                                plain(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0])
+
+
+# --- cosmetic findings: clear errors ---------------------------------------------------------------
+
+
+def test_rows_and_heads_take_numpy_integers_and_refuse_huge_ones():
+    np = pytest.importorskip("numpy")
+    q = randn(1, 2, 5, 8)
+    full = attnkit.attention_weights(q, q, q)
+    torch.testing.assert_close(attnkit.attention_weights(q, q, q, rows=np.int64(3)), full[:, :, 3:4])
+    torch.testing.assert_close(attnkit.attention_weights(q, q, q, heads=[np.int32(1)]), full[:, 1:2])
+    with pytest.raises(ValueError, match=r"rows=\[100000000000000000000\] is out of range for 5"):
+        attnkit.attention_weights(q, q, q, rows=[10**20])
+    with pytest.raises(TypeError, match="rows must hold integer indices"):
+        attnkit.attention_weights(q, q, q, rows=[1.5])
+
+
+def test_prepare_on_the_meta_device_is_refused_clearly():
+    with pytest.raises(ValueError, match="cannot make a PreparedMask on the meta device"):
+        attnkit.prepare(masks.padding([3]), 8, 8, device="meta")
+
+
+def test_ring_sinks_must_be_a_tensor():
+    from attnkit.distributed import ring_attention
+
+    q = randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match=r"sinks must be a float tensor of shape \(Hq,\) = \(2,\)"):
+        ring_attention(q, q, q, sinks=[0.0, 0.0])
+
+
+def test_ring_error_names_each_peer_once():
+    from attnkit.distributed.ring import _Group
+
+    message = str(_Group(None, 5).error(1, "receiving from rank 1", None))
+    assert message.count("rank 1") == 1 and "It may have died" in message
+    assert "Rank 1 and rank 2 may have died" in str(_Group(None, 5).error([1, 2], "gathering", None))

@@ -9,6 +9,7 @@ the result is ``(..., Hq, Lq, Dv)``. Rank-2 inputs ``(L, D)`` are one head.
 from __future__ import annotations
 
 import math
+import numbers
 from numbers import Real
 
 import torch
@@ -264,9 +265,20 @@ def _indices(value, size: int, name: str, device) -> torch.Tensor:
         return torch.arange(size, device=device)
     if isinstance(value, slice):
         return torch.arange(size, device=device)[value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # NumPy integers too
     if isinstance(value, bool) or not isinstance(value, (int, list, tuple, range, torch.Tensor)):
         raise AttnkitTypeError(f"{name} must be an int, a slice, a sequence of ints or an integer tensor, but got {short(value)}.")
-    t = torch.as_tensor(value if not isinstance(value, range) else list(value), device=device).reshape(-1)
+    if isinstance(value, (list, tuple, range)):
+        items = list(value)
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
+            raise AttnkitTypeError(f"{name} must hold integer indices, but got {short(value)}.")
+        far = [int(i) for i in items if not -size <= int(i) < size]
+        if far:  # also indices too large for int64
+            raise AttnkitValueError(f"{name}={short(far)} is out of range for {size} (valid: {-size}..{size - 1}).")
+        value = [int(i) for i in items]
+    t = torch.as_tensor(value, dtype=torch.long if not isinstance(value, torch.Tensor) else None,
+                        device=device).reshape(-1)
     if t.is_floating_point() or t.dtype == torch.bool:
         raise AttnkitTypeError(f"{name} must hold integer indices, but got {t.dtype}.")
     bad = (t < -size) | (t >= size)

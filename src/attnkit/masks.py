@@ -214,6 +214,7 @@ class _Blocks:
 
     def __init__(self, q_len: int, kv_len, bq: int, bk: int, device=None, kv_limit=None):
         self.q_len, self.kv_len, self.bq, self.bk = q_len, kv_len, bq, bk
+        self.keys = kv_len  # how many keys there are (kv_len may become per-sequence, for positions)
         self.nq, self.nk = -(-q_len // bq), -(-kv_len // bk)
         self.device = device
         q0 = torch.arange(self.nq, device=device) * bq
@@ -224,7 +225,7 @@ class _Blocks:
             self.k_hi = torch.minimum(self.k_hi, kv_limit.to(device).view(-1, 1, 1, 1) - 1)
 
     def with_kv_len(self, kv_len) -> _Blocks:
-        """The same blocks with another (per-sequence) key length for the positions."""
+        """The same blocks with another (per-sequence) key length for the positions (``keys`` stays)."""
         other = object.__new__(_Blocks)
         other.__dict__.update(self.__dict__)
         other.kv_len = kv_len
@@ -595,12 +596,12 @@ class _Document(Mask):
     def _block_codes(self, b):
         dev = b.device
         plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
-        if plain and b.q_len == int(b.kv_len) == self.ids.shape[-1]:
+        if plain and b.q_len == b.keys == self.ids.shape[-1]:
             ids = self.ids.to(dev)
             q_ids = k_ids = ids
         else:
             q_ids = self._ids_at(self.q_offset, torch.arange(b.q_len, device=dev))
-            k_ids = self._ids_at(self.kv_offset, torch.arange(int(b.kv_len), device=dev))
+            k_ids = self._ids_at(self.kv_offset, torch.arange(b.keys, device=dev))
         q_min, q_max = _block_minmax(q_ids, b.bq)  # (B, nq)
         k_min, k_max = _block_minmax(k_ids, b.bk)  # (B, nk)
         q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]  # (B, 1, nq, 1)
@@ -791,7 +792,7 @@ class _FromFn(Mask):
 
     def _block_codes(self, b):
         rows = []
-        k_len = int(b.kv_len)
+        k_len = b.keys
         pad = -k_len % b.bk
         kv_idx = torch.arange(k_len, device=b.device)[None, :]
         for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory

@@ -201,6 +201,11 @@ def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int
     if device is None:
         device = mask._device() if mask is not None else None
     device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "meta":
+        raise AttnkitValueError(
+            "prepare reads the mask's block map on the host and cannot make a PreparedMask on the meta device: "
+            "prepare on a real device (e.g. 'cpu') and move it with .to()."
+        )
     nq, nk = -(-q_len // bq), -(-kv_len // bk)
     limit = None
     if mask is None:

@@ -202,6 +202,10 @@ class RingMultiHeadAttention(MultiHeadAttention):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layout={self.layout!r}"
 
+    def holds_a_shard(self) -> bool:
+        """Whether this layer runs over several ranks (each holding a part of the sequence)."""
+        return _Group(self.group, self.timeout).size > 1
+
     def local_positions(self, local_length: int, device=None) -> torch.Tensor:
         """The global positions ``(L_local,)`` of this rank's part of a sequence split under
         ``layout`` (what :func:`shard` returns; the rotary embedding's positions).

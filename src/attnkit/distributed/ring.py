@@ -76,15 +76,19 @@ class _Group:
             raise self.error(peer, what, None)
 
     def error(self, peer, what: str, cause) -> RingError:
-        if isinstance(peer, (list, tuple)):
-            who = "another rank" if not peer else " and ".join(f"rank {p}" for p in peer)
+        peers = [] if peer is None else list(peer) if isinstance(peer, (list, tuple)) else [peer]
+        if peers and all(f"rank {p}" in what for p in peers):  # the peers are named already: refer back
+            who, whose = ("It", "its error") if len(peers) == 1 else ("They", "their errors")
+        elif peers:
+            who = " and ".join(f"rank {p}" for p in peers)
+            who, whose = who[0].upper() + who[1:], "that rank's error" if len(peers) == 1 else "their errors"
         else:
-            who = "another rank" if peer is None else f"rank {peer}"
+            who, whose = "Another rank", "that rank's error"
         detail = f" ({str(cause).splitlines()[0][:200]})" if cause is not None else ""
         return RingError(
             f"ring attention on rank {self.rank}: {what} failed or did not finish within {self.timeout:g} s"
-            f"{detail}. {who[0].upper() + who[1:]} may have died, raised, or not called ring_attention "
-            "with the same arguments; see that rank's error."
+            f"{detail}. {who} may have died, raised, or not called ring_attention with the same arguments; "
+            f"see {whose}."
         )
 
     def all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
@@ -485,6 +489,12 @@ def ring_attention(q, k, v, mask=None, *, group=None, layout: str = "zigzag", sc
             raise AttnkitTypeError(
                 f"attn_bias must be an attnkit.bias object or a float tensor, but got {type(attn_bias).__name__}."
             )
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point()
+                              or tuple(sinks.shape) != (q.shape[1],)):
+        raise AttnkitTypeError(
+            f"sinks must be a float tensor of shape (Hq,) = ({q.shape[1]},), one logit per query head, but got "
+            f"{short(sinks) if not isinstance(sinks, torch.Tensor) else f'{sinks.dtype} of shape {tuple(sinks.shape)}'}."
+        )
     rows = _agree(comm, _describe(q, k, v, mask, attn_bias, softcap, scale, sinks, layout))
     q_len = _lengths(comm, rows, layout, _FIELDS.index("local query length"), "queries")
     kv_len = _lengths(comm, rows, layout, _FIELDS.index("local key length"), "keys")
@@ -499,8 +509,6 @@ def ring_attention(q, k, v, mask=None, *, group=None, layout: str = "zigzag", sc
     params = tuple(attn_bias.params()) if attn_bias is not None else ()
     out, lse = _RingFunction.apply(ring, attn_bias, q, k, v, *params)
     if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],):
-            raise AttnkitValueError(f"sinks must be a float tensor of shape (Hq,) = ({q.shape[1]},), but got {short(sinks)}.")
         out, lse = add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 

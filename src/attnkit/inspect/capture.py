@@ -84,6 +84,12 @@ class Capture:
 
     def _hook(self, name: str):
         def hook(module, q, k, v, mask, kwargs):
+            if getattr(module, "holds_a_shard", lambda: False)():
+                raise AttnkitValueError(
+                    f"layer {name!r} is a RingMultiHeadAttention over several ranks: each rank holds a shard of the "
+                    "sequence, so its weights are not this rank's to capture. Load its state dict into "
+                    "attnkit.MultiHeadAttention and capture that on the whole sequence."
+                )
             mods = {key: kwargs.get(key) for key in ("attn_bias", "softcap", "sinks")}
             if mods["sinks"] is not None:
                 mods["sinks"] = mods["sinks"].detach()
