@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import Phase, given, note, settings
 from hypothesis import strategies as st
 
 import attnkit
@@ -496,7 +496,8 @@ def ring_cases(draw):
     }
 
 
-@settings(max_examples=30 if FUZZ else 1)
+# each example starts 1-3 processes (about 2 s): a small budget, and no shrinking (the example is printed as found)
+@settings(max_examples=10 if FUZZ else 1, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(st.lists(ring_cases(), min_size=4, max_size=8), st.sampled_from([1, 2, 3]))
 def test_ring_attention_on_several_processes(descs, world):
     """Every rank's part of the output, and the summed gradients, equal the formula's (float64)."""
@@ -516,9 +517,9 @@ def test_ring_attention_on_several_processes(descs, world):
         (out, dq, dk, dv), param_grads = results[0][i]
         for name, a, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (gold.detach(), *grads[:3])):
             assert (a - w).abs().max() <= 1e-8 * max(1.0, w.abs().max().item()), f"case {i} {name}: {desc}"
-        for j, n in enumerate(params):
-            total = sum(r[i][1][n] for r in results)
-            w = grads[3 + j]
+        for j, n in enumerate(params):  # None: no gradient reached it (every key hidden)
+            total = sum(torch.zeros_like(params[n]) if r[i][1][n] is None else r[i][1][n] for r in results)
+            w = torch.zeros_like(params[n]) if grads[3 + j] is None else grads[3 + j]
             assert (total - w).abs().max() <= 1e-8 * max(1.0, w.abs().max().item()), f"case {i} d{n}: {desc}"
 
 
