@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import reference, tiled
+from attnkit.kernels import reference, tiled, tiles
 from conftest import DTYPES, assert_oracle, gold_and_naive, naive_attention, randn
 
 KERNELS = ["auto", "sdpa", "tiled", "reference"]
@@ -351,14 +351,14 @@ def tiled_keep_mask(q, k, mask, *, dropout_p, seed):
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[-2]
     prepared = attnkit.prepare(mask, lq, lk)
-    call = tiled._Call(prepared, 1.0, dropout_p, seed, False)
+    call = tiles.TileCall(prepared, 1.0, dropout_p, seed, False)
     keep = torch.zeros(b, hq, lq, lk, dtype=torch.bool)
     assert len(prepared.groups) == 1
     for row in prepared.groups[0].rows:
         for run in row.runs:
             shape = (b, hkv, (hq // hkv) * (row.q1 - row.q0), run.k1 - run.k0)
-            tile = tiled._keep_mask(call, 0, row, run, shape, q.device)
-            keep[:, :, row.q0 : row.q1, run.k0 : run.k1] = tiled._unfold(tile, hq)
+            tile = tiled.dropout_keep_mask(call, 0, row, run, shape, q.device)
+            keep[:, :, row.q0 : row.q1, run.k0 : run.k1] = tiles.unfold(tile, hq)
     return keep
 
 

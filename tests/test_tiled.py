@@ -57,7 +57,7 @@ def test_block_maps_match_materialized_masks(data):
     lq, lk = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
     bq, bk = data.draw(st.sampled_from([1, 3, 4, 8])), data.draw(st.sampled_from([1, 2, 5, 8]))
     a = primitive_masks(data.draw, lq, lk, 2)
-    check_block_map(a, lq, lk, bq, bk, exact=not isinstance(a, masks._Document))
+    check_block_map(a, lq, lk, bq, bk, exact=not repr(a).startswith("document("))  # unsorted ids: PARTIAL may be loose
     b = primitive_masks(data.draw, lq, lk, 2)
     check_block_map(a & b, lq, lk, bq, bk, exact=False)
     check_block_map(a | b, lq, lk, bq, bk, exact=False)

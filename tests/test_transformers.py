@@ -23,7 +23,6 @@ from transformers import (  # noqa: E402
     BartConfig,
     BertConfig,
     BloomConfig,
-    FalconConfig,
     Gemma2Config,
     GPT2Config,
     GptOssConfig,
@@ -189,14 +188,79 @@ def test_seq2seq_equals_eager(name):
         assert torch.equal(ours.generate(ids, attention_mask=right, **kw), eager.generate(ids, attention_mask=right, **kw))
 
 
-@pytest.mark.parametrize("config", [BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4),
-                                    FalconConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2,
-                                                 num_attention_heads=4, alibi=True)])
-def test_models_that_bypass_the_interface_are_refused(config):
+def test_models_that_bypass_the_interface_are_refused():
+    # Falcon picks its attention class by name: transformers itself cannot build it for "attnkit"
+    assert not hf.uses_attention_interface(transformers.FalconForCausalLM)
+    config = BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")  # transformers loads it ...
     with pytest.raises(ValueError, match="computes attention in its own code"):
-        AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+        hf.check_model(model)  # ... and attnkit says it would not run attnkit
+    with pytest.raises(ValueError, match="computes attention in its own code"):
+        with attnkit.capture(model):
+            pass
     assert not hf.uses_attention_interface(transformers.BloomForCausalLM)
     assert hf.uses_attention_interface(transformers.LlamaForCausalLM)
+    eager = AutoModelForCausalLM.from_config(DECODERS["llama"](), attn_implementation="eager")
+    with pytest.raises(ValueError, match="is not set to attn_implementation='attnkit'"):
+        hf.check_model(eager)
+
+
+def test_nothing_of_transformers_is_patched_and_registration_is_undoable():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert not hasattr(transformers.PreTrainedModel.get_correct_attn_implementation, "_attnkit_refusing")
+    assert "attnkit" in ALL_ATTENTION_FUNCTIONS.valid_keys() and "attnkit" in ALL_MASK_ATTENTION_FUNCTIONS
+    hf.unregister()
+    try:
+        assert "attnkit" not in ALL_ATTENTION_FUNCTIONS.valid_keys()
+        with pytest.raises(ValueError, match="not supported"):
+            AutoModelForCausalLM.from_config(DECODERS["llama"](), attn_implementation="attnkit")
+    finally:
+        hf.register()
+    assert "attnkit" in ALL_ATTENTION_FUNCTIONS.valid_keys()
+
+
+def test_the_version_gate():
+    from attnkit.integrations import _transformers_compat as compat
+
+    assert compat.check_version() == "tested"  # what the hf extra installs
+    assert compat.check_version("5.99.0") == "untested"
+    with pytest.raises(ImportError, match="needs transformers >= 5"):
+        compat.check_version("4.57.1")
+    with pytest.warns(UserWarning, match="tested with transformers 5.24"):
+        real = transformers.__version__
+        transformers.__version__ = "5.99.0"
+        try:
+            hf.register()
+        finally:
+            transformers.__version__ = real
+
+
+def test_unknown_mask_functions_keep_their_block_structure():
+    """A mask function attnkit has no formula for (chunked attention here) becomes masks.from_fn,
+    not transformers' dense mask, and equals transformers' own dense mask."""
+    from transformers import masking_utils as mu
+
+    length = 600
+    chunked = mu.and_masks(mu.chunked_overlay(128, torch.tensor([0, 2])), mu.causal_mask_function)
+    got = hf.mask_function(2, length, length, mask_function=chunked, device="cpu")
+    assert got.device.type == "meta"
+    text = repr(got.attnkit_mask.mask)
+    assert "from_fn(chunked_overlay" in text and "causal" in text  # the causal part keeps its formula
+    want = mu.sdpa_mask(batch_size=2, q_length=length, kv_length=length, mask_function=chunked,
+                        allow_is_causal_skip=False, device="cpu")
+    torch.testing.assert_close(got.attnkit_mask.materialize().expand(2, 1, length, length), want, atol=0, rtol=0)
+    assert got.attnkit_mask.kept < 0.4  # blocks outside the chunks are skipped
+
+    def scalar_only(b, h, q, kv):  # written for vmap: one (query, key) pair at a time
+        if q.dim() != 0:
+            raise TypeError("one pair at a time")
+        return q >= kv
+
+    dense = hf.mask_function(1, 5, 5, mask_function=scalar_only, device="cpu", use_vmap=True)
+    assert dense.device.type == "cpu" and dense.dtype == torch.bool  # transformers' dense mask, exact
+    assert torch.equal(dense[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
 
 
 def _composite(kind):
@@ -369,7 +433,7 @@ def _dense_of(result, batch_size, lq, lk):
 
 
 @pytest.mark.parametrize("case", ["causal", "sliding", "bidirectional_window", "padded_left", "padded_right",
-                                  "packed", "cache_offset", "chunked_fallback"])
+                                  "packed", "cache_offset", "chunked"])
 def test_mask_function_equals_transformers_dense_mask(case):
     from transformers import masking_utils as mu
 
@@ -393,16 +457,13 @@ def test_mask_function_equals_transformers_dense_mask(case):
                           mu.packed_sequence_mask_function(ids))
     elif case == "cache_offset":  # a chunk of 5 queries after 7 cached tokens, in a static cache of 16
         lq, lk, q_off = 5, 16, 7
-    elif case == "chunked_fallback":
+    elif case == "chunked":  # no formula in attnkit: a from_fn mask
         fn = mu.chunked_causal_mask_function(3, torch.zeros(b, dtype=torch.long))
     kw = dict(batch_size=b, q_length=lq, kv_length=lk, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
               attention_mask=attention_mask)
     want = mu.sdpa_mask(**kw, allow_is_causal_skip=False)
     got = hf.mask_function(**kw)
-    if case == "chunked_fallback":
-        assert isinstance(got, torch.Tensor) and got.device.type == "cpu"  # transformers' dense mask
-    else:
-        assert got.device.type == "meta" and isinstance(got.attnkit_mask, attnkit.PreparedMask)
+    assert got.device.type == "meta" and isinstance(got.attnkit_mask, attnkit.PreparedMask)
     assert torch.equal(_dense_of(got, b, lq, lk), want.expand(b, 1, lq, lk))
 
 
@@ -430,3 +491,20 @@ def test_bfloat16_is_as_close_as_sdpa():
             low = model.to(torch.bfloat16)(ids, attention_mask=left).logits[keep].float()
             errors[name] = (low - gold).abs().max().item()
     assert errors["attnkit"] <= 2 * errors["sdpa"] + 1e-2, errors
+
+
+def test_use_kernels_reaches_models_run_through_the_integration():
+    eager, ours = pair(DECODERS["llama"]())
+    ids, mask, _ = batch()
+    chosen = []
+    handle = hf.register_attention_hook(
+        lambda m, q, k, v, msk, mods: chosen.append(attnkit.explain(q, k, v, msk, **{
+            key: value for key, value in mods.items() if key != "dropout_p"}).kernel))
+    try:
+        with torch.no_grad(), attnkit.use_kernels("reference"):
+            got = ours(ids, attention_mask=mask).logits
+    finally:
+        handle.remove()
+    assert chosen and set(chosen) == {"reference"}
+    with torch.no_grad():
+        close(got, eager(ids, attention_mask=mask).logits)

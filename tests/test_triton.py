@@ -113,17 +113,19 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
 
 
 def test_the_mask_reaches_the_kernel_as_data():
-    """Causal and windows are evaluated from their parameters: no bit tiles. Other masks keep
-    bits for their partial blocks only, never an Lq x Lk tensor."""
+    """Causal and windows are evaluated from their band (two ints): no bit tiles. Other masks keep
+    bits for their partial blocks only, never an Lq x Lk tensor; prepared at the kernel's block size."""
     q, k, v = _inputs(256, 256, torch.float32)
     call = attnkit.functional._call(q, k, v, masks.causal(), None, 0.0, True)
-    _, (bits, listed, band) = tk._plan(call)
-    assert band is not None and bits.numel() == tk.BLOCK_Q * tk.BLOCK_K and (listed == -1).all()
+    prepared = call.prepared_at(tk.TritonKernel.block_size)
+    assert prepared.block_size == (tk.BLOCK_Q, tk.BLOCK_K) and prepared.band == (None, 0)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([50, 100, 60, 46]))
     call = attnkit.functional._call(q, k, v, masks.document(ids) & masks.causal(), None, 0.0, True)
-    prepared, (bits, listed, band) = tk._plan(call)
+    prepared = call.prepared_at(tk.TritonKernel.block_size)
+    bits, listed = prepared.partial_bits()
     partial = int((prepared.codes == masks.PARTIAL).sum())
-    assert band is None and bits.shape[0] == partial < prepared.codes.numel()
+    assert prepared.band is None and bits.shape[0] == partial < prepared.codes.numel()
+    assert bits.shape[1:] == (tk.BLOCK_Q, tk.BLOCK_K) and int((listed >= 0).sum()) == partial
 
 
 def test_dispatch_and_refusals():

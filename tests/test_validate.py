@@ -35,7 +35,7 @@ BAD = [
     ((q4, k4, v4), {"dropout_p": -0.1}, ValueError, r"dropout_p must be in \[0, 1\), but got dropout_p=-0.1"),
     ((q4, k4, v4), {"scale": float("nan")}, ValueError, r"scale must be finite, but got nan"),
     ((q4, k4, v4), {"scale": "0.5"}, TypeError, r"scale must be a real number or None, but got '0.5'"),
-    ((q4, k4, v4), {"kernel": "flash"}, ValueError, r"kernel must be 'auto' or one of .* got 'flash'"),
+    ((q4, k4, v4), {"kernel": "flash"}, ValueError, r"kernel must be 'auto', a registered kernel's name .* but got 'flash'"),
     ((q4, k4, v4), {"mask": masks.document(torch.zeros(7, dtype=torch.long))}, ValueError, r"built for sequences of length L=7 but is used with Lq=5, Lk=6"),
     ((q4, k4, v4), {"mask": masks.padding([3, 9])}, ValueError, r"length 9 but the keys have only Lk=6"),
     ((q4, k4, v4), {"mask": masks.padding([3, 4, 5])}, ValueError, r"padding\(lengths=\[3, 4, 5\]\) of shape \(3, 1, 5, 6\) does not broadcast"),

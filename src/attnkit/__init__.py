@@ -8,6 +8,7 @@ from attnkit import masks, tutorial
 from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError
 from attnkit.functional import attention, attention_weights, attention_with_weights, explain
 from attnkit.inspect import capture
+from attnkit.kernels import use_kernels
 from attnkit.nn import KVCache, MultiHeadAttention
 from attnkit.prepare import PreparedMask, prepare
 
@@ -39,6 +40,7 @@ __all__ = [
     "prepare",
     "scaled_dot_product_attention",
     "tutorial",
+    "use_kernels",
     "visualize_attention",
 ]
 

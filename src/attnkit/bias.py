@@ -32,9 +32,9 @@ import numbers
 import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_nonnegative_int, short
-from attnkit.masks import _check_align, _check_offset, _fmt, _shifted, _span
+from attnkit._indexing import check_align, check_offset, fmt, shifted, span
 
-__all__ = ["Bias", "alibi", "alibi_slopes", "cached", "dense", "from_fn", "relative"]
+__all__ = ["Alibi", "Bias", "alibi", "alibi_slopes", "cached", "dense", "from_fn", "relative"]
 
 
 class Bias:
@@ -49,7 +49,7 @@ class Bias:
         """The tensors the bias is computed from (gradients flow to those that require grad)."""
         return ()
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
+    def elements(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
         raise NotImplementedError
 
     def check(self, batch: int, num_heads: int, q_len: int, kv_len: int, device) -> None:
@@ -68,13 +68,13 @@ class Bias:
         """This bias for queries at key positions ``start[b] + i`` (see :func:`cached`)."""
         return self
 
-    def _add_grad(self, grads: dict, dtile: torch.Tensor, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> None:
+    def add_grad(self, grads: dict, dtile: torch.Tensor, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> None:
         """Add this tile's contribution ``d loss / d params`` to ``grads`` (keyed by id)."""
         wanted = [t for t in self.params() if t.requires_grad]
         if not wanted:
             return
         with torch.enable_grad():
-            tile = self._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+            tile = self.elements(b, h, q_idx, kv_idx, q_len, kv_len)
             tile = tile.expand(dtile.shape).to(dtile.dtype)
             found = torch.autograd.grad(tile, wanted, dtile, allow_unused=True)
         for t, g in zip(wanted, found):
@@ -87,7 +87,7 @@ class Bias:
         h = torch.arange(num_heads, device=device).view(1, -1, 1, 1)
         q_idx = torch.arange(q_len, device=device).view(1, 1, -1, 1)
         kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
-        out = self._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+        out = self.elements(b, h, q_idx, kv_idx, q_len, kv_len)
         while out.dim() < 4:
             out = out[None]
         return out
@@ -101,7 +101,7 @@ class Bias:
         """
         q_len = check_nonnegative_int(q_len, "q_len")
         kv_len = check_nonnegative_int(kv_len, "kv_len")
-        (q0, q1), (k0, k1) = _span(q, q_len, "q"), _span(kv, kv_len, "kv")
+        (q0, q1), (k0, k1) = span(q, q_len, "q"), span(kv, kv_len, "kv")
         return self._part(q0, k0, q_len, kv_len, q1 - q0, k1 - k0)
 
     def _part(self, q_start: int, kv_start: int, q_len: int, kv_len: int, q_count: int, kv_count: int) -> Bias:
@@ -133,10 +133,10 @@ class _Sum(Bias):
                     out.append(t)
         return tuple(out)
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
-        total = self.parts[0]._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+    def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        total = self.parts[0].elements(b, h, q_idx, kv_idx, q_len, kv_len)
         for part in self.parts[1:]:
-            total = total + part._elements(b, h, q_idx, kv_idx, q_len, kv_len)
+            total = total + part.elements(b, h, q_idx, kv_idx, q_len, kv_len)
         return total
 
     def check(self, batch, num_heads, q_len, kv_len, device):
@@ -149,9 +149,9 @@ class _Sum(Bias):
     def _in_cache(self, start):
         return _Sum(part._in_cache(start) for part in self.parts)
 
-    def _add_grad(self, grads, dtile, *index):
+    def add_grad(self, grads, dtile, *index):
         for part in self.parts:
-            part._add_grad(grads, dtile, *index)
+            part.add_grad(grads, dtile, *index)
 
     def describe(self):
         return " + ".join(part.describe() for part in self.parts)
@@ -164,9 +164,9 @@ class _Positional(Bias):
     """Query and key positions with the masks' alignment and offsets."""
 
     def _set_positions(self, align, q_offset, kv_offset):
-        self.align = _check_align(align)
-        self.q_offset = _check_offset(q_offset, "q_offset")
-        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.align = check_align(align)
+        self.q_offset = check_offset(q_offset, "q_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
 
     @staticmethod
     def _offset(x, b):
@@ -184,8 +184,8 @@ class _Positional(Bias):
         other = copy.copy(self)  # the same parameters, positions moved (see masks' _part)
         shift = q_start + (kv_len - q_len if self.align == "bottom_right" else 0)
         other.align = "top_left"
-        other.q_offset = _shifted(self.q_offset, shift)
-        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.q_offset = shifted(self.q_offset, shift)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
         return other
 
     def _in_cache(self, start):
@@ -200,7 +200,7 @@ class _Positional(Bias):
         """``(Hs, m)`` bias of each head for each ``key position - query position``."""
         raise NotImplementedError
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
         # A bias of the distance alone is a Toeplitz matrix per head: evaluate it on the
         # n + S - 1 distances of the tile and lay those out as (n, S) with unfold.
         # q_idx and kv_idx are consecutive ranges (the kernels' tiles, dense()).
@@ -232,7 +232,7 @@ class _Positional(Bias):
         for name in ("q_offset", "kv_offset"):
             x = getattr(self, name)
             if not (isinstance(x, int) and x == 0):
-                extra += f", {name}={_fmt(x)}"
+                extra += f", {name}={fmt(x)}"
         return extra
 
 
@@ -278,7 +278,11 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class _Alibi(_Positional):
+class Alibi(_Positional):
+    """ALiBi (see :func:`alibi`): ``slopes (Hq,)``, ``causal``, and the positions' ``align``,
+    ``q_offset`` and ``kv_offset``; public so kernels that compute it in their tile loop
+    (the Triton kernel) can read its parameters."""
+
     def __init__(self, slopes, causal, align, q_offset, kv_offset):
         self.slopes = _float_tensor(slopes, "slopes", "of shape (num_heads,)")
         if self.slopes.dim() != 1:
@@ -289,7 +293,7 @@ class _Alibi(_Positional):
     def params(self):
         return (self.slopes,)
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
         # One broadcast pass is cheaper here than the Toeplitz layout of _Positional.
         qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
         dt = self.slopes.dtype
@@ -313,7 +317,7 @@ def alibi(slopes, *, causal: bool = False, align: str = "bottom_right", q_offset
     decoder models (equal to the symmetric one on every pair a causal mask keeps,
     and, up to a constant per row, to BLOOM's ``slopes[h] * j``).
     """
-    return _Alibi(slopes, causal, align, q_offset, kv_offset)
+    return Alibi(slopes, causal, align, q_offset, kv_offset)
 
 
 # --- T5's relative position bias -------------------------------------------------------
@@ -407,7 +411,7 @@ class _FromFn(_Positional):
     def params(self):
         return self._params
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
         qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
         out = self.fn(b, h, qp, kp)
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
@@ -472,11 +476,11 @@ class _Dense(Bias):
         ki = kv_idx if t.shape[3] > 1 else torch.zeros_like(kv_idx)
         return t, (bi, hi, qi, ki)
 
-    def _elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
         t, index = self._index(b, h, q_idx, kv_idx)
         return t[index]
 
-    def _add_grad(self, grads, dtile, b, h, q_idx, kv_idx, q_len, kv_len):
+    def add_grad(self, grads, dtile, b, h, q_idx, kv_idx, q_len, kv_len):
         if not self.tensor.requires_grad:
             return
         t, index = self._index(b, h, q_idx, kv_idx)

@@ -155,6 +155,7 @@ def _run_checkpoint(path, text, rows_text=None) -> dict:
         model = AutoModel.from_pretrained(folder, attn_implementation="attnkit").eval()
     except OSError as err:
         raise AttnkitValueError(f"cannot load the checkpoint in {folder}: {str(err).splitlines()[0]}") from None
+    attnkit.integrations.transformers.check_model(model)
     limit = getattr(tokenizer, "model_max_length", None)
     limit = limit if isinstance(limit, int) and limit < 1_000_000 else None
     encoded = tokenizer(text, return_tensors="pt", truncation=limit is not None, max_length=limit)

@@ -16,6 +16,7 @@ import torch
 
 from attnkit import bias as _bias
 from attnkit import masks as _masks
+from attnkit._indexing import as4d
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -32,6 +33,7 @@ from attnkit._validate import (
 from attnkit.kernels import Call, Plan, choose, run
 from attnkit.kernels.reference import run_with_weights
 from attnkit.prepare import PreparedMask
+from attnkit.score_mods import as_score_mod
 
 __all__ = [
     "attention",
@@ -67,7 +69,7 @@ def _check_mask(mask, q: torch.Tensor, shapes: Shapes):
             check_broadcast((*mask.lead_shape, shapes.lq, shapes.lk), shapes, "the prepared mask")
         return mask
     if isinstance(mask, _masks.Mask):
-        for t in mask._held():
+        for t in mask.tensors():
             if t.device != q.device and t.device.type != "cpu":  # CPU tensors are moved as needed
                 raise AttnkitValueError(
                     f"the {type(mask).__name__.strip('_').lower()} mask holds a tensor on {t.device} but q is "
@@ -98,6 +100,17 @@ def _check_mask(mask, q: torch.Tensor, shapes: Shapes):
         "scores, an attnkit.masks object or a PreparedMask, but got "
         f"{type(mask).__name__}."
     )
+
+
+def _check_score_mod(score_mod, q: torch.Tensor):
+    """``score_mod=`` as a :class:`~attnkit.score_mods.ScoreMod` (its params on q's device), or None."""
+    score_mod = as_score_mod(score_mod)
+    if score_mod is not None:
+        for t in score_mod.params:
+            if t.device != q.device:
+                raise AttnkitValueError(f"score_mod {score_mod.__name__} holds a tensor on {t.device} but q is on "
+                                        f"{q.device}: move it with .to().")
+    return score_mod
 
 
 def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
@@ -141,7 +154,8 @@ def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
     return attn_bias, softcap, sinks
 
 
-def _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None) -> Call:
+def _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None,
+          score_mod=None) -> Call:
     """Validate the arguments of one call."""
     shapes = check_qkv(q, k, v)
     mask = _check_mask(mask, q, shapes)
@@ -149,16 +163,20 @@ def _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=N
     if not tracing and isinstance(mask, _masks.Mask):
         mask.check_values(shapes.lq, shapes.lk)
     attn_bias, softcap, sinks = _check_mods(shapes, q, attn_bias, softcap, sinks)
-    learned = [t for t in (*(attn_bias.params() if attn_bias is not None else ()), sinks) if t is not None]
+    score_mod = _check_score_mod(score_mod, q)
+    if score_mod is not None and shapes.rank > 4:
+        raise AttnkitValueError(f"score_mod takes inputs of rank 2 to 4, but q has rank {shapes.rank}.")
+    learned = [t for t in (*(attn_bias.params() if attn_bias is not None else ()), sinks,
+                           *(score_mod.params if score_mod is not None else ())) if t is not None]
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *learned))
     return Call(
         q, k, v, mask, shapes, check_scale(scale, shapes.d), check_dropout(dropout_p),
-        bool(return_lse), backward, tracing, bias=attn_bias, softcap=softcap, sinks=sinks,
+        bool(return_lse), backward, tracing, bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=score_mod,
     )
 
 
-def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,
-              kernel="auto", return_lse=False):
+def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None, scale=None,
+              dropout_p=0.0, kernel="auto", return_lse=False):
     """Scaled dot-product attention, exact, for any mask.
 
     Args:
@@ -177,14 +195,18 @@ def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, s
         sinks: ``(Hq,)`` logits, one per head, of an extra key with value 0 in each
             softmax denominator (gpt-oss); differentiable. The weights of a row then
             sum to less than 1, and ``lse`` includes the sink.
+        score_mod: any ``fn(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's
+            ``score_mod``), applied after the bias, before the mask; or a
+            :class:`attnkit.score_mods.ScoreMod` with the tensors it closes over (they get
+            gradients). Runs on the tiled and reference kernels, tile by tile.
         scale: multiplies ``q @ k^T``; defaults to ``1/sqrt(D)``. 0.0 and negative
             values are used as given.
         dropout_p: probability of zeroing each attention weight (the rest are scaled
             by ``1 / (1 - dropout_p)``). Applied whenever it is > 0; modules pass 0.0
             in eval mode.
-        kernel: ``"auto"`` (see :func:`explain`) or a registered kernel's name
-            (``"sdpa"``, ``"tiled"``, ``"reference"``); forcing one is for testing and
-            benchmarking.
+        kernel: ``"auto"`` (see :func:`explain`), a registered kernel's name
+            (``"sdpa"``, ``"tiled"``, ``"reference"``, ``"triton"``) or a kernel object
+            (``attnkit.kernels.TILED``); forcing one is for testing and benchmarking.
         return_lse: also return the row log-sum-exp of the masked, scaled scores.
 
     Returns:
@@ -198,6 +220,7 @@ def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, s
         scores = q @ k.transpose(-2, -1) * scale
         scores = softcap * torch.tanh(scores / softcap)     # if softcap
         scores = scores + attn_bias.dense(B, Hq, Lq, Lk)    # if attn_bias
+        scores = score_mod(scores, b, h, q_idx, kv_idx)     # if score_mod (index tensors broadcasting)
         scores = scores.masked_fill(~mask, float("-inf"))   # bool mask
         scores = torch.cat([scores, sinks.view(Hq, 1, 1).expand(B, Hq, Lq, 1)], -1)  # if sinks
         out = torch.softmax(scores, dim=-1)[..., :Lk] @ v
@@ -212,26 +235,26 @@ def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, s
     >>> lse.shape, lse.dtype
     (torch.Size([2, 8, 5]), torch.float32)
     """
-    call = _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks)
+    call = _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod)
     out, lse = run(call, choose(call, kernel))
     return (out, lse) if call.return_lse else out
 
 
-def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None,
-                           dropout_p=0.0):
+def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None,
+                           scale=None, dropout_p=0.0):
     """Return ``(out, weights)``: the output ``(..., Hq, Lq, Dv)`` and the probabilities
     ``(..., Hq, Lq, Lk)`` (before dropout) from one pass of the reference kernel.
 
     Use this when you need both; :func:`attention` alone is faster. The arguments
     are :func:`attention`'s; with ``sinks`` a row's weights sum to less than 1.
     """
-    call = _call(q, k, v, mask, scale, dropout_p, False, attn_bias, softcap, sinks)
+    call = _call(q, k, v, mask, scale, dropout_p, False, attn_bias, softcap, sinks, score_mod)
     out, weights, _ = run_with_weights(call)
     return out, weights
 
 
-def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, rows=None,
-                      heads=None):
+def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None, scale=None,
+                      rows=None, heads=None):
     """The attention probabilities ``(..., Hq, Lq, Lk)``: ``softmax(q @ k^T * scale + mask)``.
 
     Same arguments as :func:`attention`. Each row sums to 1, except a row with every
@@ -252,8 +275,11 @@ def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks
     >>> attnkit.attention_weights(q, k, v, attnkit.masks.causal(), rows=-1).shape
     torch.Size([1, 1, 1, 3])
     """
-    call = _call(q, k, v, mask, scale, 0.0, False, attn_bias, softcap, sinks)
+    call = _call(q, k, v, mask, scale, 0.0, False, attn_bias, softcap, sinks, score_mod)
     if rows is not None or heads is not None:
+        if call.score_mod is not None:
+            raise AttnkitValueError("rows=/heads= with a score_mod: compute the whole weights (its indices are "
+                                    "the whole problem's) or use attnkit.inspect.attention_stats.")
         call = _selected(call, rows, heads)
     out, weights, _ = run_with_weights(call)
     return weights
@@ -302,7 +328,7 @@ def _selected(call: Call, rows, heads) -> Call:
     mask = call.mask.mask if isinstance(call.mask, PreparedMask) else call.mask
     if isinstance(mask, _masks.Mask):
         kv_idx = torch.arange(s.lk, device=dev)[None, :]
-        mask = _masks._as4d(mask._elements(r[:, None], kv_idx, s.lq, s.lk))  # (Bm, Hm, R, Lk)
+        mask = as4d(mask.elements(r[:, None], kv_idx, s.lq, s.lk))  # (Bm, Hm, R, Lk)
         if h is not None and mask.shape[1] > 1:
             mask = mask.index_select(1, h)
         while mask.dim() > q.dim():
@@ -319,7 +345,7 @@ def _selected(call: Call, rows, heads) -> Call:
         b_idx = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
         h_idx = (torch.arange(s.hq, device=dev) if h is None else h).view(1, -1, 1, 1)
         kv_idx = torch.arange(s.lk, device=dev).view(1, 1, 1, -1)
-        parts = [_masks._as4d(call.bias._elements(b_idx, h_idx, i.view(1, 1, 1, 1), kv_idx, s.lq, s.lk)) for i in r]
+        parts = [as4d(call.bias.elements(b_idx, h_idx, i.view(1, 1, 1, 1), kv_idx, s.lq, s.lk)) for i in r]
         dense = torch.cat([p.expand(*p.shape[:2], 1, s.lk) for p in parts], dim=-2) if parts else None
         if dense is not None:
             while dense.dim() > q.dim():
@@ -329,8 +355,8 @@ def _selected(call: Call, rows, heads) -> Call:
     return _call(q, k, v, mask, call.scale, 0.0, False, attn_bias, call.softcap, sinks)
 
 
-def explain(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,
-            kernel="auto", return_lse=False) -> Plan:
+def explain(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None, scale=None,
+            dropout_p=0.0, kernel="auto", return_lse=False) -> Plan:
     """Which kernel :func:`attention` would run for these arguments, and why.
 
     The result prints as the reason; ``.kernel`` names the kernel, ``.rejected``
@@ -344,4 +370,4 @@ def explain(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, sca
     >>> attnkit.explain(q, q, q, return_lse=True).rejected["sdpa"]
     ('does not return the log-sum-exp (return_lse=True)',)
     """
-    return choose(_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks), kernel)
+    return choose(_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod), kernel)

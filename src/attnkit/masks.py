@@ -40,6 +40,7 @@ import numbers
 
 import torch
 
+from attnkit._indexing import as4d, check_align, check_offset, fmt, own, per_seq, shifted, span
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -64,56 +65,8 @@ __all__ = [
     "FULL",
 ]
 
-_ALIGNS = ("bottom_right", "top_left")
-
 #: Block-map codes: no pair of the block may attend / some may / all may.
 EMPTY, PARTIAL, FULL = 0, 1, 2
-
-
-def _as4d(t: torch.Tensor) -> torch.Tensor:
-    """Left-pad an element mask to 4 dims, aligned from the right like SDPA's masks.
-
-    ``(tq, tk) -> (1, 1, tq, tk)`` and ``(H, tq, tk) -> (1, H, tq, tk)``.
-    """
-    while t.dim() < 4:
-        t = t[None]
-    return t
-
-
-def _check_align(align: str) -> str:
-    if align not in _ALIGNS:
-        raise AttnkitValueError(f"align must be 'bottom_right' or 'top_left', but got {short(align)}.")
-    return align
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of a tensor a mask is built from (masks are values).
-
-    Broadcast dimensions (stride 0, as ``expand`` makes them) stay broadcast: the copy
-    holds the distinct elements only, so ``dense(t.expand(B, H, L, L))`` costs ``L x L``.
-    """
-    t = t.detach()
-    compact = t
-    for dim in range(t.dim()):
-        if t.stride(dim) == 0 and t.shape[dim] > 1:
-            compact = compact.narrow(dim, 0, 1)
-    return compact.clone().expand(t.shape)
-
-
-def _check_offset(x, name: str):
-    """An offset: an int, or an integer tensor of shape (B,) (one per sequence)."""
-    if isinstance(x, torch.Tensor):
-        return _own(check_int_tensor(x, name, (0, 1)).reshape(-1))
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise AttnkitTypeError(f"{name} must be an int or an integer tensor of shape (B,), but got {short(x)}.")
-    return int(x)
-
-
-def _per_seq(x, device, ndim: int = 4):
-    """An int as is, a ``(B,)`` tensor as ``(B, 1, ..., 1)`` with ``ndim`` dims on ``device``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device).view(-1, *([1] * (ndim - 1)))
-    return x
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -123,9 +76,28 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _indexed_positions(q_offset, kv_offset, q_len: int, kv_len: int, device):
     """``(q_idx + q_offset, kv_idx + kv_offset)`` as ``(B or 1, L)``: masks whose indices are positions."""
-    q = torch.arange(q_len, device=device)[None, :] + _per_seq(q_offset, device, 2)
-    k = torch.arange(kv_len, device=device)[None, :] + _per_seq(kv_offset, device, 2)
+    q = torch.arange(q_len, device=device)[None, :] + per_seq(q_offset, device, 2)
+    k = torch.arange(kv_len, device=device)[None, :] + per_seq(kv_offset, device, 2)
     return q, k
+
+
+#: Tensors of at most this many elements (on the CPU) are part of a mask's value key.
+KEY_ELEMENTS = 1 << 16
+
+
+def _value(x):
+    """A hashable stand-in for an int or a small CPU tensor (None: too large to key by value)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.device.type != "cpu" or x.numel() > KEY_ELEMENTS:
+        return None
+    return (tuple(x.shape), str(x.dtype), x.contiguous().numpy().tobytes())
+
+
+def _values(*xs):
+    """``tuple(_value(x) for x in xs)``, or None if one cannot be keyed."""
+    out = tuple(_value(x) for x in xs)
+    return None if any(v is None for v, x in zip(out, xs) if x is not None) else out
 
 
 def _batch_of(*values) -> int | None:
@@ -136,10 +108,6 @@ def _batch_of(*values) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def _fmt(x) -> str:
-    return repr(x.tolist()) if isinstance(x, torch.Tensor) else repr(x)
-
-
 class _Positional:
     """Offsets and alignment shared by the masks defined by positions."""
 
@@ -148,17 +116,17 @@ class _Positional:
     kv_offset = 0
 
     def _set_positions(self, align, q_offset, kv_offset):
-        self.align = _check_align(align)
-        self.q_offset = _check_offset(q_offset, "q_offset")
-        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.align = check_align(align)
+        self.q_offset = check_offset(q_offset, "q_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
 
     def _q_pos(self, q_idx, q_len, kv_len):
         """Key-axis position of each query index (``kv_len`` may be a per-sequence tensor)."""
-        p = q_idx + _per_seq(self.q_offset, q_idx.device)
+        p = q_idx + per_seq(self.q_offset, q_idx.device)
         return p + (kv_len - q_len) if self.align == "bottom_right" else p
 
     def _k_pos(self, kv_idx):
-        return kv_idx + _per_seq(self.kv_offset, kv_idx.device)
+        return kv_idx + per_seq(self.kv_offset, kv_idx.device)
 
     def positions(self, q_len, kv_len, device=None):
         if device is None:
@@ -170,21 +138,33 @@ class _Positional:
     def _position_repr(self) -> str:
         extra = f"align={self.align!r}"
         if not (isinstance(self.q_offset, int) and self.q_offset == 0):
-            extra += f", q_offset={_fmt(self.q_offset)}"
+            extra += f", q_offset={fmt(self.q_offset)}"
         if not (isinstance(self.kv_offset, int) and self.kv_offset == 0):
-            extra += f", kv_offset={_fmt(self.kv_offset)}"
+            extra += f", kv_offset={fmt(self.kv_offset)}"
         return extra
 
+    def _index_shift(self, q_len, kv_len) -> int | None:
+        """``p(i) - k(j) - (i - j)``: the key index query i sits at, minus i (None: per-sequence offsets)."""
+        if self._position_key() is None:
+            return None
+        return self.q_offset - self.kv_offset + (kv_len - q_len if self.align == "bottom_right" else 0)
+
     def _position_key(self):
+        """Alignment and int offsets (None with per-sequence offsets: see :meth:`_position_value`)."""
         if isinstance(self.q_offset, torch.Tensor) or isinstance(self.kv_offset, torch.Tensor):
             return None
         return (self.align, self.q_offset, self.kv_offset)
 
-    def _position_held(self):
+    def _position_value(self):
+        """Alignment and offsets, tensors by value where small (None where they cannot be keyed)."""
+        offsets = _values(self.q_offset, self.kv_offset)
+        return None if offsets is None else (self.align, *offsets)
+
+    def _position_tensors(self):
         return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
 
-    def _held(self):
-        return self._position_held()
+    def tensors(self):
+        return self._position_tensors()
 
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         # In the part, positions are the global ones: keys move by kv_start, queries by
@@ -192,8 +172,8 @@ class _Positional:
         other = copy.copy(self)
         shift = q_start + (kv_len - q_len if self.align == "bottom_right" else 0)
         other.align = "top_left"
-        other.q_offset = _shifted(self.q_offset, shift)
-        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.q_offset = shifted(self.q_offset, shift)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
         return other
 
     def _block_positions(self, b):
@@ -202,7 +182,7 @@ class _Positional:
         return p_lo, p_hi, self._k_pos(b.k_lo), self._k_pos(b.k_hi)
 
 
-class _Blocks:
+class Blocks:
     """Index ranges of every (query block, key block) pair.
 
     ``q_lo/q_hi`` ``(nq, 1)`` are the first and last query index of each query block;
@@ -224,9 +204,9 @@ class _Blocks:
         if kv_limit is not None:
             self.k_hi = torch.minimum(self.k_hi, kv_limit.to(device).view(-1, 1, 1, 1) - 1)
 
-    def with_kv_len(self, kv_len) -> _Blocks:
+    def with_kv_len(self, kv_len) -> Blocks:
         """The same blocks with another (per-sequence) key length for the positions (``keys`` stays)."""
-        other = object.__new__(_Blocks)
+        other = object.__new__(Blocks)
         other.__dict__.update(self.__dict__)
         other.kv_len = kv_len
         return other
@@ -236,21 +216,6 @@ class _Blocks:
         full, empty = torch.broadcast_tensors(full, empty)
         out = torch.full(full.shape, PARTIAL, dtype=torch.int8, device=full.device)
         return out.masked_fill_(full, FULL).masked_fill_(empty, EMPTY)
-
-
-def _span(index, length: int, name: str) -> tuple[int, int]:
-    """``(start, stop)`` of a step-1 slice of ``range(length)``."""
-    if not isinstance(index, slice):
-        raise AttnkitTypeError(f"{name} must be a slice, e.g. slice(128, 256), but got {short(index)}.")
-    start, stop, step = index.indices(length)
-    if step != 1:
-        raise AttnkitValueError(f"{name} must be a contiguous slice (step 1), but got {index}.")
-    return start, max(start, stop)
-
-
-def _shifted(x, by: int):
-    """An offset (int or per-sequence tensor) moved by ``by``."""
-    return x + by if by else x
 
 
 def _block_minmax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,29 +241,51 @@ class Mask:
     #: Number of sequences the mask is specific to (None: the same for every sequence).
     batch_size: int | None = None
 
-    def _elements(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len) -> torch.Tensor:
+    def elements(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len) -> torch.Tensor:
         """Allowed pairs for ``q_idx: (tq, 1)`` and ``kv_idx: (1, tk)``.
 
         Returns a bool tensor of shape ``(B or 1, H or 1, tq, tk)``.
         """
         raise NotImplementedError
 
-    def _block_codes(self, blocks: _Blocks) -> torch.Tensor:
+    def block_codes(self, blocks: Blocks) -> torch.Tensor:
         """Codes ``(..., nq, nk)`` for the block ranges; see :meth:`block_map`."""
         raise NotImplementedError
 
-    def _held(self) -> tuple[torch.Tensor, ...]:
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors the mask holds (its own copies)."""
         return ()
 
     def _device(self) -> torch.device | None:
         """The device of the tensors the mask holds (None if it holds none)."""
-        held = self._held()
+        held = self.tensors()
         return held[0].device if held else None
 
     def _key(self):
-        """A hashable value that determines the mask, or None if it holds tensors."""
+        """A hashable value that determines the mask (its kind, parameters and the values of
+        the small CPU tensors it holds), or None where only its identity can (large or device
+        tensors, dense masks). Equal keys mean equal masks: the implicit cache of
+        :mod:`attnkit.prepare` prepares them once (e.g. the cache masks of every layer of a
+        decoding step)."""
         return None
+
+    def band(self, q_len: int, kv_len: int) -> tuple[int | None, int | None] | None:
+        """``(lo, hi)`` when this mask is exactly the band ``lo <= j - i <= hi`` of query index i
+        and key index j at these lengths (None for a side without bound), else None.
+
+        Causal and sliding-window masks with int offsets are bands, and so are their
+        ``&``: a kernel can evaluate them from two numbers, without reading the mask.
+        ``(None, 0)`` is SDPA's ``is_causal=True``.
+
+        >>> causal().band(3, 5), sliding_window(2, 1).band(4, 4)
+        ((None, 2), (-2, 1))
+        """
+        return None
+
+    def limit_only(self) -> bool:
+        """Whether this mask hides exactly the keys from :meth:`key_limit` on (padding,
+        empty cache slots): a kernel can read each sequence's first keys and skip the mask."""
+        return False
 
     def positions(self, q_len: int, kv_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Key-axis positions of the queries and keys: ``(q_pos (B or 1, Lq), k_pos (B or 1, Lk))``.
@@ -323,7 +310,7 @@ class Mask:
         """
         return self
 
-    def _kv_limit(self):
+    def key_limit(self):
         """``(B or 1,)`` tensor: keys from ``limit[b]`` on are hidden for every query of b.
 
         None when the mask has no such limit. Kernels never read keys past it.
@@ -340,16 +327,20 @@ class Mask:
     def check_values(self, q_len: int, kv_len: int) -> None:
         """Raise ``ValueError`` if the values the mask holds do not fit (may read them)."""
 
-    def materialize(self, q_len: int, kv_len: int, device=None) -> torch.Tensor:
+    def materialize(self, q_len: int, kv_len: int, device=None, *, check: bool = True) -> torch.Tensor:
         """The dense bool mask, shape ``(B or 1, H or 1, Lq, Lk)``; True = may attend.
+
+        ``check=False`` skips the checks that read the mask's values (a host sync), so
+        traced code (``torch.compile``) can call it.
 
         Equivalent pytorch code for ``causal()``:
         ``torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)[None, None]``.
         """
-        q_len = check_nonnegative_int(q_len, "q_len")
-        kv_len = check_nonnegative_int(kv_len, "kv_len")
-        self.check(q_len, kv_len)
-        self.check_values(q_len, kv_len)
+        if check:
+            q_len = check_nonnegative_int(q_len, "q_len")
+            kv_len = check_nonnegative_int(kv_len, "kv_len")
+            self.check(q_len, kv_len)
+            self.check_values(q_len, kv_len)
         return self._dense(q_len, kv_len, device)
 
     def _dense(self, q_len: int, kv_len: int, device=None) -> torch.Tensor:
@@ -358,7 +349,7 @@ class Mask:
             device = self._device()
         q_idx = torch.arange(q_len, device=device)[:, None]
         kv_idx = torch.arange(kv_len, device=device)[None, :]
-        out = _as4d(self._elements(q_idx, kv_idx, q_len, kv_len))
+        out = as4d(self.elements(q_idx, kv_idx, q_len, kv_len))
         return out.expand(*out.shape[:2], q_len, kv_len)
 
     def block_map(self, q_len: int, kv_len: int, bq: int, bk: int, device=None) -> torch.Tensor:
@@ -383,11 +374,11 @@ class Mask:
     def _block_map(self, q_len, kv_len, bq, bk, device=None, kv_limit=None) -> torch.Tensor:
         if device is None:
             device = self._device()
-        blocks = _Blocks(q_len, kv_len, bq, bk, device, kv_limit)
-        codes = self._block_codes(blocks)
+        blocks = Blocks(q_len, kv_len, bq, bk, device, kv_limit)
+        codes = self.block_codes(blocks)
         if kv_limit is not None:  # blocks wholly past a sequence's limit hold nothing
             codes = codes.masked_fill(blocks.k_lo >= kv_limit.to(device).view(-1, 1, 1, 1), EMPTY)
-        codes = _as4d(codes)
+        codes = as4d(codes)
         return codes.expand(*codes.shape[:2], blocks.nq, blocks.nk)
 
     def picture(self, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:
@@ -416,7 +407,7 @@ class Mask:
         """
         q_len = check_nonnegative_int(q_len, "q_len")
         kv_len = check_nonnegative_int(kv_len, "kv_len")
-        (q0, q1), (k0, k1) = _span(q, q_len, "q"), _span(kv, kv_len, "kv")
+        (q0, q1), (k0, k1) = span(q, q_len, "q"), span(kv, kv_len, "kv")
         self.check(q_len, kv_len)
         return self._part(q0, k0, q_len, kv_len, q1 - q0, k1 - k0)
 
@@ -443,20 +434,17 @@ class _Causal(_Positional, Mask):
         self.batch_size = _batch_of(self.q_offset, self.kv_offset)
 
     def _key(self):
-        key = self._position_key()
+        key = self._position_value()
         return None if key is None else ("causal", key)
 
-    def _shift(self, q_len: int, kv_len: int) -> int | None:
-        """How many keys past its own index query i may see (key j is visible iff
-        ``j <= i + shift``); 0 is SDPA's ``is_causal``. None for per-sequence offsets."""
-        if self._position_key() is None:
-            return None
-        return self.q_offset - self.kv_offset + (kv_len - q_len if self.align == "bottom_right" else 0)
+    def band(self, q_len, kv_len):
+        shift = self._index_shift(q_len, kv_len)  # key j is visible iff j <= i + shift
+        return None if shift is None else (None, shift)
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        return _as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        return as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
 
-    def _block_codes(self, b):
+    def block_codes(self, b):
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
         return b.code(full=k_hi <= p_lo, empty=k_lo > p_hi)
 
@@ -472,18 +460,22 @@ class _SlidingWindow(_Positional, Mask):
         self.batch_size = _batch_of(self.q_offset, self.kv_offset)
 
     def _key(self):
-        key = self._position_key()
+        key = self._position_value()
         return None if key is None else ("window", self.left, self.right, key)
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
         p, j = self._q_pos(q_idx, q_len, kv_len), self._k_pos(kv_idx)
-        return _as4d((j >= p - self.left) & (j <= p + self.right))
+        return as4d((j >= p - self.left) & (j <= p + self.right))
 
-    def _block_codes(self, b):
+    def block_codes(self, b):
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
         full = (k_lo >= p_hi - self.left) & (k_hi <= p_lo + self.right)
         empty = (k_hi < p_lo - self.left) | (k_lo > p_hi + self.right)
         return b.code(full, empty)
+
+    def band(self, q_len, kv_len):
+        shift = self._index_shift(q_len, kv_len)
+        return None if shift is None else (shift - self.left, shift + self.right)
 
     def __repr__(self):
         return f"sliding_window(left={self.left}, right={self.right}, {self._position_repr()})"
@@ -492,7 +484,7 @@ class _SlidingWindow(_Positional, Mask):
 class _PrefixLM(_Positional, Mask):
     def __init__(self, prefix_len, align: str, q_offset=0, kv_offset=0):
         if isinstance(prefix_len, torch.Tensor):
-            prefix_len = _own(check_int_tensor(prefix_len, "prefix_len", (1,)))
+            prefix_len = own(check_int_tensor(prefix_len, "prefix_len", (1,)))
             if prefix_len.device.type == "cpu" and (prefix_len < 0).any():
                 raise AttnkitValueError(f"prefix_len must be >= 0, but got {short(prefix_len.tolist())}.")
         elif isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
@@ -503,42 +495,44 @@ class _PrefixLM(_Positional, Mask):
         self._set_positions(align, q_offset, kv_offset)
         self.batch_size = _batch_of(prefix_len, self.q_offset, self.kv_offset)
 
-    def _held(self):
+    def tensors(self):
         own = (self.prefix_len,) if isinstance(self.prefix_len, torch.Tensor) else ()
-        return own + self._position_held()
+        return own + self._position_tensors()
 
     def _key(self):
-        key = self._position_key()
-        if key is None or isinstance(self.prefix_len, torch.Tensor):
-            return None
-        return ("prefix", self.prefix_len, key)
+        key, prefix = self._position_value(), _value(self.prefix_len)
+        return None if key is None or prefix is None else ("prefix", prefix, key)
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
         j = self._k_pos(kv_idx)
         causal = j <= self._q_pos(q_idx, q_len, kv_len)
-        return _as4d((j < _per_seq(self.prefix_len, kv_idx.device)) | causal)
+        return as4d((j < per_seq(self.prefix_len, kv_idx.device)) | causal)
 
-    def _block_codes(self, b):
-        prefix = _per_seq(self.prefix_len, b.device)
+    def block_codes(self, b):
+        prefix = per_seq(self.prefix_len, b.device)
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
         full = (k_hi < prefix) | (k_hi <= p_lo)
         empty = (k_lo >= prefix) & (k_lo > p_hi)
         return b.code(full, empty)
 
     def __repr__(self):
-        return f"prefix_lm(prefix_len={_fmt(self.prefix_len)}, {self._position_repr()})"
+        return f"prefix_lm(prefix_len={fmt(self.prefix_len)}, {self._position_repr()})"
 
 
 class _Document(Mask):
     def __init__(self, ids, q_offset=0, kv_offset=0):
         ids = check_int_tensor(ids, "ids", (1, 2))
-        self.ids = _own(ids if ids.dim() == 2 else ids[None])  # (B or 1, L)
-        self.q_offset = _check_offset(q_offset, "q_offset")
-        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.ids = own(ids if ids.dim() == 2 else ids[None])  # (B or 1, L)
+        self.q_offset = check_offset(q_offset, "q_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
         self.batch_size = _batch_of(self.ids, self.q_offset, self.kv_offset)
 
-    def _held(self):
+    def tensors(self):
         return (self.ids,) + tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
+
+    def _key(self):
+        values = _values(self.ids, self.q_offset, self.kv_offset)
+        return None if values is None else ("document", self.is_part, values)
 
     is_part = False
 
@@ -566,8 +560,8 @@ class _Document(Mask):
 
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         other = copy.copy(self)
-        other.q_offset = _shifted(self.q_offset, q_start)
-        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.q_offset = shifted(self.q_offset, q_start)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
         other.is_part = True
         return other
 
@@ -583,17 +577,17 @@ class _Document(Mask):
     def _ids_at(self, offset, idx: torch.Tensor) -> torch.Tensor:
         """ids of positions ``idx + offset``: ``(B or 1, n)``."""
         ids = self.ids.to(idx.device)
-        pos = idx.reshape(1, -1) + _per_seq(offset, idx.device, 2)
+        pos = idx.reshape(1, -1) + per_seq(offset, idx.device, 2)
         pos = pos.expand(ids.shape[0], -1) if pos.shape[0] == 1 else pos
         ids = ids.expand(pos.shape[0], -1) if ids.shape[0] == 1 else ids
         return torch.gather(ids, 1, pos.clamp(0, ids.shape[-1] - 1))
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
         qi = self._ids_at(self.q_offset, q_idx[:, 0])  # (B, tq)
         ki = self._ids_at(self.kv_offset, kv_idx[0])  # (B, tk)
         return (qi[:, :, None] == ki[:, None, :])[:, None]  # (B, 1, tq, tk)
 
-    def _block_codes(self, b):
+    def block_codes(self, b):
         dev = b.device
         plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
         if plain and b.q_len == b.keys == self.ids.shape[-1]:
@@ -613,7 +607,7 @@ class _Document(Mask):
     def __repr__(self):
         ids = self.ids if self.ids.shape[0] > 1 else self.ids[0]
         extra = "".join(
-            f", {name}={_fmt(x)}" for name, x in (("q_offset", self.q_offset), ("kv_offset", self.kv_offset))
+            f", {name}={fmt(x)}" for name, x in (("q_offset", self.q_offset), ("kv_offset", self.kv_offset))
             if not (isinstance(x, int) and x == 0)
         )
         return f"document(ids of shape {tuple(ids.shape)}{extra})"
@@ -625,15 +619,19 @@ class _Padding(Mask):
             raise AttnkitTypeError(
                 f"lengths must be a sequence of ints or an integer tensor of shape (B,), but got {short(lengths)}."
             )
-        lengths = _own(check_int_tensor(lengths, "lengths", (1,)))
+        lengths = own(check_int_tensor(lengths, "lengths", (1,)))
         if lengths.device.type == "cpu" and (lengths < 0).any():
             raise AttnkitValueError(f"lengths must be >= 0, but got {short(lengths.tolist())}.")
         self.lengths = lengths
-        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
         self.batch_size = _batch_of(self.lengths, self.kv_offset) or lengths.shape[0]
 
-    def _held(self):
+    def tensors(self):
         return (self.lengths,) + ((self.kv_offset,) if isinstance(self.kv_offset, torch.Tensor) else ())
+
+    def _key(self):
+        values = _values(self.lengths, self.kv_offset)
+        return None if values is None else ("padding", self.is_part, values)
 
     is_part = False
 
@@ -649,24 +647,27 @@ class _Padding(Mask):
 
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         other = copy.copy(self)
-        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
         other.is_part = True  # lengths may reach past the part's keys
         return other
 
-    def _kv_limit(self):
+    def key_limit(self):
         return self.lengths - self.kv_offset
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        lengths = self.lengths.to(kv_idx.device)[:, None, None, None]  # (B, 1, 1, 1)
-        return kv_idx + _per_seq(self.kv_offset, kv_idx.device) < lengths  # (B, 1, 1, tk)
+    def limit_only(self):
+        return True
 
-    def _block_codes(self, b):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        lengths = self.lengths.to(kv_idx.device)[:, None, None, None]  # (B, 1, 1, 1)
+        return kv_idx + per_seq(self.kv_offset, kv_idx.device) < lengths  # (B, 1, 1, tk)
+
+    def block_codes(self, b):
         lengths = self.lengths.to(b.device)[:, None, None, None]  # (B, 1, 1, 1)
-        off = _per_seq(self.kv_offset, b.device)
+        off = per_seq(self.kv_offset, b.device)
         return b.code(full=b.k_hi + off < lengths, empty=b.k_lo + off >= lengths)
 
     def __repr__(self):
-        extra = "" if isinstance(self.kv_offset, int) and self.kv_offset == 0 else f", kv_offset={_fmt(self.kv_offset)}"
+        extra = "" if isinstance(self.kv_offset, int) and self.kv_offset == 0 else f", kv_offset={fmt(self.kv_offset)}"
         return f"padding(lengths={short(self.lengths.tolist())}{extra})"
 
 
@@ -686,10 +687,10 @@ class _Dense(Mask):
             )
         while tensor.dim() < 2:
             tensor = tensor[None]
-        self.tensor = _as4d(_own(tensor))  # (B or 1, H or 1, Lq or 1, Lk or 1), a copy: masks are values
+        self.tensor = as4d(own(tensor))  # (B or 1, H or 1, Lq or 1, Lk or 1), a copy: masks are values
         self.batch_size = self.tensor.shape[0] if self.tensor.shape[0] != 1 else None
 
-    def _held(self):
+    def tensors(self):
         return (self.tensor,)
 
     def lead_shape(self):
@@ -711,13 +712,13 @@ class _Dense(Mask):
             t = t[..., kv_start:kv_start + kv_count]
         return _Dense(t)
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
         t = self.tensor.to(q_idx.device)
         rows = q_idx if t.shape[-2] != 1 else torch.zeros_like(q_idx)
         cols = kv_idx if t.shape[-1] != 1 else torch.zeros_like(kv_idx)
         return t[:, :, rows, cols]  # (B, H, tq, tk)
 
-    def _block_codes(self, b):
+    def block_codes(self, b):
         t = self.tensor.to(b.device)  # (B, H, Lq or 1, Lk or 1)
         pad_q = 0 if t.shape[-2] == 1 else -t.shape[-2] % b.bq
         pad_k = 0 if t.shape[-1] == 1 else -t.shape[-1] % b.bk
@@ -745,19 +746,24 @@ class _FromFn(Mask):
         self.fn = fn
         self.batch_size = None if batch_size is None else check_nonnegative_int(batch_size, "batch_size")
         self.num_heads = None if num_heads is None else check_nonnegative_int(num_heads, "num_heads")
-        self.q_offset = _check_offset(q_offset, "q_offset")
-        self.kv_offset = _check_offset(kv_offset, "kv_offset")
+        self.q_offset = check_offset(q_offset, "q_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
 
-    def _held(self):
+    def tensors(self):
         return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
 
     def lead_shape(self):
         return (self.batch_size or 1, self.num_heads or 1)
 
+    def _key(self):
+        # the function by identity: a cache entry holds the mask, so the id is not reused meanwhile
+        offsets = _values(self.q_offset, self.kv_offset)
+        return None if offsets is None else ("from_fn", id(self.fn), self.batch_size, self.num_heads, offsets)
+
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         other = copy.copy(self)
-        other.q_offset = _shifted(self.q_offset, q_start)
-        other.kv_offset = _shifted(self.kv_offset, kv_start)
+        other.q_offset = shifted(self.q_offset, q_start)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
         return other
 
     def positions(self, q_len, kv_len, device=None):
@@ -768,19 +774,19 @@ class _FromFn(Mask):
         other.q_offset = self.q_offset + start  # (B,): q_idx is each query's position in its sequence
         return other
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
         dev = q_idx.device
         b = torch.arange(self.batch_size or 1, device=dev).view(-1, 1, 1, 1)
         h = torch.arange(self.num_heads or 1, device=dev).view(1, -1, 1, 1)
-        qi = q_idx.reshape(1, 1, -1, 1) + _per_seq(self.q_offset, dev)
-        ki = kv_idx.reshape(1, 1, 1, -1) + _per_seq(self.kv_offset, dev)
+        qi = q_idx.reshape(1, 1, -1, 1) + per_seq(self.q_offset, dev)
+        ki = kv_idx.reshape(1, 1, 1, -1) + per_seq(self.kv_offset, dev)
         out = self.fn(b, h, qi, ki)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             what = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
             raise AttnkitTypeError(
                 f"a from_fn mask function must return a bool tensor (True = may attend), but got {what}."
             )
-        out = _as4d(out)
+        out = as4d(out)
         shape = (b.shape[0], h.shape[0], q_idx.shape[0], kv_idx.shape[1])
         try:
             return out.expand(torch.broadcast_shapes(out.shape, (out.shape[0], out.shape[1], *shape[2:])))
@@ -790,14 +796,14 @@ class _FromFn(Mask):
                 f"to (B, H, tq, tk) = {shape}. Combine the index tensors b, h, q_idx, kv_idx by broadcasting."
             ) from None
 
-    def _block_codes(self, b):
+    def block_codes(self, b):
         rows = []
         k_len = b.keys
         pad = -k_len % b.bk
         kv_idx = torch.arange(k_len, device=b.device)[None, :]
         for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory
             q_idx = torch.arange(i * b.bq, min((i + 1) * b.bq, b.q_len), device=b.device)[:, None]
-            e = self._elements(q_idx, kv_idx, b.q_len, b.kv_len)  # (B, H, tq, Lk)
+            e = self.elements(q_idx, kv_idx, b.q_len, b.kv_len)  # (B, H, tq, Lk)
             full = torch.nn.functional.pad(e, (0, pad), value=True)
             any_ = torch.nn.functional.pad(e, (0, pad), value=False)
             full = full.view(*e.shape[:3], -1, b.bk).all(-1).all(-2)  # (B, H, nk)
@@ -825,15 +831,15 @@ class _Combine(Mask):
         self.op, self.left, self.right = op, left, right
         self.batch_size = lb if lb is not None else rb
 
-    def _held(self):
-        return self.left._held() + self.right._held()
+    def tensors(self):
+        return self.left.tensors() + self.right.tensors()
 
     def _key(self):
         a, b = self.left._key(), self.right._key()
         return None if a is None or b is None else (self.op, a, b)
 
-    def _kv_limit(self):
-        a, b = self.left._kv_limit(), self.right._kv_limit()
+    def key_limit(self):
+        a, b = self.left.key_limit(), self.right.key_limit()
         if self.op == "&":
             if a is None or b is None:
                 return a if b is None else b
@@ -857,17 +863,28 @@ class _Combine(Mask):
     def _in_cache(self, start):
         return _Combine(self.op, self.left._in_cache(start), self.right._in_cache(start))
 
+    def band(self, q_len, kv_len):
+        a, b = self.left.band(q_len, kv_len), self.right.band(q_len, kv_len)
+        if self.op != "&" or a is None or b is None:
+            return None
+        lo = a[0] if b[0] is None else b[0] if a[0] is None else max(a[0], b[0])
+        hi = a[1] if b[1] is None else b[1] if a[1] is None else min(a[1], b[1])
+        return lo, hi
+
+    def limit_only(self):
+        return self.op == "&" and self.left.limit_only() and self.right.limit_only()
+
     def positions(self, q_len, kv_len, device=None):
         found = self.left.positions(q_len, kv_len, device)
         return found if found is not None else self.right.positions(q_len, kv_len, device)
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
-        a = _as4d(self.left._elements(q_idx, kv_idx, q_len, kv_len))
-        b = _as4d(self.right._elements(q_idx, kv_idx, q_len, kv_len))
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        a = as4d(self.left.elements(q_idx, kv_idx, q_len, kv_len))
+        b = as4d(self.right.elements(q_idx, kv_idx, q_len, kv_len))
         return a & b if self.op == "&" else a | b
 
-    def _block_codes(self, b):
-        left, right = _as4d(self.left._block_codes(b)), _as4d(self.right._block_codes(b))
+    def block_codes(self, b):
+        left, right = as4d(self.left.block_codes(b)), as4d(self.right.block_codes(b))
         # EMPTY < PARTIAL < FULL: "&" keeps the lower code, "|" the higher
         return torch.minimum(left, right) if self.op == "&" else torch.maximum(left, right)
 
@@ -880,8 +897,8 @@ class _Combine(Mask):
 
 class _Cached(Mask):
     def __init__(self, mask, start, lengths):
-        self.start = _own(check_int_tensor(start, "start", (1,)))
-        self.lengths = _own(check_int_tensor(lengths, "lengths", (1,)))
+        self.start = own(check_int_tensor(start, "start", (1,)))
+        self.lengths = own(check_int_tensor(lengths, "lengths", (1,)))
         if self.start.shape != self.lengths.shape:
             raise AttnkitValueError(
                 f"start and lengths must have one entry per sequence, but got shapes "
@@ -890,10 +907,17 @@ class _Cached(Mask):
         self.mask = None if mask is None else as_mask(mask)._in_cache(self.start)
         self.batch_size = self.start.shape[0]
 
-    def _held(self):
-        return (self.start, self.lengths) + (self.mask._held() if self.mask else ())
+    def tensors(self):
+        return (self.start, self.lengths) + (self.mask.tensors() if self.mask else ())
 
-    def _kv_limit(self):
+    def _key(self):
+        values = _values(self.start, self.lengths)
+        inner = None if self.mask is None else self.mask._key()
+        if values is None or (self.mask is not None and inner is None):
+            return None
+        return ("cached", values, inner)
+
+    def key_limit(self):
         return self.lengths
 
     def lead_shape(self):
@@ -905,6 +929,9 @@ class _Cached(Mask):
         if longest > kv_len:
             raise AttnkitValueError(f"cached mask has a sequence of length {longest} but only Lk={kv_len} keys.")
 
+    def limit_only(self):
+        return self.mask is None
+
     def positions(self, q_len, kv_len, device=None):
         device = device or self.start.device
         q = self.start.to(device)[:, None] + torch.arange(q_len, device=device)  # (B, Lq): after each fill
@@ -914,19 +941,19 @@ class _Cached(Mask):
         """Where each sequence's queries end, ``(B, 1, 1, 1)``."""
         return (self.start.to(device) + q_len).view(-1, 1, 1, 1)
 
-    def _elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
         device = kv_idx.device
-        valid = _as4d(kv_idx < self.lengths.to(device).view(-1, 1, 1, 1))  # (B, 1, 1, tk)
+        valid = as4d(kv_idx < self.lengths.to(device).view(-1, 1, 1, 1))  # (B, 1, 1, tk)
         if self.mask is None:
             return valid
-        return _as4d(self.mask._elements(q_idx, kv_idx, q_len, self._ends(q_len, device))) & valid
+        return as4d(self.mask.elements(q_idx, kv_idx, q_len, self._ends(q_len, device))) & valid
 
-    def _block_codes(self, b):
+    def block_codes(self, b):
         lengths = self.lengths.to(b.device).view(-1, 1, 1, 1)
         valid = b.code(full=b.k_hi < lengths, empty=b.k_lo >= lengths)  # (B, 1, 1, nk)
         if self.mask is None:
             return valid
-        inner = _as4d(self.mask._block_codes(b.with_kv_len(self._ends(b.q_len, b.device))))
+        inner = as4d(self.mask.block_codes(b.with_kv_len(self._ends(b.q_len, b.device))))
         return torch.minimum(inner, valid)
 
     def __repr__(self):

@@ -34,7 +34,7 @@ import torch
 from attnkit import masks as _masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 
-__all__ = ["prepare", "PreparedMask", "Run", "RowBlock", "Group", "block_sizes"]
+__all__ = ["prepare", "PreparedMask", "Run", "RowBlock", "Group", "DEFAULT_BLOCK_SIZE", "prepared_for", "clear_cache"]
 
 #: Evaluated mask tiles a prepared mask may keep (bytes).
 TILE_CACHE_BYTES = 64 * 2**20
@@ -42,9 +42,10 @@ TILE_CACHE_BYTES = 64 * 2**20
 IMPLICIT_CACHE_SIZE = 16
 
 
-def block_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
-    """Query and key block sizes, chosen from ``benchmarks/cpu.py`` measurements."""
-    return 128, 64
+#: The block size ``prepare`` uses when none is asked for: the CPU kernel's (``benchmarks/cpu.py``).
+#: Each kernel declares its own (:attr:`attnkit.kernels.Kernel.block_size`); the registry
+#: prepares for the kernel it chooses.
+DEFAULT_BLOCK_SIZE = (128, 64)
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,15 @@ class PreparedMask:
     - ``kv_full (Bm, Hm, nq, nk) bool``: whether each listed block is full;
     - ``kv_limit (Bm,)`` or None: keys from here on are hidden (never read);
     - ``kept``: the mean fraction of blocks a (sequence, head) visits;
-    - ``groups``: the CPU kernel's plans (see :class:`Group`).
+    - ``groups``: the CPU kernel's plans (see :class:`Group`);
+    - ``band``: ``(lo, hi)`` when the mask is exactly the band ``lo <= j - i <= hi`` (causal
+      and sliding-window masks with int offsets, see :meth:`attnkit.masks.Mask.band`), so a
+      kernel can evaluate partial blocks from two ints; None otherwise;
+    - ``limit_only``: the mask hides exactly the keys from ``kv_limit`` on (padding).
 
-    It is immutable: :meth:`to` returns a new one.
+    Kernels read these facts (and :attr:`causal_shift`, :attr:`hides_nothing`,
+    :meth:`partial_bits`), never the mask's class. It is immutable: :meth:`to` returns a
+    new one.
     """
 
     mask: _masks.Mask | None
@@ -129,6 +136,8 @@ class PreparedMask:
     groups: tuple[Group, ...] = field(repr=False)
     kept: float
     tiles: _TileCache = field(repr=False, compare=False)
+    band: tuple[int | None, int | None] | None = None
+    limit_only: bool = False
 
     @property
     def masked(self) -> bool:
@@ -136,9 +145,35 @@ class PreparedMask:
         return any(g.masked for g in self.groups)
 
     @property
-    def everything(self) -> bool:
-        """Whether every pair may attend (the mask hides nothing)."""
+    def hides_nothing(self) -> bool:
+        """Whether every pair may attend (the mask hides nothing at these lengths)."""
         return bool(self.kept == 1.0 and not self.masked and self.kv_limit is None)
+
+    everything = hides_nothing
+
+    @property
+    def causal_shift(self) -> int | None:
+        """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (a causal mask with
+        int offsets; 0 is SDPA's ``is_causal``), else None."""
+        if self.band is None or self.band[0] is not None or self.mask is None:
+            return None
+        return self.band[1]
+
+    def partial_bits(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The element masks of the partial blocks, for kernels that read masks as data.
+
+        Returns ``bits (T, bq, bk) int8`` (1 = may attend; at least one tile) and
+        ``tile_ids (Bm, Hm, nq, nk) int32``: for the j-th listed key block of each row block
+        (the order of ``kv_indices``), the index of its tile in ``bits``, or -1 for a full
+        block. O(partial blocks) bytes; computed once per prepared mask and device.
+        """
+        device = torch.device(device) if device is not None else self.device
+        key = ("partial_bits", str(device))
+        found = self.tiles.get(key)
+        if found is None:
+            found = _partial_bits(self, device)
+            self.tiles.put(key, found, found[0].numel() + 4 * found[1].numel())
+        return found
 
     @property
     def lead_shape(self) -> tuple[int, int]:
@@ -162,11 +197,17 @@ class PreparedMask:
         """The same prepared mask with its tensors on ``device`` (a new value)."""
         return prepare(self.mask, self.q_len, self.kv_len, device=device, block_size=self.block_size)
 
+    def with_block_size(self, block_size: tuple[int, int]) -> PreparedMask:
+        """The same mask prepared for another block size (through the implicit cache: once)."""
+        if tuple(block_size) == self.block_size:
+            return self
+        return prepared_for(self.mask, self.q_len, self.kv_len, self.device, tuple(block_size))
+
     def materialize(self, device=None) -> torch.Tensor:
         """The dense bool mask ``(Bm, Hm, Lq, Lk)`` (True = may attend)."""
         if self.mask is None:
             return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device or self.device)
-        return self.mask._dense(self.q_len, self.kv_len, device or self.device)
+        return self.mask.materialize(self.q_len, self.kv_len, device or self.device, check=False)
 
     def __repr__(self) -> str:
         bq, bk = self.block_size
@@ -194,7 +235,7 @@ def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int
     q_len = check_nonnegative_int(q_len, "q_len")
     kv_len = check_nonnegative_int(kv_len, "kv_len")
     mask = None if mask is None else _masks.as_mask(mask)
-    bq, bk = block_size if block_size is not None else block_sizes(q_len, kv_len)
+    bq, bk = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
     bq, bk = check_nonnegative_int(bq, "bq"), check_nonnegative_int(bk, "bk")
     if bq == 0 or bk == 0:
         raise AttnkitValueError(f"block sizes must be positive, but got block_size=({bq}, {bk}).")
@@ -213,7 +254,7 @@ def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int
     else:
         mask.check(q_len, kv_len)
         mask.check_values(q_len, kv_len)
-        limit = mask._kv_limit()
+        limit = mask.key_limit()
         if limit is not None:
             limit = limit.to(device).clamp(0, kv_len)
             if bool((limit >= kv_len).all()):
@@ -227,10 +268,40 @@ def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int
     kv_full = torch.gather(codes, -1, order) == _masks.FULL
     kept = float(kept_blocks.float().mean()) if codes.numel() else 0.0
     groups = _plan_groups(codes.cpu().numpy(), None if limit is None else limit.cpu().numpy(), q_len, kv_len, bq, bk)
+    band = None if mask is None else mask.band(q_len, kv_len)
+    limit_only = mask is not None and mask.limit_only()
     return PreparedMask(
         mask, q_len, kv_len, (bq, bk), codes, kv_num, kv_indices, kv_full, limit, groups, kept,
-        _TileCache(TILE_CACHE_BYTES),
+        _TileCache(TILE_CACHE_BYTES), band, limit_only,
     )
+
+
+def _partial_bits(prepared: PreparedMask, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :meth:`PreparedMask.partial_bits` (one host sync: which blocks are partial)."""
+    from attnkit._indexing import as4d
+
+    codes = prepared.codes
+    bq, bk = prepared.block_size
+    bm, hm, nq, nk = codes.shape
+    ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
+    tiles = []
+    by_block: dict = {}
+    for b, h, i, j in (codes == _masks.PARTIAL).nonzero().tolist():
+        by_block.setdefault((i, j), []).append((b, h))
+    last_q, last_k = max(prepared.q_len - 1, 0), max(prepared.kv_len - 1, 0)
+    for (i, j), where in by_block.items():
+        q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
+        kv_idx = torch.arange(j * bk, (j + 1) * bk)[None, :]
+        inside = (q_idx < prepared.q_len) & (kv_idx < prepared.kv_len)
+        e = as4d(prepared.mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k),
+                                        prepared.q_len, prepared.kv_len)).cpu()
+        e = e.expand(*e.shape[:2], bq, bk) & inside
+        for b, h in where:
+            ids[b, h, i, j] = len(tiles)
+            tiles.append(e[min(b, e.shape[0] - 1), min(h, e.shape[1] - 1)])
+    bits = torch.stack(tiles).to(torch.int8) if tiles else torch.ones(1, bq, bk, dtype=torch.int8)
+    listed = ids.gather(-1, prepared.kv_indices.long().cpu().clamp(min=0))
+    return bits.to(device).contiguous(), listed.to(device).contiguous()
 
 
 # --- the CPU kernel's plans -----------------------------------------------------------
@@ -323,10 +394,20 @@ _implicit: OrderedDict = OrderedDict()
 _implicit_lock = threading.Lock()
 
 
-def prepared_for(mask: _masks.Mask, q_len: int, kv_len: int, device) -> PreparedMask:
-    """``prepare(mask, q_len, kv_len, device=device)`` through the bounded implicit cache."""
-    value_key = mask._key()
-    key = (value_key if value_key is not None else ("id", id(mask)), q_len, kv_len, str(device))
+#: How many preparations the implicit cache has made (tests count them).
+PREPARATIONS = {"count": 0}
+
+
+def prepared_for(mask: _masks.Mask | None, q_len: int, kv_len: int, device,
+                 block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> PreparedMask:
+    """``prepare(mask, q_len, kv_len, device=device, block_size=block_size)`` through the
+    bounded implicit cache: once per (mask, lengths, device, block size).
+
+    Masks are found by value (:meth:`attnkit.masks.Mask._key`: kind, parameters and small
+    CPU tensors), others by identity.
+    """
+    value_key = ("no mask",) if mask is None else mask._key()
+    key = (value_key if value_key is not None else ("id", id(mask)), q_len, kv_len, str(device), tuple(block_size))
     with _implicit_lock:
         hit = _implicit.get(key)
         if hit is not None:
@@ -335,7 +416,8 @@ def prepared_for(mask: _masks.Mask, q_len: int, kv_len: int, device) -> Prepared
                 _implicit.move_to_end(key)
                 return prepared
             del _implicit[key]
-    prepared = prepare(mask, q_len, kv_len, device=device)
+    prepared = prepare(mask, q_len, kv_len, device=device, block_size=block_size)
+    PREPARATIONS["count"] += 1
     ref = None if value_key is not None else weakref.ref(mask)
     with _implicit_lock:
         _implicit[key] = (ref, prepared)

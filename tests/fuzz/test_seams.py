@@ -34,7 +34,7 @@ FUZZ = os.environ.get("ATTNKIT_FUZZ_PROFILE", "ci") == "fuzz"
 # --- the oracle ---------------------------------------------------------------------------------
 
 
-def formula(q, k, v, allowed=None, bias=None, softcap=None, sinks=None, scale=None):
+def formula(q, k, v, allowed=None, bias=None, softcap=None, sinks=None, scale=None, score_mod=None):
     """``(out, weights, lse)`` of softmax(softcap(q k^T scale) + bias, hidden pairs -inf, sinks) @ v.
 
     ``allowed``: bool broadcastable to (B, Hq, Lq, Lk) or None; ``bias``: float, the same;
@@ -50,6 +50,9 @@ def formula(q, k, v, allowed=None, bias=None, softcap=None, sinks=None, scale=No
         s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias.to(s.dtype)
+    if score_mod is not None:
+        idx = [torch.arange(n).view(*([1] * i), n, *([1] * (3 - i))) for i, n in enumerate(s.shape[-4:])]
+        s = score_mod(s, *idx).to(s.dtype)
     if allowed is not None:
         s = s.masked_fill(~allowed, NEG_INF)  # overwrites whatever the bias held at hidden pairs
     if sinks is not None:
@@ -194,6 +197,14 @@ def a_bias(draw, b, hq, lq, lk, dtype, simple=False):
     return B.dense(t), (t,), "dense"
 
 
+SCORE_MODS = {
+    "none": None,
+    "relu": lambda s, b, h, i, j: torch.relu(s),
+    "gate": lambda s, b, h, i, j: s - torch.sigmoid(0.5 * s + 0.1 * h) - 0.02 * (i - j).abs(),  # -inf stays -inf
+    "cap": lambda s, b, h, i, j: 4.0 * torch.tanh(s / 4.0) + 0.3 * b,
+}
+
+
 def _sinks(draw, hq, pd):
     kind = draw(st.sampled_from(["none", "normal", "-inf", "extreme"]))
     if kind == "none":
@@ -257,9 +268,12 @@ def test_plain_call(size, data, dtype, kernel):
     softcap = data.draw(st.one_of(st.none(), st.floats(0.5, 50.0)))
     pd = torch.float64 if dtype == torch.float64 else torch.float32
     sinks = _sinks(data.draw, hq, pd)
+    mod_name = data.draw(st.sampled_from(list(SCORE_MODS)))
     q, k, v, l_what = _draw_inputs(data.draw, size, dtype, scale=data.draw(st.sampled_from([1.0, 4.0])))
-    note(f"{size} {dtype} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} | {l_what}")
-    mods = {"attn_bias": attn_bias, "softcap": softcap, "sinks": None if sinks is None else sinks.detach()}
+    note(f"{size} {dtype} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} score_mod={mod_name} "
+         f"| {l_what}")
+    mods = {"attn_bias": attn_bias, "softcap": softcap, "sinks": None if sinks is None else sinks.detach(),
+            "score_mod": SCORE_MODS[mod_name]}
     try:
         out = attnkit.attention(q, k, v, mask, kernel=kernel, **mods)
     except ValueError as err:  # a forced kernel may refuse (SDPA has no sinks): that must be all
@@ -267,9 +281,9 @@ def test_plain_call(size, data, dtype, kernel):
         return
     allowed, dense_bias = _allowed(mask, lq, lk), _dense_bias(attn_bias, b, hq, lq, lk)
     gold, w_gold, lse_gold = formula(q.double(), k.double(), v.double(), allowed, dense_bias, softcap,
-                                     None if sinks is None else sinks.detach().double())
+                                     None if sinks is None else sinks.detach().double(), score_mod=SCORE_MODS[mod_name])
     naive, _, _ = formula(q, k, v, allowed, None if dense_bias is None else dense_bias.to(dtype), softcap,
-                          None if sinks is None else sinks.detach().to(dtype))
+                          None if sinks is None else sinks.detach().to(dtype), score_mod=SCORE_MODS[mod_name])
     check(out, gold, naive, "out")
     if kernel in ("tiled", "reference", "auto"):
         _, lse = attnkit.attention(q, k, v, mask, kernel=kernel, return_lse=True, **mods)
@@ -288,16 +302,18 @@ def test_plain_call_gradients(size, data, kernel):
     attn_bias, params, b_what = data.draw(a_bias(b, hq, lq, lk, torch.float64))
     softcap = data.draw(st.one_of(st.none(), st.floats(0.5, 50.0)))
     sinks = _sinks(data.draw, hq, torch.float64)
+    mod_name = data.draw(st.sampled_from(list(SCORE_MODS)))
     q, k, v, l_what = _draw_inputs(data.draw, size, torch.float64)
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    note(f"{size} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} | {l_what}")
+    note(f"{size} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} score_mod={mod_name} | {l_what}")
     up = torch.randn(b, hq, lq, dv, dtype=torch.float64)
     wanted = [q, k, v, *params] + ([sinks] if sinks is not None else [])
-    out = attnkit.attention(q, k, v, mask, kernel=kernel, attn_bias=attn_bias, softcap=softcap, sinks=sinks)
+    out = attnkit.attention(q, k, v, mask, kernel=kernel, attn_bias=attn_bias, softcap=softcap, sinks=sinks,
+                            score_mod=SCORE_MODS[mod_name])
     ours = torch.autograd.grad(out, wanted, up, allow_unused=True)
     allowed = _allowed(mask, lq, lk)
     dense = None if attn_bias is None else attn_bias.dense(b, hq, lq, lk, "cpu").double()
-    gold, _, _ = formula(q, k, v, allowed, dense, softcap, sinks)
+    gold, _, _ = formula(q, k, v, allowed, dense, softcap, sinks, score_mod=SCORE_MODS[mod_name])
     theirs = torch.autograd.grad(gold, wanted, up, allow_unused=True)
     for i, (a, w) in enumerate(zip(ours, theirs)):
         a = torch.zeros_like(wanted[i]) if a is None else a

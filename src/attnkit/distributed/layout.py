@@ -88,7 +88,7 @@ def part_of(mask, q_len: int, kv_len: int, q_piece, kv_piece):
     if mask is None:
         return None
     (a, b), (c, d) = q_piece, kv_piece
-    return mask._part(a, c, q_len, kv_len, b - a, d - c)
+    return mask.part(q_len, kv_len, q=slice(a, b), kv=slice(c, d))
 
 
 def kept_span(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> tuple[int, int] | None:
@@ -100,7 +100,7 @@ def kept_span(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> tuple[int, in
     if mask is None:
         return (c, d)
     part = part_of(mask, q_len, kv_len, q_piece, kv_piece)
-    codes = part._block_map(b - a, d - c, PLAN_BLOCK, PLAN_BLOCK, device="cpu", kv_limit=part._kv_limit())
+    codes = part.block_map(b - a, d - c, PLAN_BLOCK, PLAN_BLOCK, device="cpu")
     kept = (codes != _masks.EMPTY).reshape(-1, codes.shape[-1]).any(0).nonzero()
     if kept.numel() == 0:
         return None
@@ -115,7 +115,7 @@ def kept_area(mask, q_len: int, kv_len: int, q_piece, kv_piece, block: int = 128
     if mask is None:
         return (b - a) * (d - c)
     part = part_of(mask, q_len, kv_len, q_piece, kv_piece)
-    codes = part._block_map(b - a, d - c, block, block, device="cpu", kv_limit=part._kv_limit())
+    codes = part.block_map(b - a, d - c, block, block, device="cpu")
     kept = (codes != _masks.EMPTY).any(0).any(0)  # (nq, nk): kept for some sequence or head
     rows = torch.tensor([min(block, b - a - i) for i in range(0, b - a, block)])
     cols = torch.tensor([min(block, d - c - j) for j in range(0, d - c, block)])

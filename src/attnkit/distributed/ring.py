@@ -27,8 +27,9 @@ from attnkit import bias as _bias
 from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError, check_qkv, short
 from attnkit.distributed import layout as _layout
 from attnkit.functional import attention
-from attnkit.kernels import tiled as _tiled
-from attnkit.kernels.registry import add_sinks
+from attnkit.kernels import tiled
+from attnkit.kernels.lse import accumulator_dtype, add_sinks, merge_into
+from attnkit.masks import Mask
 from attnkit.prepare import prepare
 
 __all__ = ["RingError", "ring_attention"]
@@ -155,7 +156,7 @@ def _fingerprint(obj) -> int:
     """A number that differs when two ranks hold different masks or biases."""
     if obj is None:
         return 0
-    held = obj._held() if hasattr(obj, "_held") else tuple(obj.params())
+    held = obj.tensors() if isinstance(obj, Mask) else tuple(obj.params())
     crc = zlib.crc32(repr(obj).encode())
     for t in held:
         t = t.detach().cpu().contiguous()
@@ -212,25 +213,6 @@ def _lengths(comm, rows, layout, field, what) -> int:
     return total
 
 
-# --- merging ----------------------------------------------------------------------------
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 accumulation (float64 for float64 inputs), as attention()'s lse."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _merge(acc_out, acc_lse, out, lse):
-    """Merge a partial ``(out, lse)`` into the accumulators (in place where possible)."""
-    lse = lse.to(acc_lse.dtype)
-    new = torch.logaddexp(acc_lse, lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows nothing reached: -inf
-    w_acc = torch.exp(acc_lse - safe)
-    w_new = torch.exp(lse - safe)
-    acc_out.mul_(w_acc[..., None]).add_(out.to(acc_out.dtype) * w_new[..., None])
-    return acc_out, new
-
-
 def _split(x: torch.Tensor, sizes) -> list[torch.Tensor]:
     return list(torch.split(x, list(sizes), dim=-2))
 
@@ -260,7 +242,7 @@ class _Ring:
         part_bias = None
         if attn_bias is not None:
             (a, b), (c, d) = q_piece, kv_piece
-            part_bias = attn_bias._part(a, c, s.q_len, s.kv_len, b - a, d - c)
+            part_bias = attn_bias.part(s.q_len, s.kv_len, q=slice(a, b), kv=slice(c, d))
         return attention(q, k, v, mask, attn_bias=part_bias, softcap=self.softcap, scale=self.scale,
                          return_lse=True)
 
@@ -314,7 +296,7 @@ class _Ring:
         q_pieces = _split(q, self.sizes(s.q_pieces[me]))
         k_pieces = _split(k, self.sizes(s.kv_pieces[me]))
         v_pieces = _split(v, self.sizes(s.kv_pieces[me]))
-        dv, acc = v.shape[-1], _acc_dtype(q)
+        dv, acc = v.shape[-1], accumulator_dtype(q)
         outs = [torch.zeros(*p.shape[:-1], dv, dtype=acc, device=q.device) for p in q_pieces]
         lses = [torch.full(p.shape[:-1], -math.inf, dtype=acc, device=q.device) for p in q_pieces]
         nxt = ([], {})
@@ -323,7 +305,7 @@ class _Ring:
             for i, j in s.pairs[me][s.source(me, step)]:
                 kk, vv, span = kv[j]
                 out, lse = self.rectangle(q_pieces[i], kk, vv, s.q_pieces[me][i], span, attn_bias)
-                outs[i], lses[i] = _merge(outs[i], lses[i], out, lse)
+                outs[i], lses[i] = merge_into(outs[i], lses[i], out, lse)
         comm.finish(nxt[0])
         return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
 
@@ -331,7 +313,7 @@ class _Ring:
         """Gradients of q, k, v and of the bias parameters (this rank's contribution)."""
         me, s, comm = self.comm.rank, self.sched, self.comm
         q_sizes = self.sizes(s.q_pieces[me])
-        acc = _acc_dtype(q)
+        acc = accumulator_dtype(q)
         q_pieces, out_pieces = _split(q, q_sizes), _split(out.to(acc), q_sizes)
         dout_pieces = _split(dout.to(acc), q_sizes)
         lse_pieces = list(torch.split(lse, q_sizes, dim=-1))
@@ -399,9 +381,9 @@ class _Ring:
         (a, b), (c, d) = q_piece, kv_piece
         mask = _layout.part_of(self.mask, s.q_len, s.kv_len, q_piece, kv_piece)
         prepared = prepare(mask, b - a, d - c, device=q.device)
-        part_bias = None if attn_bias is None else attn_bias._part(a, c, s.q_len, s.kv_len, b - a, d - c)
+        part_bias = None if attn_bias is None else attn_bias.part(s.q_len, s.kv_len, q=slice(a, b), kv=slice(c, d))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        dq, dk, dv = _tiled.backward_part(q, k, v, prepared, out, lse, dout, dlse, scale=scale,
+        dq, dk, dv = tiled.backward_part(q, k, v, prepared, out, lse, dout, dlse, scale=scale,
                                           bias=part_bias, softcap=self.softcap)
         return [dq, dk, dv, *([None] * len(params))]
 

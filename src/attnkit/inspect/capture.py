@@ -56,6 +56,7 @@ class Capture:
                 "model must be loaded with attn_implementation='attnkit' after "
                 "`import attnkit.integrations.transformers`)."
             )
+        self._model = model
         self.weights: list[torch.Tensor] = []
         self.stats: list = []
         self.names: list[str] = []
@@ -105,7 +106,9 @@ class Capture:
 
     def __enter__(self) -> Capture:
         if self._hf_names is not None:
-            from attnkit.integrations.transformers import register_attention_hook
+            from attnkit.integrations.transformers import check_model, register_attention_hook
+
+            check_model(self._model)  # a model that bypasses the interface would record nothing
 
             self._handles.append(register_attention_hook(self._hf_hook))
             return self

@@ -14,8 +14,8 @@ import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.functional import _call
-from attnkit.kernels import registry as _registry
-from attnkit.kernels import tiled as _tiled
+from attnkit.kernels import registry
+from attnkit.kernels import tiles
 from attnkit.prepare import Run
 
 __all__ = ["AttentionStats", "attention_stats"]
@@ -185,7 +185,7 @@ def _row_topk(w: torch.Tensor, k: int):
     return vals, keys.flatten(-2).gather(-1, pick)
 
 
-def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=None, sinks=None,
+def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=None, sinks=None, score_mod=None,
                     sink_tokens: int = 1, topk: int = 0) -> AttentionStats:
     """Exact statistics of the attention weights, in O(L) memory (see :class:`AttentionStats`).
 
@@ -210,15 +210,15 @@ def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=N
             "attention_stats takes bool masks or mask objects; pass an additive float mask as "
             "attn_bias=attnkit.bias.dense(tensor) (and -inf entries as a bool mask)."
         )
-    call = _call(q, k, v, mask, scale, 0.0, True, attn_bias, softcap, sinks)
+    call = _call(q, k, v, mask, scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
     squeeze = q.dim() - 4
     if squeeze > 0:
         raise AttnkitValueError(f"attention_stats takes inputs of rank 2 to 4, but q has shape {tuple(q.shape)}.")
     q4, k4, v4 = (t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) for t in (q, k, v))
-    call = _call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks)
+    call = _call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
     with torch.no_grad():
-        plan = _registry.choose(call)
-        _, lse = _registry.run(call, plan)  # includes the sinks' mass
+        plan = registry.choose(call)
+        _, lse = registry.run(call, plan)  # includes the sinks' mass
         stats = _reduce(call, lse, sink_tokens, topk)
     if q.dim() < 4:
         stats = AttentionStats(**{f.name: None if getattr(stats, f.name) is None else
@@ -238,12 +238,12 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
     q, k, v = call.q, call.k, call.v
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    ct = _tiled._compute_dtype(q.dtype)
+    ct = tiles.compute_dtype(q.dtype)
     lse = lse.to(ct)
     prepared = call.get_prepared()
     qpos, kpos = _positions(call.mask_object(), lq, lk, q.device, ct)
-    tcall = _tiled._Call(prepared, call.scale, 0.0, 0, False, call.bias, call.softcap,
-                         tuple(call.bias.params()) if call.bias is not None else ())
+    tcall = tiles.TileCall(prepared, call.scale, 0.0, 0, False, call.bias, call.softcap,
+                           tuple(call.bias.params()) if call.bias is not None else (), score_mod=call.score_mod)
     out = {
         "entropy": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
         "max_weight": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
@@ -257,14 +257,14 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
         out["topk_keys"] = torch.full((b, hq, lq, topk), -1, dtype=torch.int64, device=q.device)
     if lq and lk:
         for gi, group in enumerate(prepared.groups):
-            sel = _tiled._select(group, prepared, b, hq, hkv, q.device, call.bias)
-            qg, kg, vg = _tiled._group_inputs(sel, q, k, v)
-            lse_g = _tiled._take(_tiled._take(lse, 0, sel.batch), 1, sel.q_heads)
-            qpos_g, kpos_g = (pos if pos.shape[0] == 1 else _tiled._take(pos, 0, sel.batch) for pos in (qpos, kpos))
+            sel = tiles.select(group, prepared, b, hq, hkv, q.device, call.bias is not None or call.score_mod is not None)
+            qg, kg, vg = tiles.group_inputs(sel, q, k, v)
+            lse_g = tiles.take(tiles.take(lse, 0, sel.batch), 1, sel.q_heads)
+            qpos_g, kpos_g = (pos if pos.shape[0] == 1 else tiles.take(pos, 0, sel.batch) for pos in (qpos, kpos))
             acc = _Accumulator(lse_g, lk, sink_tokens, topk, qpos_g, kpos_g)
             _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, acc)
             for name in out:
-                _tiled._put_rows(out[name], sel, getattr(acc, name))
+                tiles.put_rows(out[name], sel, getattr(acc, name))
     if call.sinks is not None:  # the sink is one more outcome of each row's distribution
         w_sink = torch.exp(call.sinks.to(ct).view(-1, 1) - lse)
         w_sink = torch.where(torch.isfinite(lse), w_sink, torch.zeros_like(w_sink))
@@ -275,20 +275,20 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
 def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:
     """Feed every kept tile's weights ``exp(s - lse)`` to ``acc``."""
     hq, hkv = q.shape[1], k.shape[1]
-    for row in _tiled._math_rows(group.rows):
+    for row in tiles.math_rows(group.rows):
         if not row.runs:
             continue
-        lf = _tiled._fold(lse[:, :, row.q0 : row.q1, None], hkv)  # (Bs, Hkv, g*n, 1)
+        lf = tiles.fold(lse[:, :, row.q0 : row.q1, None], hkv)  # (Bs, Hkv, g*n, 1)
         lf = torch.where(torch.isfinite(lf), lf, torch.zeros_like(lf))
         for run in row.runs:
             for k0 in range(run.k0, run.k1, STATS_KEYS):
                 chunk = Run(k0, min(k0 + STATS_KEYS, run.k1), run.full)
-                qf, kr, _, tile = _tiled._run_inputs(tcall, gi, sel, q, k, v, row, chunk)
-                bias_tile = _tiled._bias_tile(tcall, sel, row, chunk, hq, hkv)
-                s, _ = _tiled._math_scores(tcall, qf, kr, tile, bias_tile)  # (Bs, Hkv, g*n, S), -inf where hidden
+                qf, kr, _, tile = tiles.run_inputs(tcall, gi, sel, q, k, v, row, chunk)
+                bias_tile = tiles.bias_tile(tcall, sel, row, chunk, hq, hkv)
+                s, _, _ = tiles.scores(tcall, qf, kr, tile, bias_tile, where=(sel, row, chunk))  # (Bs, Hkv, g*n, S)
                 d = s.sub_(lf)  # log-weights (<= 0 up to rounding), -inf for pairs that get no weight
-                counted = d > _tiled._EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
-                d = d.clamp_(min=_tiled._EXP_FLOOR, max=0.0)
+                counted = d > tiles.EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
+                d = d.clamp_(min=tiles.EXP_FLOOR, max=0.0)
                 w = torch.exp(d).mul_(counted)
-                acc.add(_tiled._unfold(w, hq), _tiled._unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
+                acc.add(tiles.unfold(w, hq), tiles.unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
 

@@ -17,21 +17,24 @@ so it is prepared once. A pattern it cannot translate becomes a dense mask built
 by transformers itself (exact, but without block sparsity); ``attnkit.explain``
 then names a ``dense`` mask.
 
+A mask function it does not recognise is wrapped as :func:`attnkit.masks.from_fn`
+(transformers' mask functions are index-based, as FlexAttention's ``mask_mod``), so it keeps
+its block structure too; only one that cannot be evaluated on index tensors falls back
+to transformers' own dense mask.
+
 The attention function maps ``scaling``, ``dropout``, ``softcap`` (Gemma 2),
 ``s_aux`` (gpt-oss sinks), ``position_bias`` (T5's relative bias, as a dense bias),
-GQA and ``output_attentions`` onto :func:`attnkit.attention`. Models that compute
-attention themselves (ALiBi models such as Bloom and Falcon) are refused by
-:func:`check_model` rather than run without attnkit.
+GQA and ``output_attentions`` onto :func:`attnkit.attention`; :func:`attnkit.use_kernels`
+reaches it. Models that compute attention in their own code (ALiBi models such as
+Bloom and Falcon) would ignore the name: :func:`check_model` says so, and attnkit's own
+entry points (``capture``, ``attnkit show --model``) call it. Nothing of transformers
+is patched; :func:`unregister` removes the name again. transformers' internals are read
+in :mod:`attnkit.integrations._transformers_compat` only.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
-import inspect
-import re
-import sys
-import warnings
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -40,24 +43,17 @@ from attnkit import bias as _bias
 from attnkit import masks
 from attnkit._validate import AttnkitValueError
 from attnkit.functional import attention, attention_with_weights
+from attnkit.integrations import _transformers_compat as compat
 from attnkit.prepare import prepare
 
-try:
-    import transformers
-    from transformers import AttentionInterface
-    from transformers import masking_utils as _mu
-except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
-    raise ModuleNotFoundError(
-        "attnkit.integrations.transformers needs HuggingFace transformers: pip install 'attnkit[hf]'"
-    ) from err
-
-__all__ = ["NAME", "attention_forward", "check_model", "mask_function", "register_attention_hook", "translate"]
+__all__ = ["NAME", "attention_forward", "check_model", "mask_function", "register", "register_attention_hook",
+           "translate", "unregister", "uses_attention_interface"]
 
 #: The name to pass as ``attn_implementation``.
 NAME = "attnkit"
 
 #: transformers versions this integration is tested with.
-TESTED = ("5.24",)
+TESTED = compat.TESTED
 
 
 # --- masks -----------------------------------------------------------------------------
@@ -84,34 +80,26 @@ def _or(a, b):
     return a | b
 
 
-def _closure(fn) -> dict:
-    names = fn.__code__.co_freevars
-    return {name: cell.cell_contents for name, cell in zip(names, fn.__closure__ or ())}
-
-
-def _kind(fn) -> str:
-    return getattr(fn, "__qualname__", "").split(".<locals>", 1)[0]
-
-
-def translate(fn, kv_length: int, *, q_offset=0, kv_offset=0):
+def translate(fn, kv_length: int, *, q_offset=0, kv_offset=0, unknown=None):
     """An attnkit mask for a transformers mask function (``_ALL`` when it allows everything).
 
     Positions follow transformers: query ``i`` is at ``i + q_offset``, key ``j`` at
-    ``j + kv_offset``. Raises :class:`Untranslatable` for patterns it does not know.
+    ``j + kv_offset``. A part it has no formula for goes to ``unknown(fn)`` (e.g.
+    :func:`_as_from_fn`), or raises :class:`Untranslatable` when that is None.
     """
-    sub = {"q_offset": q_offset, "kv_offset": kv_offset}
+    sub = {"q_offset": q_offset, "kv_offset": kv_offset, "unknown": unknown}
     pos = {"align": "top_left", "q_offset": q_offset, "kv_offset": kv_offset}
-    if fn is _mu.causal_mask_function:
+    if fn is compat.causal_mask_function:
         return masks.causal(**pos)
-    if fn is _mu.bidirectional_mask_function:
+    if fn is compat.bidirectional_mask_function:
         return _ALL
-    kind, cells = _kind(fn), _closure(fn) if callable(fn) and hasattr(fn, "__code__") else {}
+    kind, cells = compat.kind(fn), compat.cells(fn)
     if kind in ("and_masks", "or_masks"):
         parts = list(cells["mask_functions"])
-        overlay = [p for p in parts if _kind(p) == "sliding_window_overlay"]
-        if kind == "and_masks" and overlay and _mu.causal_mask_function in parts:
-            window = _closure(overlay[0])["sliding_window"]  # kv > q - window, and kv <= q
-            parts = [p for p in parts if p is not overlay[0] and p is not _mu.causal_mask_function]
+        overlay = [p for p in parts if compat.kind(p) == "sliding_window_overlay"]
+        if kind == "and_masks" and overlay and compat.causal_mask_function in parts:
+            window = compat.cells(overlay[0])["sliding_window"]  # kv > q - window, and kv <= q
+            parts = [p for p in parts if p is not overlay[0] and p is not compat.causal_mask_function]
             result = masks.sliding_window(window - 1, 0, **pos)
         else:
             result = _ALL if kind == "and_masks" else None
@@ -131,7 +119,20 @@ def translate(fn, kv_length: int, *, q_offset=0, kv_offset=0):
         return translate(cells["mask_function"], kv_length, **sub)
     if kind == "padding_mask_function":  # (B, kv_offset + kv_length), indexed by key position
         return _key_mask(cells["padding_mask"], kv_offset, kv_length)
+    if unknown is not None:
+        return unknown(fn)
     raise Untranslatable(getattr(fn, "__qualname__", repr(fn)))
+
+
+def _as_from_fn(fn, batch_size: int, q_offset, kv_offset) -> masks.Mask:
+    """A mask function attnkit has no formula for, as :func:`attnkit.masks.from_fn`: transformers'
+    mask functions take broadcasting index tensors (batch, head, query position, key position)."""
+
+    def transformers_mask(b, h, q_idx, kv_idx):
+        return torch.as_tensor(fn(b, h, q_idx, kv_idx), dtype=torch.bool)
+
+    transformers_mask.__name__ = getattr(fn, "__qualname__", "mask_function").split(".<locals>")[0]
+    return masks.from_fn(transformers_mask, batch_size=batch_size, q_offset=q_offset, kv_offset=kv_offset)
 
 
 def _key_mask(padding, kv_offset, kv_length):
@@ -145,36 +146,37 @@ def _key_mask(padding, kv_offset, kv_length):
 
 
 def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
-                  mask_function=_mu.causal_mask_function, attention_mask=None, **kwargs):
+                  mask_function=compat.causal_mask_function, attention_mask=None, **kwargs):
     """transformers' mask interface for ``"attnkit"``: a :class:`~attnkit.PreparedMask` or None.
 
-    None means "no mask" (bidirectional attention without padding). A pattern that
-    cannot be translated comes back as transformers' own dense bool mask.
+    None means "no mask" (bidirectional attention without padding). A pattern with no
+    attnkit formula becomes a ``from_fn`` mask; one that cannot be evaluated on index
+    tensors comes back as transformers' own dense bool mask.
     """
     device = kwargs.get("device", "cpu")
-    padding = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if kwargs.get("allow_is_causal_skip") and _mu._ignore_causal_mask_sdpa(
+    padding = compat.padding_mask(attention_mask, kv_length, kv_offset)
+    if kwargs.get("allow_is_causal_skip") and compat.ignore_causal_mask(
         padding, q_length, kv_length, q_offset, kv_offset, kwargs.get("local_size")
     ):
         return None  # plain causal attention over every key (the attention function applies it)
     q_off = _offset(q_offset)
     kv_off = _offset(kv_offset)
     try:
-        pattern = translate(mask_function, kv_length, q_offset=q_off, kv_offset=kv_off)
+        pattern = translate(mask_function, kv_length, q_offset=q_off, kv_offset=kv_off,
+                            unknown=lambda fn: _as_from_fn(fn, batch_size, q_off, kv_off))
         if padding is not None:
             pattern = _and(pattern, _key_mask(padding, kv_off, kv_length))
-    except (Untranslatable, AttnkitValueError, TypeError):
-        dense = _mu.sdpa_mask(
+        if pattern is _ALL:
+            return None
+        # Prepared once here, shared by every layer of this forward.
+        prepared = prepare(pattern, q_length, kv_length, device=device)
+    except (Untranslatable, ValueError, TypeError, IndexError, RuntimeError):  # not evaluable on index tensors
+        return compat.dense_mask(  # transformers' own bool mask (B, 1, Lq, Lk): exact, but dense
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-            allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
             use_vmap=kwargs.get("use_vmap", False), device=device,
         )
-        return dense  # transformers' own bool mask (B, 1, Lq, Lk): exact, but dense
-    if pattern is _ALL:
-        return None
-    # Prepared once here, shared by every layer of this forward.
-    return _carrier(prepare(pattern, q_length, kv_length, device=device), batch_size)
+    return _carrier(prepared, batch_size)
 
 
 def _carrier(prepared, batch_size: int) -> torch.Tensor:
@@ -263,96 +265,45 @@ def register_attention_hook(hook) -> RemovableHandle:
 
 def _capturing_attentions() -> bool:
     """Whether transformers is collecting attention weights in this forward (``output_attentions``)."""
-    if _collector is None:
-        return False
-    collected = _collector.get()
+    collected = compat.active_collector()
     return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
 
 
-try:  # transformers records outputs through a context variable, not through kwargs
-    from transformers.utils.output_capturing import _active_collector as _collector
-except ImportError:  # pragma: no cover - other transformers versions
-    _collector = None
-
-
-# --- models that bypass the interface ----------------------------------------------------------
-
-
-def uses_attention_interface(model_class) -> bool:
-    """Whether a transformers model class runs its attention through ``ALL_ATTENTION_FUNCTIONS``.
-
-    Some architectures (the ALiBi models Bloom, Falcon and MPT among them) compute
-    attention in their own code and would ignore ``attn_implementation="attnkit"``.
-    A class qualifies if transformers marks it as taking attention backends
-    (``_supports_attention_backend``), if its module calls the attention interface, or
-    if it is a composite model (a config with sub-configs, e.g. LLaVA or PaliGemma) whose
-    module defines no attention of its own: its vision and text parts are models of
-    their own, each checked when it is built.
-    """
-    if getattr(model_class, "_supports_attention_backend", False):
-        return True
-    module = sys.modules.get(getattr(model_class, "__module__", ""), None)
-    if module is None:
-        return False
-    if module.__name__ not in _USES_INTERFACE:
-        try:
-            source = inspect.getsource(module)
-        except (OSError, TypeError):
-            source = ""
-        calls = "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
-        composite = bool(getattr(getattr(model_class, "config_class", None), "sub_configs", None))
-        _USES_INTERFACE[module.__name__] = calls or (composite and not re.search(r"^class \w*Attention\w*\(", source, re.M))
-    return _USES_INTERFACE[module.__name__]
-
-
-_USES_INTERFACE: dict[str, bool] = {}
+uses_attention_interface = compat.uses_attention_interface
 
 
 def check_model(model) -> None:
-    """Raise a clear error if ``model`` would not run its attention through attnkit."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != NAME:
-        raise AttnkitValueError(
-            f"{type(model).__name__} is not set to attn_implementation={NAME!r}: load it with "
-            f"attn_implementation={NAME!r} (after `import attnkit.integrations.transformers`)."
-        )
-    _refuse_bypassing(type(model))
+    """Raise a clear error if ``model`` would not run its attention through attnkit.
+
+    Checks that the model (and each of its sub-models: the vision tower and language model of
+    LLaVA, say) is set to ``attn_implementation="attnkit"`` and runs its attention through
+    transformers' attention interface. A model that computes attention in its own code
+    (Bloom, Falcon, MPT) would otherwise silently run without attnkit.
+    """
+    parts = [m for m in model.modules() if isinstance(m, compat.pretrained_model_class())] or [model]
+    for part in parts:
+        config = getattr(part, "config", None)
+        if config is None or getattr(config, "_attn_implementation", None) != NAME:
+            raise AttnkitValueError(
+                f"{type(part).__name__} is not set to attn_implementation={NAME!r}: load the model with "
+                f"attn_implementation={NAME!r} (after `import attnkit.integrations.transformers`)."
+            )
+        if not compat.uses_attention_interface(type(part)):
+            raise AttnkitValueError(
+                f"{type(part).__name__} computes attention in its own code (it never calls transformers' "
+                "attention interface), so attn_implementation='attnkit' runs it without attnkit. attnkit "
+                "cannot run this architecture through transformers; use attn_implementation='sdpa'."
+            )
 
 
-def _refuse_bypassing(model_class) -> None:
-    if not uses_attention_interface(model_class):
-        raise AttnkitValueError(
-            f"{model_class.__name__} computes attention in its own code (it never calls transformers' "
-            "attention interface), so attn_implementation='attnkit' would silently run without attnkit. "
-            "attnkit cannot run this architecture through transformers; use attn_implementation='sdpa'."
-        )
+def register() -> None:
+    """Register ``"attnkit"`` with transformers' attention and mask interfaces (done on import)."""
+    compat.register(NAME, attention_forward, mask_function)
 
 
-def _refusing(get_correct):
-    """Wrap ``PreTrainedModel.get_correct_attn_implementation`` to refuse bypassing models."""
-
-    @functools.wraps(get_correct)
-    def wrapper(self, requested_attention=None, *args, **kwargs):
-        if requested_attention == NAME:
-            _refuse_bypassing(type(self))
-        return get_correct(self, requested_attention, *args, **kwargs)
-
-    wrapper._attnkit_refusing = True
-    return wrapper
+def unregister() -> None:
+    """Remove ``"attnkit"`` from transformers' interfaces again (:func:`register` adds it back)."""
+    compat.unregister(NAME)
 
 
-def _register() -> None:
-    if not transformers.__version__.startswith(TESTED):
-        warnings.warn(
-            f"attnkit's transformers integration is tested with transformers {', '.join(TESTED)}, "
-            f"not {transformers.__version__}: check your model's outputs against attn_implementation='sdpa'.",
-            stacklevel=3,
-        )
-    AttentionInterface.register(NAME, attention_forward)
-    _mu.AttentionMaskInterface.register(NAME, mask_function)
-    base = transformers.PreTrainedModel
-    if not getattr(base.get_correct_attn_implementation, "_attnkit_refusing", False):
-        base.get_correct_attn_implementation = _refusing(base.get_correct_attn_implementation)
-
-
-_register()
+register()

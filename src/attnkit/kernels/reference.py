@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.kernels.registry import Kernel, sink_factor
+from attnkit.kernels.lse import sink_factor
+from attnkit.kernels.registry import Kernel
 
 
 def expand_kv_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
@@ -85,11 +86,12 @@ def zero_unused_keys(
     return torch.where(used, k, zero), torch.where(used, v, zero)
 
 
-def scores(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=None) -> torch.Tensor:
-    """The masked scores ``(..., Hq, Lq, Lk)``: ``q k^T * scale``, soft-capped, plus bias, masked.
+def scores(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=None, score_mod=None) -> torch.Tensor:
+    """The masked scores ``(..., Hq, Lq, Lk)``: ``q k^T * scale``, soft-capped, plus bias, modified, masked.
 
     ``bias`` is a float tensor broadcastable to the scores (a bias object's
-    ``dense()``); ``mask`` is None, bool (True = may attend) or additive float.
+    ``dense()``); ``score_mod`` a function of the whole scores; ``mask`` is None, bool
+    (True = may attend) or additive float.
     """
     k = expand_kv_heads(k, q.shape[-3] if q.dim() >= 3 else 1)
     s = (q @ k.transpose(-2, -1)) * scale  # (..., Hq, Lq, D) x (..., Hq, D, Lk) -> (..., Hq, Lq, Lk)
@@ -97,6 +99,8 @@ def scores(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=
         s = torch.tanh(s / softcap) * softcap
     if bias is not None:
         s = s + bias.to(s.dtype)
+    if score_mod is not None:
+        s = score_mod(s)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     return s
@@ -194,7 +198,7 @@ def dense_mask(call) -> torch.Tensor | None:
     if not isinstance(mask, Mask):
         return mask
     s = call.shapes
-    dense = mask._dense(s.lq, s.lk, call.q.device)  # (B or 1, H or 1, Lq, Lk)
+    dense = mask.materialize(s.lq, s.lk, call.q.device, check=False)  # (B or 1, H or 1, Lq, Lk)
     rank = len(s.scores)
     while dense.dim() > rank:
         dense = dense.squeeze(0)
@@ -220,7 +224,8 @@ def run_with_weights(call, *, out_from_weights: bool = True) -> tuple[torch.Tens
         q, k, v = q.float(), k.float(), v.float()
         if dense is not None and dense.is_floating_point():
             dense = dense.float()
-    s = scores(q, k, dense, scale=call.scale, softcap=call.softcap, bias=dense_bias(call))
+    s = scores(q, k, dense, scale=call.scale, softcap=call.softcap, bias=dense_bias(call),
+               score_mod=None if call.score_mod is None else _whole(call))
     weights, lse = _normalise(s)
     if call.sinks is not None:  # the sink's share of each row: weights * sigmoid(lse - sink)
         factor, lse = sink_factor(lse, call.sinks)
@@ -232,6 +237,21 @@ def run_with_weights(call, *, out_from_weights: bool = True) -> tuple[torch.Tens
         out = _weighted(weights, v, call.dropout_p)
         weights = weights.to(dtype)
     return out.to(dtype), weights, lse
+
+
+def _whole(call):
+    """The call's score_mod on the whole scores ``(..., Hq, Lq, Lk)``, with the whole index tensors."""
+
+    def modify(s):
+        shape, device = s.shape, s.device
+        s4 = s.reshape((1,) * (4 - s.dim()) + tuple(shape))  # (B, Hq, Lq, Lk)
+        b = torch.arange(s4.shape[0], device=device).view(-1, 1, 1, 1)
+        h = torch.arange(s4.shape[1], device=device).view(1, -1, 1, 1)
+        q_idx = torch.arange(s4.shape[2], device=device).view(1, 1, -1, 1)
+        kv_idx = torch.arange(s4.shape[3], device=device).view(1, 1, 1, -1)
+        return call.score_mod(s4, b, h, q_idx, kv_idx).to(s.dtype).reshape(shape)
+
+    return modify
 
 
 def dense_bias(call) -> torch.Tensor | None:
@@ -255,7 +275,10 @@ class ReferenceKernel(Kernel):
     supports_dropout = True
     supports_float_mask = True
     supports_lse = True
-    supports_score_mods = ("bias", "softcap", "sinks")
+    supports_score_mods = ("bias", "softcap", "sinks", "score_mod")
+
+    def prefers(self, call):
+        return True, "under torch.compile" if call.compiling else "the plain formula"
 
     def run(self, call):
         out, _, lse = run_with_weights(call, out_from_weights=False)

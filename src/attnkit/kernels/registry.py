@@ -3,23 +3,45 @@
 Every kernel takes one validated :class:`Call` and returns ``(out, lse)``:
 ``out: (..., Hq, Lq, Dv)`` in q's dtype and ``lse: (..., Hq, Lq)`` (float32, float64
 for float64 inputs; ``-inf`` for fully masked rows), or ``lse=None`` when the call
-did not ask for it. Each kernel declares what it supports and says, in words, why
-it cannot run a given call (:meth:`Kernel.not_supported_reasons`), so
-:func:`attnkit.explain` can list every refusal.
+did not ask for it. A kernel declares what it can do (devices, dtypes, the block size
+of the :class:`~attnkit.PreparedMask` it reads, modifications, lse, dropout, backward),
+says in words why it cannot run a call (:meth:`Kernel.not_supported_reasons`) and
+whether it is the right kernel for it (:meth:`Kernel.prefers`, which owns the
+kernel's thresholds).
 
-Adding a kernel means one file with a :class:`Kernel` subclass and one call of
-:func:`register_kernel`.
+The registry is an ordered priority list (:data:`PRIORITY`): ``kernel="auto"`` walks it
+and takes the first kernel that can run the call and prefers it; :func:`attnkit.explain`
+reports every refusal. :func:`use_kernels` restricts and reorders the list for a block
+of code (like ``torch.nn.attention.sdpa_kernel``). Adding a kernel is one file with a
+:class:`Kernel` subclass and one :func:`register_kernel` call::
+
+    class MyKernel(Kernel):
+        name = "mine"
+        devices = ("cpu",)
+        block_size = (64, 64)           # prepared masks are made at this size for it
+        def prefers(self, call):
+            return True, "my reason"
+        def run(self, call):
+            prepared = call.prepared_at(self.block_size)
+            ...
+            return out, lse
+
+    register_kernel(MyKernel())        # first in the list; before=/after= to place it
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import contextlib
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from attnkit import masks as _masks
-from attnkit._validate import AttnkitValueError, Shapes, short
-from attnkit.prepare import PreparedMask, prepare, prepared_for
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, Shapes, short
+from attnkit.kernels.lse import add_sinks
+from attnkit.prepare import DEFAULT_BLOCK_SIZE, PreparedMask, prepare, prepared_for
+
+__all__ = ["KERNELS", "PRIORITY", "Call", "Kernel", "Plan", "choose", "register_kernel", "run", "use_kernels"]
 
 
 @dataclass
@@ -27,8 +49,8 @@ class Call:
     """One validated attention call.
 
     ``mask`` is None, a bool tensor, an additive float tensor, a mask object or a
-    :class:`~attnkit.prepare.PreparedMask`; ``prepared`` is filled in by the registry
-    when a block-sparse kernel needs it.
+    :class:`~attnkit.prepare.PreparedMask`. :meth:`prepared_at` gives the prepared mask
+    at a kernel's block size (once per block size); ``prepared`` is the chosen kernel's.
     """
 
     q: torch.Tensor
@@ -42,15 +64,18 @@ class Call:
     backward: bool
     compiling: bool
     prepared: PreparedMask | None = None
-    #: Score modifications: an :class:`attnkit.bias.Bias`, a soft-cap, ``(Hq,)`` sink logits.
+    #: Score modifications: an :class:`attnkit.bias.Bias`, a soft-cap, ``(Hq,)`` sink logits,
+    #: a general ``score_mod(score, b, h, q_idx, kv_idx)``.
     bias: object = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    score_mod: object = None
+    _by_block: dict = field(default_factory=dict, repr=False)
 
     def score_mods(self) -> tuple[str, ...]:
-        """Which score modifications the call has: among "bias", "softcap", "sinks"."""
-        return tuple(name for name, v in (("bias", self.bias), ("softcap", self.softcap), ("sinks", self.sinks))
-                     if v is not None)
+        """Which score modifications the call has: among "bias", "softcap", "sinks", "score_mod"."""
+        return tuple(name for name, v in (("bias", self.bias), ("softcap", self.softcap), ("sinks", self.sinks),
+                                          ("score_mod", self.score_mod)) if v is not None)
 
     def describe_mods(self) -> str:
         """The score modifications in words, for :func:`attnkit.explain` ('' if none)."""
@@ -59,6 +84,8 @@ class Call:
             parts.append(f"softcap={self.softcap:g}")
         if self.bias is not None:
             parts.append(f"attn_bias={self.bias.describe()}")
+        if self.score_mod is not None:
+            parts.append(f"score_mod={getattr(self.score_mod, '__name__', 'fn')}")
         if self.sinks is not None:
             parts.append("sinks")
         return ", ".join(parts)
@@ -68,12 +95,21 @@ class Call:
         return isinstance(self.mask, torch.Tensor) and self.mask.is_floating_point()
 
     @property
+    def tensor_mask(self) -> bool:
+        """Whether the mask came as a tensor (bool or float), not as a mask object."""
+        return isinstance(self.mask, torch.Tensor)
+
+    @property
     def empty(self) -> bool:
         return self.shapes.lq == 0 or self.shapes.lk == 0
 
     @property
     def half(self) -> bool:
         return self.q.dtype in (torch.float16, torch.bfloat16)
+
+    @property
+    def pairs(self) -> int:
+        return self.shapes.lq * self.shapes.lk
 
     def mask_object(self) -> _masks.Mask | None:
         """The mask as a mask object (bool tensors wrapped, prepared masks unwrapped)."""
@@ -83,39 +119,79 @@ class Call:
             return self.mask.mask
         return _masks.as_mask(self.mask)
 
-    def get_prepared(self) -> PreparedMask:
-        """The prepared mask for this call (prepared once, through the implicit cache)."""
-        if self.prepared is None:
+    def band(self) -> tuple[int | None, int | None] | None:
+        """The mask's band (:meth:`attnkit.masks.Mask.band`) without preparing it; None if it is none."""
+        if isinstance(self.mask, PreparedMask):
+            return self.mask.band
+        if isinstance(self.mask, _masks.Mask):
+            return self.mask.band(self.shapes.lq, self.shapes.lk)
+        return None
+
+    def causal_shift(self) -> int | None:
+        """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (0: SDPA's ``is_causal``)."""
+        band = self.band()
+        return band[1] if band is not None and band[0] is None else None
+
+    def hides_nothing_here(self) -> bool:
+        """Whether the mask is a band that lets every query see every key (a decoding step),
+        known without preparing it."""
+        band = self.band()
+        if band is None:
+            return False
+        lo, hi = band
+        s = self.shapes
+        return (lo is None or lo <= -(s.lq - 1)) and (hi is None or hi >= s.lk - 1)
+
+    def limit_only(self) -> bool:
+        """Whether the mask hides exactly the keys past each sequence's limit (padding)."""
+        m = self.mask_object() if not self.tensor_mask else None
+        return m is not None and m.limit_only()
+
+    def prepared_at(self, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> PreparedMask:
+        """The call's mask prepared at ``block_size``: through the implicit cache (mask
+        objects), the user's own PreparedMask (at another size: re-prepared once), or for
+        a bool tensor once per call."""
+        block_size = tuple(block_size)
+        found = self._by_block.get(block_size)
+        if found is None:
+            s = self.shapes
             if isinstance(self.mask, PreparedMask):
-                self.prepared = self.mask
-            else:
-                m = self.mask_object()
-                s = self.shapes
-                if m is None or not isinstance(self.mask, _masks.Mask):  # bool tensors: not cached
-                    self.prepared = prepare(m, s.lq, s.lk, device=self.q.device)
-                else:
-                    self.prepared = prepared_for(m, s.lq, s.lk, self.q.device)
-        return self.prepared
+                found = self.mask.with_block_size(block_size)
+            elif self.mask is None or isinstance(self.mask, _masks.Mask):
+                found = prepared_for(self.mask, s.lq, s.lk, self.q.device, block_size)
+            else:  # a tensor: no value key, no identity worth keeping
+                found = prepare(self.mask_object(), s.lq, s.lk, device=self.q.device, block_size=block_size)
+            self._by_block[block_size] = found
+        return found
+
+    def get_prepared(self) -> PreparedMask:
+        """The mask prepared at the default block size (the CPU kernel's)."""
+        return self.prepared_at(DEFAULT_BLOCK_SIZE)
 
 
 class Kernel:
-    """What a kernel can do, and how to run it.
+    """What a kernel can do, when it is the right choice, and how to run it.
 
-    Subclasses set the class attributes and implement :meth:`run`; they may add
-    reasons in :meth:`_reasons`.
+    Subclasses set the class attributes, implement :meth:`run` and :meth:`prefers`, and
+    may add refusals in :meth:`_reasons`.
     """
 
     name: str = ""
     #: Device types it runs on (None: any).
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    #: ``(bq, bk)`` of the PreparedMask it reads (``call.prepared_at(kernel.block_size)``);
+    #: None for a kernel that reads the mask as a dense tensor.
+    block_size: tuple[int, int] | None = None
     supports_dropout: bool = False
     supports_float_mask: bool = False
     supports_lse: bool = False
     supports_backward: bool = True
     #: Whether its outputs can be differentiated twice (``create_graph=True``).
     supports_double_backward: bool = False
-    #: Score modifications it applies itself, among "bias", "softcap" and "sinks".
+    #: Whether it runs inside ``torch.compile`` (a traceable path or a custom op).
+    supports_compile: bool = True
+    #: Score modifications it applies itself, among "bias", "softcap", "sinks" and "score_mod".
     #: Sinks need only the log-sum-exp: :func:`run` adds them for any kernel with lse.
     supports_score_mods: tuple[str, ...] = ()
     #: Largest input rank (None: any).
@@ -136,11 +212,14 @@ class Kernel:
             reasons.append("does not return the log-sum-exp (return_lse=True)")
         if call.backward and not self.supports_backward:
             reasons.append("no backward pass")
+        if call.compiling and not self.supports_compile:
+            reasons.append("cannot run inside torch.compile")
+        what = {"bias": "attn_bias", "softcap": "softcap", "sinks": "attention sinks (needs the log-sum-exp)",
+                "score_mod": "score_mod (a general score modification)"}
         for mod in call.score_mods():
             if mod == "sinks" and self.supports_lse:
                 continue
             if mod not in self.supports_score_mods:
-                what = {"bias": "attn_bias", "softcap": "softcap", "sinks": "attention sinks (needs the log-sum-exp)"}
                 reasons.append(f"no {what[mod]}")
         if self.max_rank is not None and call.shapes.rank > self.max_rank:
             reasons.append(f"takes inputs of rank 2 to {self.max_rank}, not {call.shapes.rank}")
@@ -149,33 +228,123 @@ class Kernel:
     def _reasons(self, call: Call) -> list[str]:
         return []
 
+    def prefers(self, call: Call) -> tuple[bool, str]:
+        """``(True, why)`` if this kernel is the right choice for a call it can run, else
+        ``(False, why not)``: the next kernel in the priority list is asked. The kernel owns
+        its thresholds here."""
+        return True, "the kernel can run this call"
+
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def __repr__(self) -> str:
+        return f"<attnkit kernel {self.name!r}>"
 
-#: Every registered kernel by name, in the order they were registered.
+
+#: Every registered kernel by name.
 KERNELS: dict[str, Kernel] = {}
+#: The order ``kernel="auto"`` asks the kernels in.
+PRIORITY: list[Kernel] = []
 
 
-def register_kernel(kernel: Kernel) -> Kernel:
-    """Add ``kernel`` to the registry (replacing one of the same name)."""
+def _named(kernel) -> Kernel:
+    """A registered kernel from its name or the kernel object itself."""
+    if isinstance(kernel, Kernel):
+        return kernel
+    if isinstance(kernel, str) and kernel in KERNELS:
+        return KERNELS[kernel]
+    raise AttnkitValueError(
+        f"kernel must be 'auto', a registered kernel's name {tuple(KERNELS)} or a Kernel, but got {short(kernel)}."
+    )
+
+
+def register_kernel(kernel: Kernel, *, before=None, after=None) -> Kernel:
+    """Add ``kernel`` to the registry; returns it.
+
+    A kernel of a name already registered is replaced in its place. A new kernel goes
+    first in :data:`PRIORITY` (``auto`` asks it before the built-in ones) unless
+    ``before=`` or ``after=`` (a kernel or a name) places it.
+    """
+    if not isinstance(kernel, Kernel):
+        raise AttnkitTypeError(f"register_kernel takes a Kernel instance, but got {type(kernel).__name__}.")
     if not kernel.name or kernel.name == "auto":
         raise AttnkitValueError(f"a kernel needs a name other than 'auto', but got {kernel.name!r}.")
+    if before is not None and after is not None:
+        raise AttnkitValueError("give before= or after=, not both.")
+    old = KERNELS.get(kernel.name)
     KERNELS[kernel.name] = kernel
+    if old is not None and old in PRIORITY and before is None and after is None:
+        PRIORITY[PRIORITY.index(old)] = kernel
+        return kernel
+    if old in PRIORITY:
+        PRIORITY.remove(old)
+    if before is not None:
+        PRIORITY.insert(PRIORITY.index(_named(before)), kernel)
+    elif after is not None:
+        PRIORITY.insert(PRIORITY.index(_named(after)) + 1, kernel)
+    else:
+        PRIORITY.insert(0, kernel)
     return kernel
+
+
+def unregister_kernel(kernel) -> None:
+    """Remove a registered kernel (by name or object)."""
+    kernel = _named(kernel)
+    KERNELS.pop(kernel.name, None)
+    if kernel in PRIORITY:
+        PRIORITY.remove(kernel)
+
+
+#: The kernels :func:`use_kernels` allows, innermost last (module state, like the backend
+#: flags of ``sdpa_kernel``: torch.compile can read it, a ContextVar it cannot).
+_ACTIVE: list[tuple[Kernel, ...]] = []
+
+
+@contextlib.contextmanager
+def use_kernels(*kernels):
+    """Within the block, ``kernel="auto"`` takes the first of these kernels that can run a call.
+
+    Like ``torch.nn.attention.sdpa_kernel``: the order given is the preference (the
+    kernels' own :meth:`Kernel.prefers` is not asked), and it reaches every attnkit call made inside
+    (modules, :func:`attnkit.capture`, models run through the transformers integration).
+    Names or kernel objects; a call none of them can run raises an error naming each one's
+    reasons.
+
+    >>> import torch, attnkit
+    >>> q = torch.randn(1, 2, 8, 16)
+    >>> with attnkit.use_kernels("tiled", "reference"):
+    ...     print(attnkit.explain(q, q, q).kernel)
+    tiled
+    """
+    if len(kernels) == 1 and isinstance(kernels[0], (list, tuple)):
+        kernels = tuple(kernels[0])
+    if not kernels:
+        raise AttnkitValueError("use_kernels needs at least one kernel, e.g. use_kernels('tiled', 'reference').")
+    _ACTIVE.append(tuple(_named(k) for k in kernels))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
 
 
 class Plan:
     """The kernel chosen for one call, why, and why every other kernel was not.
 
-    ``rejected`` maps each other kernel's name to its reasons (``not supported: ...``
-    or why it was not preferred); it is worked out when first read.
+    ``kernel`` is the chosen kernel's name and ``chosen`` the kernel itself; ``rejected``
+    maps each other kernel's name to its reasons (``not supported: ...`` or why it was not
+    preferred); it is worked out when first read.
     """
 
-    def __init__(self, kernel: str, reason: str, call: Call | None = None, refusals: dict | None = None,
-                 prepared: PreparedMask | None = None):
-        self.kernel, self.reason, self.prepared = kernel, reason, prepared
+    def __init__(self, kernel: Kernel, reason: str, call: Call | None = None, refusals: dict | None = None):
+        self.chosen, self.kernel, self.reason = kernel, kernel.name, reason
         self._call, self._refusals = call, dict(refusals or {})
+
+    @property
+    def prepared(self) -> PreparedMask | None:
+        """The prepared mask the chosen kernel reads (None for kernels that read none)."""
+        if self._call is None or self.chosen.block_size is None or self._call.empty:
+            return None
+        return self._call.prepared_at(self.chosen.block_size)
 
     @property
     def rejected(self) -> dict:
@@ -200,173 +369,53 @@ class Plan:
         return "\n".join(lines)
 
 
-#: Below this many (query, key) pairs one fused call beats tiling a masked plan ...
-TILED_MIN_PAIRS = 256 * 256
-#: ... unless the keys are many (decoding over a long padded cache reads only each
-#: sequence's own keys in the tiled kernel).
-TILED_MIN_KEYS = 1024
-#: ... and for a bare padding mask from this many keys (decoding: 1.3-6x faster than the
-#: dense mask at 128-1024 keys and batches of 1-64; the dense mask wins at ~32 keys).
-TILED_PADDING_MIN_KEYS = 128
-#: The tiled kernel runs masked plans when at most this fraction of blocks is kept, by
-#: (half precision, with backward); plans of full blocks only get TILED_MAX_KEPT_FULL.
-#: Measured with benchmarks/cpu.py (see the README's table).
-TILED_MAX_KEPT = {(False, False): 0.85, (False, True): 0.6, (True, False): 0.6, (True, True): 0.3}
-TILED_MAX_KEPT_FULL = 0.85
-
-
-def _bare(mask):
-    """The mask object behind a prepared one."""
-    return mask.mask if isinstance(mask, PreparedMask) else mask
-
-
-def _causal_shift(call: Call) -> int | None:
-    """:meth:`attnkit.masks._Causal._shift` of a causal mask here, else None."""
-    m = _bare(call.mask)
-    return m._shift(call.shapes.lq, call.shapes.lk) if isinstance(m, _masks._Causal) else None
-
-
-def _sdpa_causal(call: Call) -> bool:
-    """Whether the mask is exactly SDPA's ``is_causal=True`` (top-left aligned) here."""
-    return _causal_shift(call) == 0
-
-
-def _hides_nothing(call: Call) -> bool:
-    """Whether a causal mask lets every query see every key here (a decoding step), known
-    without preparing it."""
-    shift = _causal_shift(call)
-    return shift is not None and shift >= call.shapes.lk - 1
-
-
-def choose(call: Call, kernel: str = "auto") -> Plan:
-    """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
-    if not isinstance(kernel, str) or (kernel != "auto" and kernel not in KERNELS):
-        raise AttnkitValueError(f"kernel must be 'auto' or one of {tuple(KERNELS)}, but got {short(kernel)}.")
-    refusals = _Refusals(call)
-    if kernel != "auto":
-        if refusals[kernel]:
-            raise AttnkitValueError(
-                f"kernel={kernel!r} cannot run this call: {'; '.join(refusals[kernel])}. "
-                "Use kernel='auto' to let attnkit choose."
-            )
-        prepared = call.get_prepared() if kernel == "tiled" and not call.empty else None
-        reason = "forced by kernel="
-        if call.score_mods():
-            reason = f"{call.describe_mods()}; {reason}"
-        if prepared is not None:
-            reason += f", {prepared.kept:.0%} of blocks kept"
-        return Plan(kernel, f"{kernel}: {reason}", call, refusals, prepared)
-    name, reason = _auto(call, refusals)
+def _plan(kernel: Kernel, why: str, call: Call, refusals: dict) -> Plan:
     mods = call.describe_mods()
-    if mods:
-        reason = f"{mods}; {reason}"
-    return Plan(name, f"{name}: {reason}", call, refusals, call.prepared)
+    return Plan(kernel, f"{kernel.name}: {mods + '; ' if mods else ''}{why}", call, refusals)
 
 
-class _Refusals(dict):
-    """Each kernel's reasons, worked out the first time they are looked up."""
-
-    def __init__(self, call: Call):
-        super().__init__()
-        self.call = call
-
-    def __missing__(self, name: str) -> list[str]:
-        self[name] = KERNELS[name].not_supported_reasons(self.call)
-        return self[name]
-
-    def __contains__(self, name) -> bool:
-        return name in KERNELS
-
-
-def _auto(call: Call, refusals: dict) -> tuple[str, str]:
-    def can(name: str) -> bool:
-        return name in refusals and not refusals[name]
-
-    s = call.shapes
-    if call.q.device.type != "cpu" and can("tiled"):
-        refusals["tiled"] = [
-            f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
-            "(kernel='tiled' forces it)"
-        ]
-    if call.empty:
-        return "reference", f"empty attention matrix (Lq={s.lq}, Lk={s.lk})"
-    if call.q.device.type == "cuda" and not call.compiling and "triton" in KERNELS and can("triton"):
-        plain = not call.score_mods() and not call.return_lse and call.dropout_p == 0.0
-        if plain and call.mask is None:
-            return "sdpa", "no mask: PyTorch's flash/cuDNN kernels"
-        if plain and _sdpa_causal(call) and call.scale > 0.0:
-            return "sdpa", "is_causal: PyTorch's flash/cuDNN kernels"
-        if not call.float_mask:
-            prepared = call.get_prepared()
-            return "triton", (f"block-sparse on CUDA, {prepared.kept:.0%} of blocks kept; the mask is read as "
-                              "data (no dense mask, no compile per mask)")
-    if call.compiling:
-        if can("sdpa"):
-            return "sdpa", "under torch.compile (mask objects become dense masks in the graph)"
-        return "reference", "under torch.compile"
-    if call.score_mods():
-        if can("tiled"):
-            return "tiled", f"{call.get_prepared().kept:.0%} of blocks kept, the modifications applied per tile"
-        if can("sdpa"):
-            return "sdpa", "the bias as a dense float mask"
-        return "reference", "the plain formula"
-    if call.dropout_p > 0.0 or call.return_lse:
-        why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"
-        if can("tiled"):
-            return "tiled", f"{why}, {call.get_prepared().kept:.0%} of blocks kept"
-        return "reference", why
-    if call.mask is None:
-        return "sdpa", "no mask"
-    if _sdpa_causal(call) and call.scale > 0.0:
-        return "sdpa", "is_causal"
-    if call.float_mask or s.rank > 4 or not can("tiled"):
-        what = "additive float mask" if call.float_mask else f"rank {s.rank}" if s.rank > 4 else "tiled cannot run"
-        return "sdpa", f"dense mask ({what})"
-    if isinstance(call.mask, torch.Tensor) and s.lq * s.lk < TILED_MIN_PAIRS:
-        return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
-    if _hides_nothing(call):
-        return "sdpa", "the mask hides nothing here"
-    # a bare padding mask has only full blocks and a key limit: the tiled kernel reads each
-    # sequence's own keys, which beats the dense mask from TILED_PADDING_MIN_KEYS keys on
-    padding = isinstance(_bare(call.mask), _masks._Padding) and s.lk >= TILED_PADDING_MIN_KEYS
-    if s.lq * s.lk < TILED_MIN_PAIRS and s.lk <= TILED_MIN_KEYS and not padding:
-        return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
-    prepared = call.get_prepared()
-    if prepared.everything:
-        return "sdpa", "the mask hides nothing here"
-    if not prepared.masked and prepared.kv_limit is not None:
-        return "tiled", f"{prepared.kept:.0%} of blocks kept, all full, keys past each sequence's end unread"
-    if not prepared.masked and prepared.kept <= TILED_MAX_KEPT_FULL:
-        return "tiled", f"{prepared.kept:.0%} of blocks kept, all full"
-    if s.lq * s.lk < TILED_MIN_PAIRS:
-        return "sdpa", f"dense mask: Lq*Lk={s.lq * s.lk} is small"
-    limit = TILED_MAX_KEPT[(call.half, call.backward)]
-    if prepared.kept <= limit:
-        return "tiled", f"{prepared.kept:.0%} of blocks kept"
-    return "sdpa", f"dense mask: {prepared.kept:.0%} of blocks kept"
+def choose(call: Call, kernel="auto") -> Plan:
+    """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
+    if isinstance(kernel, str) and kernel == "auto":
+        return _auto(call)
+    chosen = _named(kernel)
+    reasons = chosen.not_supported_reasons(call)
+    if reasons:
+        raise AttnkitValueError(
+            f"kernel={chosen.name!r} cannot run this call: {'; '.join(reasons)}. "
+            "Use kernel='auto' to let attnkit choose."
+        )
+    why = "forced by kernel="
+    if chosen.block_size is not None and not call.empty and not call.compiling:
+        why += f", {call.prepared_at(chosen.block_size).kept:.0%} of blocks kept"
+    return _plan(chosen, why, call, {chosen.name: []})
 
 
-def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(factor, lse')`` of each head's sink logit in the softmax denominator.
-
-    A sink is an extra key per head with value 0 (gpt-oss): every weight of a row is
-    multiplied by ``factor = exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``,
-    and the row's log-sum-exp becomes ``lse' = logaddexp(lse, sink)``. A fully masked
-    row (``lse = -inf``) gets factor 0 (its output stays 0, with zero gradients) and
-    ``lse' = sink``, also for a sink of ``-inf``. ``sinks: (Hq,)``; ``lse: (..., Hq, Lq)``.
-    """
-    sink = sinks.to(lse.dtype)
-    sink = sink.view(-1, 1) if lse.dim() >= 2 else sink.view(-1)  # (Hq, 1): broadcasts over Lq
-    dead = lse == float("-inf")  # rows with no key: only the sink is left (-inf - -inf would be NaN)
-    live = lse.masked_fill(dead, 0.0)
-    factor = torch.sigmoid(live - sink).masked_fill(dead, 0.0)  # (..., Hq, Lq)
-    return factor, torch.where(dead, sink.expand_as(lse), torch.logaddexp(live, sink))
-
-
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
-    """``(out, lse)`` with each head's sink in the softmax denominator (see :func:`sink_factor`)."""
-    factor, lse = sink_factor(lse, sinks)
-    return (out.to(factor.dtype) * factor[..., None]).to(out.dtype), lse
+def _auto(call: Call) -> Plan:
+    refusals: dict[str, list[str]] = {}
+    if call.empty:  # the contract's own answer: zeros (and lse -inf), any kernel would give it
+        return Plan(KERNELS["reference"], f"reference: empty attention matrix (Lq={call.shapes.lq}, Lk={call.shapes.lk})",
+                    call, refusals)
+    if _ACTIVE:  # use_kernels: the user's order is the preference; the first that can run it runs it
+        for k in _ACTIVE[-1]:
+            reasons = k.not_supported_reasons(call)
+            if not reasons:
+                return _plan(k, f"the first of use_kernels({', '.join(x.name for x in _ACTIVE[-1])}) that runs this call",
+                             call, refusals)
+            refusals[k.name] = reasons
+        detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
+        raise AttnkitValueError(f"no kernel allowed here can run this call ({detail}).")
+    for k in PRIORITY:
+        reasons = k.not_supported_reasons(call)
+        if reasons:
+            refusals[k.name] = reasons
+            continue
+        yes, why = k.prefers(call)
+        if yes:
+            return _plan(k, why, call, refusals)
+        refusals[k.name] = [f"not preferred: {why}"]
+    detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
+    raise AttnkitValueError(f"no registered kernel can run this call ({detail}).")
 
 
 def double_backward_error(kernel: str) -> AttnkitValueError:
@@ -393,16 +442,16 @@ def _first_derivative_only(t: torch.Tensor | None, kernel: str) -> None:
 
 def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the chosen kernel; ``(out, lse or None)``."""
-    if plan.prepared is not None and call.prepared is None:
-        call.prepared = plan.prepared
-    kernel = KERNELS["reference" if call.empty else plan.kernel]  # empty: zeros (and lse -inf)
+    kernel = KERNELS["reference"] if call.empty else plan.chosen  # empty: zeros (and lse -inf)
+    if kernel.block_size is not None and not call.empty and not call.compiling:
+        call.prepared = call.prepared_at(kernel.block_size)
     if call.sinks is None or "sinks" in kernel.supports_score_mods:
         out, lse = kernel.run(call)
     else:
-        out, lse = kernel.run(replace(call, sinks=None, return_lse=True))
+        out, lse = kernel.run(replace(call, sinks=None, return_lse=True, _by_block=call._by_block))
         out, lse = add_sinks(out, lse, call.sinks)
         lse = lse if call.return_lse else None
-    if call.backward and not kernel.supports_double_backward:
+    if call.backward and not kernel.supports_double_backward and not call.compiling:
         _first_derivative_only(out, kernel.name)
         _first_derivative_only(lse, kernel.name)
     return out, lse

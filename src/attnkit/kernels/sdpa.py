@@ -13,7 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.kernels import reference
-from attnkit.kernels.registry import Call, Kernel, _hides_nothing, _sdpa_causal
+from attnkit.kernels.registry import Call, Kernel
+from attnkit.prepare import DEFAULT_BLOCK_SIZE
+
+#: Problems with fewer (query, key) pairs are cheap as one dense masked call (for explain's words).
+SMALL_PAIRS = 256 * 256
 
 
 def sdpa(q, k, v, mask, *, scale, dropout_p, shapes, causal: bool = False):
@@ -50,6 +54,33 @@ class SDPAKernel(Kernel):
     supports_float_mask = True
     supports_score_mods = ("bias",)  # as a dense float mask
 
+    def prefers(self, call: Call) -> tuple[bool, str]:
+        cuda = call.q.device.type == "cuda"
+        if call.compiling:
+            return True, "under torch.compile (mask objects become dense masks in the graph)"
+        if call.dropout_p > 0.0:  # attnkit's own seeded dropout (tiled, reference) reproduces by seed
+            return False, f"dropout_p={call.dropout_p}: attnkit's seeded dropout runs on the tiled or reference kernel"
+        if call.bias is not None:
+            return True, "the bias as a dense float mask"
+        if call.mask is None:
+            return True, "no mask: PyTorch's flash/cuDNN kernels" if cuda else "no mask"
+        if call.causal_shift() == 0 and call.scale > 0.0:
+            return True, "is_causal: PyTorch's flash/cuDNN kernels" if cuda else "is_causal"
+        if call.hides_nothing_here():
+            return True, "the mask hides nothing here"
+        if call.float_mask:
+            return True, "dense mask (additive float mask)"
+        if call.shapes.rank > 4:
+            return True, f"dense mask (rank {call.shapes.rank})"
+        prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)  # looked at by a kernel before this one
+        if prepared is not None and prepared.hides_nothing:
+            return True, "the mask hides nothing here"
+        if call.pairs < SMALL_PAIRS:
+            return True, f"dense mask: Lq*Lk={call.pairs} is small"
+        if prepared is not None:
+            return True, f"dense mask: {prepared.kept:.0%} of blocks kept"
+        return True, "dense mask"
+
     def run(self, call: Call):
         kw = dict(scale=call.scale, dropout_p=call.dropout_p, shapes=call.shapes)
         if call.bias is not None:
@@ -66,10 +97,10 @@ class SDPAKernel(Kernel):
             return out.to(call.q.dtype), None
         if call.mask is None:
             return sdpa(call.q, call.k, call.v, None, **kw), None
-        if _sdpa_causal(call) and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
+        if call.causal_shift() == 0 and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
             return sdpa(call.q, call.k, call.v, None, causal=True, **kw), None
-        prepared = call.prepared
-        if (prepared is not None and prepared.everything) or _hides_nothing(call):
+        prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
+        if call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
             return sdpa(call.q, call.k, call.v, None, **kw), None
         dense = reference.dense_mask(call)
         k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)

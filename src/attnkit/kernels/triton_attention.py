@@ -26,9 +26,7 @@ import os
 import torch
 
 from attnkit import bias as _bias
-from attnkit import masks as _masks
 from attnkit.kernels.registry import Call, Kernel
-from attnkit.prepare import PreparedMask, prepare
 
 try:  # Triton is optional (the "gpu" extra)
     import triton
@@ -233,71 +231,28 @@ if AVAILABLE:
 _BIG = 1 << 40
 
 
-def _band(mask, q_len: int, kv_len: int):
-    """``(q_shift, kv_shift, lo, hi)`` when ``mask`` is one causal/window mask with int offsets
-    (evaluated in the kernel), else None (partial tiles are read from bits)."""
-    if isinstance(mask, (_masks._Causal, _masks._SlidingWindow)) and mask._position_key() is not None:
-        q_shift = mask.q_offset + (kv_len - q_len if mask.align == "bottom_right" else 0)
-        if isinstance(mask, _masks._Causal):
-            return q_shift, mask.kv_offset, _BIG, 0
-        return q_shift, mask.kv_offset, mask.left, mask.right
-    return None
-
-
 def _alibi(attn_bias):
-    """``(mode, slopes, q_offset, kv_offset, align)`` for an ALiBi bias the kernel computes, else None."""
-    if isinstance(attn_bias, _bias._Alibi) and not isinstance(attn_bias.q_offset, torch.Tensor) \
-            and not isinstance(attn_bias.kv_offset, torch.Tensor):
-        return attn_bias
-    return None
-
-
-def _tiles(prepared: PreparedMask, device):
-    """Bit tiles of the partial blocks and, per listed key block, its tile (-1: none needed)."""
-    codes = prepared.codes
-    bq, bk = prepared.block_size
-    bm, hm, nq, nk = codes.shape
-    ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
-    tiles = []
-    partial = (codes == _masks.PARTIAL).nonzero().tolist()
-    by_block = {}
-    for b, h, i, j in partial:
-        by_block.setdefault((i, j), []).append((b, h))
-    for (i, j), where in by_block.items():
-        q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
-        kv_idx = torch.arange(j * bk, (j + 1) * bk)[None, :]
-        inside = (q_idx < prepared.q_len) & (kv_idx < prepared.kv_len)
-        e = _masks._as4d(prepared.mask._elements(q_idx.clamp(max=max(prepared.q_len - 1, 0)),
-                                                 kv_idx.clamp(max=max(prepared.kv_len - 1, 0)),
-                                                 prepared.q_len, prepared.kv_len)).cpu()
-        e = e.expand(*e.shape[:2], bq, bk) & inside
-        for b, h in where:
-            ids[b, h, i, j] = len(tiles)
-            tiles.append(e[min(b, e.shape[0] - 1), min(h, e.shape[1] - 1)])
-    bits = torch.stack(tiles).to(torch.int8) if tiles else torch.ones(1, bq, bk, dtype=torch.int8)
-    listed = ids.gather(-1, prepared.kv_indices.long().cpu().clamp(min=0))
-    return bits.to(device).contiguous(), listed.to(device).contiguous()
+    """The ALiBi bias when the kernel can compute it (int offsets), else None."""
+    if not isinstance(attn_bias, _bias.Alibi):
+        return None
+    if isinstance(attn_bias.q_offset, torch.Tensor) or isinstance(attn_bias.kv_offset, torch.Tensor):
+        return None
+    return attn_bias
 
 
 def _plan(call: Call):
-    """The prepared mask at this kernel's block sizes, with its tile data (cached on it)."""
-    prepared = call.prepared if isinstance(call.mask, PreparedMask) else None
-    mask = call.mask_object()
-    s = call.shapes
-    if prepared is None or prepared.block_size != (BLOCK_Q, BLOCK_K):
-        prepared = prepare(mask, s.lq, s.lk, device=call.q.device, block_size=(BLOCK_Q, BLOCK_K))
-    key = ("triton", str(call.q.device))
-    cached = prepared.tiles.get(key)
-    if cached is None:
-        band = _band(mask, s.lq, s.lk)
-        if band is not None or mask is None:
-            bits = torch.ones(1, BLOCK_Q, BLOCK_K, dtype=torch.int8, device=call.q.device)
-            listed = torch.full(prepared.kv_indices.shape, -1, dtype=torch.int32, device=call.q.device)
-        else:
-            bits, listed = _tiles(prepared, call.q.device)
-        cached = (bits, listed, band)
-        prepared.tiles.put(key, cached, bits.numel() + 4 * listed.numel())
-    return prepared, cached
+    """The prepared mask at this kernel's block sizes and its element bits (``prepared.partial_bits``),
+    through the one bounded cache: once per mask, lengths and device."""
+    prepared = call.prepared_at(TritonKernel.block_size)
+    if prepared.band is not None or prepared.mask is None:  # evaluated in the kernel from two ints
+        key = ("triton no bits", str(call.q.device))
+        cached = prepared.tiles.get(key)
+        if cached is None:
+            cached = (torch.ones(1, BLOCK_Q, BLOCK_K, dtype=torch.int8, device=call.q.device),
+                      torch.full(prepared.kv_indices.shape, -1, dtype=torch.int32, device=call.q.device))
+            prepared.tiles.put(key, cached, cached[0].numel() + 4 * cached[1].numel())
+        return prepared, cached
+    return prepared, prepared.partial_bits(call.q.device)
 
 
 def _next_pow2(n: int) -> int:
@@ -308,7 +263,7 @@ class _Args:
     """Everything the two kernels take besides q, k, v."""
 
     def __init__(self, call: Call, q4, k4, v4):
-        self.prepared, (self.bits, self.listed, band) = _plan(call)
+        self.prepared, (self.bits, self.listed) = _plan(call)
         p = self.prepared
         b, hq, lq, d = q4.shape
         hkv, lk, dv = k4.shape[1], k4.shape[2], v4.shape[-1]
@@ -316,19 +271,22 @@ class _Args:
         self.scale = float(call.scale)
         self.has_softcap = call.softcap is not None
         self.softcap = float(call.softcap) if call.softcap is not None else 1.0
-        self.band = band
-        q_shift, kv_shift, lo, hi = band if band is not None else (0, 0, 0, 0)
-        self.positions = (q_shift, kv_shift, lo, hi)
         alibi = _alibi(call.bias)
         self.alibi_mode = 0
         self.slopes = torch.zeros(1, device=q4.device, dtype=torch.float32)
+        q_shift = kv_shift = 0  # the kernel's positions: qp = i + q_shift, kp = j + kv_shift
         if alibi is not None:
             self.alibi_mode = 2 if alibi.causal else 1
             self.slopes = alibi.slopes.detach().to(q4.device, torch.float32).contiguous()
-            # ALiBi's own positions: the kernel's q_shift/kv_shift must be the bias's when there is no band
-            # with a band, _reasons has checked that the mask's and ALiBi's positions agree
-            a_shift = alibi.q_offset + (lk - lq if alibi.align == "bottom_right" else 0)
-            self.positions = (a_shift, alibi.kv_offset, lo, hi) if band is None else self.positions
+            q_shift = alibi.q_offset + (lk - lq if alibi.align == "bottom_right" else 0)
+            kv_shift = alibi.kv_offset
+        self.band = p.band
+        lo = hi = 0
+        if p.band is not None:  # lo <= j - i <= hi, as kp - qp: j - i = kp - qp + q_shift - kv_shift
+            offset = q_shift - kv_shift
+            lo = _BIG if p.band[0] is None else -(p.band[0] - offset)
+            hi = _BIG if p.band[1] is None else p.band[1] - offset
+        self.positions = (q_shift, kv_shift, lo, hi)
         self.kv_num = p.kv_num.to(q4.device).contiguous()
         self.kv_idx = p.kv_indices.to(q4.device).contiguous()
         self.limit = p.kv_limit.to(q4.device, torch.int32).contiguous() if p.kv_limit is not None else self.kv_num
@@ -419,6 +377,7 @@ class TritonKernel(Kernel):
     """The block-sparse Triton kernel: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
 
     name = "triton"
+    block_size = (BLOCK_Q, BLOCK_K)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     supports_lse = True
     supports_score_mods = ("bias", "softcap")  # bias: ALiBi only (see _reasons); sinks from the lse
@@ -437,21 +396,26 @@ class TritonKernel(Kernel):
         if call.bias is not None:
             alibi = _alibi(call.bias)
             if alibi is None:
-                reasons.append(f"computes ALiBi biases only, not {call.bias.describe()}")
+                reasons.append(f"computes ALiBi biases only (with int offsets), not {call.bias.describe()}")
             elif call.softcap is not None:
                 reasons.append("soft-capping and ALiBi together (one or the other)")
             elif alibi.slopes.requires_grad and call.backward:
                 reasons.append("no gradient for learnable ALiBi slopes")
-            else:
-                band = _band(call.mask_object(), call.shapes.lq, call.shapes.lk)
-                a_shift = alibi.q_offset + (call.shapes.lk - call.shapes.lq if alibi.align == "bottom_right" else 0)
-                if band is not None and (band[0], band[1]) != (a_shift, alibi.kv_offset):
-                    reasons.append("the mask's and ALiBi's positions differ (offsets or alignment)")
         if call.q.shape[-1] > 256 or call.v.shape[-1] > 256:
             reasons.append(f"head sizes up to 256, not {call.q.shape[-1]}/{call.v.shape[-1]}")
         return reasons
 
+    def prefers(self, call: Call) -> tuple[bool, str]:
+        if call.q.device.type != "cuda":
+            return False, "Triton's interpreter is for tests on the CPU (kernel='triton' forces it)"
+        plain = not call.score_mods() and not call.return_lse and call.dropout_p == 0.0
+        if plain and call.mask is None:
+            return False, "no mask: PyTorch's flash/cuDNN kernels are faster"
+        if plain and call.causal_shift() == 0 and call.scale > 0.0:
+            return False, "is_causal: PyTorch's flash/cuDNN kernels are faster"
+        kept = call.prepared_at(self.block_size).kept
+        return True, f"block-sparse on CUDA, {kept:.0%} of blocks kept; the mask is read as data (no dense mask, no compile per mask)"
+
     def run(self, call: Call):
         out, lse = triton_attention(call)
         return out, lse if call.return_lse else None
-

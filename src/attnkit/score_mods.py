@@ -1,0 +1,125 @@
+"""General score modifications: ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
+
+FlexAttention's escape hatch, for what a mask (which pairs) and a bias (an added value)
+cannot say: any function of a score and its indices, additive or not (soft-capping,
+activations, gates). It runs after scaling, soft-capping and the bias, before the mask::
+
+    s = q . k * scale
+    s = softcap * tanh(s / softcap)       if softcap
+    s = s + attn_bias(b, h, i, j)         if attn_bias
+    s = score_mod(s, b, h, i, j)          if score_mod
+    s = -inf where the mask hides (i, j)
+
+The function gets the scores of one tile ``(Bs, Hs, n, S)`` and broadcasting int64 index
+tensors ``b: (Bs, 1, 1, 1)``, ``h: (1, Hs, 1, 1)``, ``q_idx: (1, 1, n, 1)``,
+``kv_idx: (1, 1, 1, S)`` (query and key indices, 0-based), and returns scores of the same
+shape. A function written for one (score, b, h, q, kv) at a time (FlexAttention's style,
+meant for ``torch.vmap``) is detected and run under ``torch.vmap`` instead. Gradients flow
+through it to q, k and v; to give tensors the function closes over a gradient too, pass
+them: ``ScoreMod(fn, *params)``.
+
+>>> import torch, attnkit
+>>> q = k = v = torch.randn(1, 2, 6, 8)
+>>> relu = lambda score, b, h, q_idx, kv_idx: torch.relu(score)
+>>> attnkit.attention(q, k, v, attnkit.masks.causal(), score_mod=relu).shape
+torch.Size([1, 2, 6, 8])
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from attnkit._validate import AttnkitTypeError, AttnkitValueError
+
+__all__ = ["ScoreMod", "as_score_mod"]
+
+
+class ScoreMod:
+    """A score modification ``fn(score, b, h, q_idx, kv_idx) -> score`` and the tensors it closes
+    over (``params``: they get gradients)."""
+
+    def __init__(self, fn, *params):
+        if isinstance(fn, ScoreMod):
+            fn, params = fn.fn, fn.params + params
+        if not callable(fn):
+            raise AttnkitTypeError(f"score_mod must be callable as fn(score, b, h, q_idx, kv_idx), but got {type(fn).__name__}.")
+        for i, t in enumerate(params):
+            if not isinstance(t, torch.Tensor):
+                raise AttnkitTypeError(f"ScoreMod params must be tensors (those fn closes over), but params[{i}] is "
+                                       f"{type(t).__name__}.")
+        self.fn, self.params = fn, tuple(params)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({self.__name__}, {len(self.params)} params)"
+
+    def __call__(self, score, b, h, q_idx, kv_idx) -> torch.Tensor:
+        """The modified scores of one tile, by broadcasting or (for a function of one pair) vmap."""
+        how = _STYLE.get(self.fn)
+        first = None
+        if how != "vmap":
+            try:
+                out = self.fn(score, b, h, q_idx, kv_idx)
+            except Exception as err:  # noqa: BLE001 - a function of one pair fails on tiles in many ways
+                if how == "broadcast":
+                    raise
+                first = f"{type(err).__name__}: {err}"
+            else:
+                if isinstance(out, torch.Tensor) and out.shape == score.shape and out.is_floating_point():
+                    _remember(self.fn, "broadcast")
+                    return out
+                first = self._wrong(out)
+                if how == "broadcast":
+                    self._refuse(first, score)
+        try:
+            out = _vmapped(self.fn)(score, b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1))
+        except Exception as err:  # noqa: BLE001
+            if how == "vmap":
+                raise
+            self._refuse(f"{first}; one pair at a time under torch.vmap: {type(err).__name__}: {err}", score)
+        if not isinstance(out, torch.Tensor) or out.shape != score.shape or not out.is_floating_point():
+            self._refuse(self._wrong(out), score)
+        _remember(self.fn, "vmap")
+        return out
+
+    @staticmethod
+    def _wrong(out) -> str:
+        return f"{out.dtype} of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+
+    def _refuse(self, what: str, score):
+        raise AttnkitValueError(
+            f"score_mod {self.__name__} must return float scores of the tile's shape {tuple(score.shape)} for "
+            "broadcasting index tensors (b, h, q_idx, kv_idx), or work on one pair at a time under torch.vmap; "
+            f"it returned or raised: {str(what)[:300]}."
+        )
+
+
+#: How each function evaluated ("broadcast" or "vmap"), so each tile does not try both.
+_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _remember(fn, how: str) -> None:
+    try:
+        _STYLE[fn] = how
+    except TypeError:  # not weak-referenceable (a builtin): try again next time
+        pass
+
+
+def _vmapped(fn):
+    """``fn`` of one (score, b, h, q, kv) over a tile ``(B, H, n, S)`` with 1-D index tensors."""
+    f = torch.vmap(fn, in_dims=(0, None, None, None, 0))  # keys
+    f = torch.vmap(f, in_dims=(0, None, None, 0, None))  # queries
+    f = torch.vmap(f, in_dims=(0, None, 0, None, None))  # heads
+    return torch.vmap(f, in_dims=(0, 0, None, None, None))  # batch rows
+
+
+def as_score_mod(value) -> ScoreMod | None:
+    """``score_mod=`` as a :class:`ScoreMod` (None stays None)."""
+    if value is None or isinstance(value, ScoreMod):
+        return value
+    return ScoreMod(value)
