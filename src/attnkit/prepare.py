@@ -23,6 +23,7 @@ identity (masks copy their tensors, so a mask object never changes).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
@@ -138,6 +139,14 @@ class PreparedMask:
     tiles: _TileCache = field(repr=False, compare=False)
     band: tuple[int | None, int | None] | None = None
     limit_only: bool = False
+    #: A 0-d int64 tensor naming this prepared mask: compiled code passes it to attnkit's custom
+    #: ops, whose eager implementations find the mask from it (see :func:`from_handle`).
+    handle: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        number = next(_HANDLES)
+        object.__setattr__(self, "handle", torch.tensor(number, dtype=torch.int64))
+        _LIVE[number] = self
 
     @property
     def masked(self) -> bool:
@@ -215,6 +224,19 @@ class PreparedMask:
             f"PreparedMask({self.mask!r}, Lq={self.q_len}, Lk={self.kv_len}, blocks={bq}x{bk}, "
             f"lead_shape={self.lead_shape}, kept={self.kept:.0%}, plans={len(self.groups)})"
         )
+
+
+_HANDLES = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def from_handle(handle: torch.Tensor) -> PreparedMask:
+    """The prepared mask a :attr:`PreparedMask.handle` names (for custom ops running compiled code)."""
+    found = _LIVE.get(int(handle))
+    if found is None:
+        raise AttnkitValueError("the PreparedMask this compiled call was traced with no longer exists: keep a "
+                                "reference to it while the compiled function runs.")
+    return found
 
 
 def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int, int] | None = None) -> PreparedMask:

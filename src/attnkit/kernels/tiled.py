@@ -33,7 +33,7 @@ from attnkit.kernels import _aten
 from attnkit.kernels.lse import merge
 from attnkit.kernels import tiles
 from attnkit.kernels.registry import Call, Kernel, double_backward_error
-from attnkit.prepare import Group, PreparedMask, RowBlock, Run
+from attnkit.prepare import Group, PreparedMask, RowBlock, Run, from_handle
 
 
 
@@ -365,6 +365,72 @@ def backward_part(q, k, v, prepared: PreparedMask, out, lse, grad_out, grad_lse=
     return _backward(call, q, k, v, out, lse, grad_out, grad_lse, {})
 
 
+# --- under torch.compile: the kernel as custom ops ------------------------------------------------
+#
+# Compiled code cannot walk the host-side plan, so the kernel runs as two custom ops whose
+# eager implementations do: they take the tensors and the PreparedMask's handle (a 0-d
+# tensor, so a new mask of the same shapes runs the same compiled graph) and find the
+# prepared plan from it. Their fake implementations give the output shapes.
+
+BLOCK_SIZE = (128, 64)
+
+
+def _compiled_call(handle, q, v, scale: float, softcap: float) -> tiles.TileCall:
+    prepared = from_handle(handle).with_block_size(BLOCK_SIZE)
+    capped = softcap if softcap > 0.0 else None
+    return tiles.TileCall(prepared, scale, 0.0, 0, capped is None and fused_available(q, v), None, capped)
+
+
+@torch.library.custom_op("attnkit::tiled_forward", mutates_args=())
+def compiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, scale: float,
+                     softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the block-sparse kernel for compiled code (``softcap`` 0: none)."""
+    q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
+    with torch.no_grad():
+        out, lse = _forward(_compiled_call(handle, q, v, scale, softcap), q, k, v)
+    return out.contiguous(), lse.contiguous()
+
+
+@compiled_forward.register_fake
+def _(q, k, v, handle, scale, softcap):
+    b, hq, lq, _ = q.shape
+    return q.new_empty(b, hq, lq, v.shape[-1]), q.new_empty(b, hq, lq, dtype=tiles.compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("attnkit::tiled_backward", mutates_args=())
+def compiled_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, handle: torch.Tensor, scale: float,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`compiled_forward`, recomputed from its saved lse."""
+    q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
+    if grad_lse is not None and not bool(grad_lse.any()):  # compiled autograd hands an unused lse zeros:
+        grad_lse = None  # without a gradient the fused engine runs the backward (2x faster)
+    dq, dk, dv = _backward(_compiled_call(handle, q, v, scale, softcap), q, k, v, out, lse, grad_out, grad_lse, {})
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@compiled_backward.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, handle, scale, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_compiled(ctx, inputs, output):
+    q, k, v, handle, scale, softcap = inputs
+    ctx.save_for_backward(q, k, v, *output, handle)
+    ctx.scale, ctx.softcap = scale, softcap
+
+
+def _compiled_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, handle = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = compiled_backward(grad_out, grad_lse, q, k, v, out, lse, handle, ctx.scale, ctx.softcap)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("attnkit::tiled_forward", _compiled_grad, setup_context=_setup_compiled)
+
+
 #: Below this many (query, key) pairs one fused dense call beats tiling a masked plan ...
 MIN_PAIRS = 256 * 256
 #: ... unless the keys are many (decoding over a long padded cache reads only each
@@ -384,7 +450,7 @@ class TiledKernel(Kernel):
     """The block-sparse kernel: inputs of rank 2 to 4, bool or mask-object masks."""
 
     name = "tiled"
-    block_size = (128, 64)
+    block_size = BLOCK_SIZE
     supports_dropout = True
     supports_lse = True
     supports_score_mods = ("bias", "softcap", "score_mod")  # sinks: added by the registry from the lse
@@ -393,11 +459,17 @@ class TiledKernel(Kernel):
     def _reasons(self, call: Call) -> list[str]:
         reasons = []
         if call.compiling:
-            reasons.append("walks a host-side plan, which torch.compile cannot trace")
+            if not isinstance(call.mask, PreparedMask):
+                reasons.append("under torch.compile it reads a PreparedMask made outside the compiled function "
+                               "(attnkit.prepare); mask objects become dense masks in the graph")
+            if call.bias is not None or call.score_mod is not None or call.dropout_p > 0.0:
+                reasons.append("under torch.compile: no attn_bias, score_mod or dropout (they run eagerly only)")
         return reasons
 
     def prefers(self, call: Call) -> tuple[bool, str]:
         s = call.shapes
+        if call.compiling:  # the user prepared the mask for this: no host reads while tracing
+            return True, "under torch.compile: block-sparse through a custom op over the PreparedMask"
         if call.q.device.type != "cpu":
             return False, (f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
                            "(kernel='tiled' forces it)")
@@ -440,6 +512,9 @@ class TiledKernel(Kernel):
         s = call.shapes
         lead = (1,) * (4 - s.rank)
         q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))  # (B, H, L, D)
+        if call.compiling:
+            out, lse = compiled_forward(q4, k4, v4, call.mask.handle, call.scale, call.softcap or 0.0)
+            return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
         out, lse = attention(q4, k4, v4, call.prepared_at(self.block_size), scale=call.scale,
                              dropout_p=call.dropout_p, bias=call.bias, softcap=call.softcap, score_mod=call.score_mod)
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
