@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
+from collections import OrderedDict
 from numbers import Real
 
 import torch
@@ -31,6 +33,7 @@ from attnkit._validate import (
     short,
 )
 from attnkit.kernels import Call, Plan, choose, run
+from attnkit.kernels.registry import registry_state
 from attnkit.kernels.reference import run_with_weights
 from attnkit.prepare import PreparedMask
 from attnkit.score_mods import as_score_mod
@@ -235,9 +238,62 @@ def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, s
     >>> lse.shape, lse.dtype
     (torch.Size([2, 8, 5]), torch.float32)
     """
+    if (kernel == "auto" and attn_bias is None and softcap is None and sinks is None and score_mod is None
+            and dropout_p == 0.0 and not return_lse):
+        runner = _lean_runner(q, k, v, mask, scale)
+        if runner is not None:
+            return runner(q, k, v)
     call = _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod)
     out, lse = run(call, choose(call, kernel))
     return (out, lse) if call.return_lse else out
+
+
+#: Calls of one signature (shapes, dtypes, devices, the mask's value, scale, autograd) that
+#: were validated and whose kernel was chosen, with a runner specialised to that kernel: a
+#: decoding step repeats the same call in every layer, and validating and walking the
+#: registry again would cost as much as the attention itself. Bounded; a new registration
+#: or use_kernels changes the key.
+LEAN_ENTRIES = 32
+_lean: OrderedDict = OrderedDict()
+_lean_lock = threading.Lock()
+
+
+def _lean_key(q, k, v, mask, scale):
+    """The signature that decides validation and the kernel's choice, or None (no lean path)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling():
+        return None
+    if mask is None:
+        mask_key = None
+    elif isinstance(mask, _masks.Mask):
+        mask_key = mask.value_key()  # kind, parameters and small CPU tensors by value
+        if mask_key is None:
+            return None
+    elif isinstance(mask, PreparedMask):
+        mask_key = ("prepared", mask.handle_id)  # unique for the process's life
+    else:
+        return None  # tensors: their values decide, and reading them costs what the path saves
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_key, scale,
+            grad, torch.is_inference_mode_enabled(), registry_state())
+
+
+def _lean_runner(q, k, v, mask, scale):
+    """A cached runner for this call's signature (made on the first call of it), or None."""
+    key = _lean_key(q, k, v, mask, scale)
+    if key is None:
+        return None
+    found = _lean.get(key)
+    if found is not None:
+        return found
+    call = _call(q, k, v, mask, scale, 0.0, False)  # raises as the full path does
+    runner = choose(call).chosen.runner(call)
+    if runner is None:
+        return None
+    with _lean_lock:
+        _lean[key] = runner
+        while len(_lean) > LEAN_ENTRIES:
+            _lean.popitem(last=False)
+    return runner
 
 
 def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None,

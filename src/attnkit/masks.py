@@ -261,7 +261,7 @@ class Mask:
         held = self.tensors()
         return held[0].device if held else None
 
-    def _key(self):
+    def value_key(self):
         """A hashable value that determines the mask (its kind, parameters and the values of
         the small CPU tensors it holds), or None where only its identity can (large or device
         tensors, dense masks). Equal keys mean equal masks: the implicit cache of
@@ -433,7 +433,7 @@ class _Causal(_Positional, Mask):
         self._set_positions(align, q_offset, kv_offset)
         self.batch_size = _batch_of(self.q_offset, self.kv_offset)
 
-    def _key(self):
+    def value_key(self):
         key = self._position_value()
         return None if key is None else ("causal", key)
 
@@ -459,7 +459,7 @@ class _SlidingWindow(_Positional, Mask):
         self._set_positions(align, q_offset, kv_offset)
         self.batch_size = _batch_of(self.q_offset, self.kv_offset)
 
-    def _key(self):
+    def value_key(self):
         key = self._position_value()
         return None if key is None else ("window", self.left, self.right, key)
 
@@ -499,7 +499,7 @@ class _PrefixLM(_Positional, Mask):
         own = (self.prefix_len,) if isinstance(self.prefix_len, torch.Tensor) else ()
         return own + self._position_tensors()
 
-    def _key(self):
+    def value_key(self):
         key, prefix = self._position_value(), _value(self.prefix_len)
         return None if key is None or prefix is None else ("prefix", prefix, key)
 
@@ -530,7 +530,7 @@ class _Document(Mask):
     def tensors(self):
         return (self.ids,) + tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
 
-    def _key(self):
+    def value_key(self):
         values = _values(self.ids, self.q_offset, self.kv_offset)
         return None if values is None else ("document", self.is_part, values)
 
@@ -629,7 +629,7 @@ class _Padding(Mask):
     def tensors(self):
         return (self.lengths,) + ((self.kv_offset,) if isinstance(self.kv_offset, torch.Tensor) else ())
 
-    def _key(self):
+    def value_key(self):
         values = _values(self.lengths, self.kv_offset)
         return None if values is None else ("padding", self.is_part, values)
 
@@ -755,7 +755,7 @@ class _FromFn(Mask):
     def lead_shape(self):
         return (self.batch_size or 1, self.num_heads or 1)
 
-    def _key(self):
+    def value_key(self):
         # the function by identity: a cache entry holds the mask, so the id is not reused meanwhile
         offsets = _values(self.q_offset, self.kv_offset)
         return None if offsets is None else ("from_fn", id(self.fn), self.batch_size, self.num_heads, offsets)
@@ -834,8 +834,8 @@ class _Combine(Mask):
     def tensors(self):
         return self.left.tensors() + self.right.tensors()
 
-    def _key(self):
-        a, b = self.left._key(), self.right._key()
+    def value_key(self):
+        a, b = self.left.value_key(), self.right.value_key()
         return None if a is None or b is None else (self.op, a, b)
 
     def key_limit(self):
@@ -910,9 +910,9 @@ class _Cached(Mask):
     def tensors(self):
         return (self.start, self.lengths) + (self.mask.tensors() if self.mask else ())
 
-    def _key(self):
+    def value_key(self):
         values = _values(self.start, self.lengths)
-        inner = None if self.mask is None else self.mask._key()
+        inner = None if self.mask is None else self.mask.value_key()
         if values is None or (self.mask is not None and inner is None):
             return None
         return ("cached", values, inner)

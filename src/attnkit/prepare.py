@@ -143,9 +143,13 @@ class PreparedMask:
     #: ops, whose eager implementations find the mask from it (see :func:`from_handle`).
     handle: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
+    #: The handle's number as a Python int (for keys: no host read of the tensor).
+    handle_id: int = field(default=0, repr=False, compare=False)
+
     def __post_init__(self):
         number = next(_HANDLES)
         object.__setattr__(self, "handle", torch.tensor(number, dtype=torch.int64))
+        object.__setattr__(self, "handle_id", number)
         _LIVE[number] = self
 
     @property
@@ -425,10 +429,10 @@ def prepared_for(mask: _masks.Mask | None, q_len: int, kv_len: int, device,
     """``prepare(mask, q_len, kv_len, device=device, block_size=block_size)`` through the
     bounded implicit cache: once per (mask, lengths, device, block size).
 
-    Masks are found by value (:meth:`attnkit.masks.Mask._key`: kind, parameters and small
+    Masks are found by value (:meth:`attnkit.masks.Mask.value_key`: kind, parameters and small
     CPU tensors), others by identity.
     """
-    value_key = ("no mask",) if mask is None else mask._key()
+    value_key = ("no mask",) if mask is None else mask.value_key()
     key = (value_key if value_key is not None else ("id", id(mask)), q_len, kv_len, str(device), tuple(block_size))
     with _implicit_lock:
         hit = _implicit.get(key)

@@ -22,7 +22,9 @@ try:
     from transformers import AttentionInterface
     from transformers import masking_utils as _mu
 except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
-    raise ModuleNotFoundError(
+    from attnkit.errors import MissingExtraError
+
+    raise MissingExtraError(
         "attnkit.integrations.transformers needs HuggingFace transformers: pip install 'attnkit[hf]'"
     ) from err
 

@@ -71,11 +71,16 @@ class Call:
     sinks: torch.Tensor | None = None
     score_mod: object = None
     _by_block: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)  # per-call answers asked several times (band, mods)
 
     def score_mods(self) -> tuple[str, ...]:
         """Which score modifications the call has: among "bias", "softcap", "sinks", "score_mod"."""
-        return tuple(name for name, v in (("bias", self.bias), ("softcap", self.softcap), ("sinks", self.sinks),
-                                          ("score_mod", self.score_mod)) if v is not None)
+        found = self._memo.get("mods")
+        if found is None:
+            found = self._memo["mods"] = tuple(
+                name for name, v in (("bias", self.bias), ("softcap", self.softcap), ("sinks", self.sinks),
+                                     ("score_mod", self.score_mod)) if v is not None)
+        return found
 
     def describe_mods(self) -> str:
         """The score modifications in words, for :func:`attnkit.explain` ('' if none)."""
@@ -121,11 +126,14 @@ class Call:
 
     def band(self) -> tuple[int | None, int | None] | None:
         """The mask's band (:meth:`attnkit.masks.Mask.band`) without preparing it; None if it is none."""
-        if isinstance(self.mask, PreparedMask):
-            return self.mask.band
-        if isinstance(self.mask, _masks.Mask):
-            return self.mask.band(self.shapes.lq, self.shapes.lk)
-        return None
+        if "band" not in self._memo:
+            band = None
+            if isinstance(self.mask, PreparedMask):
+                band = self.mask.band
+            elif isinstance(self.mask, _masks.Mask):
+                band = self.mask.band(self.shapes.lq, self.shapes.lk)
+            self._memo["band"] = band
+        return self._memo["band"]
 
     def causal_shift(self) -> int | None:
         """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (0: SDPA's ``is_causal``)."""
@@ -197,6 +205,10 @@ class Kernel:
     #: Largest input rank (None: any).
     max_rank: int | None = None
 
+    def runs_on(self, device_type: str) -> bool:
+        """Whether it runs on this device type at all (the registry skips it cheaply otherwise)."""
+        return self.devices is None or device_type in self.devices
+
     def not_supported_reasons(self, call: Call) -> list[str]:
         """Why this kernel cannot run ``call`` (empty if it can)."""
         reasons = []
@@ -237,6 +249,12 @@ class Kernel:
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def runner(self, call: Call):
+        """Optionally, a function ``(q, k, v) -> out`` that runs every later call of this call's
+        signature (same shapes, dtypes, devices, mask value, scale, autograd; no modifications,
+        dropout or lse) without validating or choosing again. None: no such shortcut."""
+        return None
+
     def __repr__(self) -> str:
         return f"<attnkit kernel {self.name!r}>"
 
@@ -245,6 +263,26 @@ class Kernel:
 KERNELS: dict[str, Kernel] = {}
 #: The order ``kernel="auto"`` asks the kernels in.
 PRIORITY: list[Kernel] = []
+_GENERATION = [0]  # bumped by every change to the registry
+
+
+def registry_state() -> tuple:
+    """What the choice of a kernel depends on besides the call: the registry's version and the
+    innermost use_kernels (keys of cached choices)."""
+    return (_GENERATION[0], _ACTIVE[-1] if _ACTIVE else None)
+
+
+def first_derivative_only(fn, kernel: Kernel):
+    """``fn`` with outputs that refuse a second derivative clearly, unless the kernel has one."""
+    if kernel.supports_double_backward:
+        return fn
+
+    def guarded(q, k, v):
+        out = fn(q, k, v)
+        _first_derivative_only(out, kernel.name)
+        return out
+
+    return guarded
 
 
 def _named(kernel) -> Kernel:
@@ -273,6 +311,7 @@ def register_kernel(kernel: Kernel, *, before=None, after=None) -> Kernel:
         raise AttnkitValueError("give before= or after=, not both.")
     old = KERNELS.get(kernel.name)
     KERNELS[kernel.name] = kernel
+    _GENERATION[0] += 1
     if old is not None and old in PRIORITY and before is None and after is None:
         PRIORITY[PRIORITY.index(old)] = kernel
         return kernel
@@ -290,6 +329,7 @@ def register_kernel(kernel: Kernel, *, before=None, after=None) -> Kernel:
 def unregister_kernel(kernel) -> None:
     """Remove a registered kernel (by name or object)."""
     kernel = _named(kernel)
+    _GENERATION[0] += 1
     KERNELS.pop(kernel.name, None)
     if kernel in PRIORITY:
         PRIORITY.remove(kernel)
@@ -335,9 +375,18 @@ class Plan:
     preferred); it is worked out when first read.
     """
 
-    def __init__(self, kernel: Kernel, reason: str, call: Call | None = None, refusals: dict | None = None):
-        self.chosen, self.kernel, self.reason = kernel, kernel.name, reason
+    def __init__(self, kernel: Kernel, reason, call: Call | None = None, refusals: dict | None = None):
+        self.chosen, self.kernel, self._reason = kernel, kernel.name, reason
         self._call, self._refusals = call, dict(refusals or {})
+
+    @property
+    def reason(self) -> str:
+        """``"<kernel>: <modifications>; <why>"`` (made when read: the hot path formats nothing)."""
+        if not isinstance(self._reason, str):
+            why = self._reason[1] if isinstance(self._reason[1], str) else self._reason[1]()
+            mods = self._call.describe_mods() if self._call is not None else ""
+            self._reason = f"{self.kernel}: {mods + '; ' if mods else ''}{why}"
+        return self._reason
 
     @property
     def prepared(self) -> PreparedMask | None:
@@ -349,12 +398,18 @@ class Plan:
     @property
     def rejected(self) -> dict:
         for name, k in KERNELS.items():
-            if name not in self._refusals and self._call is not None:
+            if self._call is not None and (name not in self._refusals or self._refusals[name] is _LATER):
                 self._refusals[name] = k.not_supported_reasons(self._call)
-        return {
-            name: tuple(why) if why else ("not preferred here",)
-            for name, why in self._refusals.items() if name != self.kernel
-        }
+        out = {}
+        for name, why in self._refusals.items():
+            if name == self.kernel:
+                continue
+            if isinstance(why, tuple) and why and why[0] is _DECLINED:
+                text = why[1] if isinstance(why[1], str) else why[1]()
+                out[name] = (f"not preferred: {text}",)
+            else:
+                out[name] = tuple(why) if why else ("not preferred here",)
+        return out
 
     def __str__(self) -> str:
         return self.reason
@@ -369,9 +424,15 @@ class Plan:
         return "\n".join(lines)
 
 
-def _plan(kernel: Kernel, why: str, call: Call, refusals: dict) -> Plan:
-    mods = call.describe_mods()
-    return Plan(kernel, f"{kernel.name}: {mods + '; ' if mods else ''}{why}", call, refusals)
+#: A refusal to work out when explain reads it (a kernel skipped for its device), and the mark
+#: of a kernel that could run the call but declined it (its reason is formatted when read).
+_LATER: list = []
+_DECLINED = object()
+
+
+def _plan(kernel: Kernel, why, call: Call, refusals: dict) -> Plan:
+    """``why`` is a str or a function giving one (formatted only if the plan is read)."""
+    return Plan(kernel, (kernel.name, why), call, refusals)
 
 
 def choose(call: Call, kernel="auto") -> Plan:
@@ -405,7 +466,11 @@ def _auto(call: Call) -> Plan:
             refusals[k.name] = reasons
         detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
         raise AttnkitValueError(f"no kernel allowed here can run this call ({detail}).")
+    device = call.q.device.type
     for k in PRIORITY:
+        if not k.runs_on(device):
+            refusals[k.name] = _LATER
+            continue
         reasons = k.not_supported_reasons(call)
         if reasons:
             refusals[k.name] = reasons
@@ -413,7 +478,7 @@ def _auto(call: Call) -> Plan:
         yes, why = k.prefers(call)
         if yes:
             return _plan(k, why, call, refusals)
-        refusals[k.name] = [f"not preferred: {why}"]
+        refusals[k.name] = (_DECLINED, why)
     detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
     raise AttnkitValueError(f"no registered kernel can run this call ({detail}).")
 

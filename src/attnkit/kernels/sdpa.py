@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.kernels import reference
-from attnkit.kernels.registry import Call, Kernel
+from attnkit.kernels.registry import Call, Kernel, first_derivative_only
 from attnkit.prepare import DEFAULT_BLOCK_SIZE
 
 #: Problems with fewer (query, key) pairs are cheap as one dense masked call (for explain's words).
@@ -80,6 +80,25 @@ class SDPAKernel(Kernel):
         if prepared is not None:
             return True, f"dense mask: {prepared.kept:.0%} of blocks kept"
         return True, "dense mask"
+
+    def runner(self, call: Call):
+        if call.bias is not None or call.dropout_p > 0.0:
+            return None
+        prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
+        if call.mask is None or call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
+            causal = False
+        elif call.causal_shift() == 0 and call.scale > 0.0:
+            causal = True
+        else:
+            return None  # a dense mask: made from the mask's values on every call
+        scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
+        if shapes.rank == 4:
+            def run(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa)
+        else:
+            def run(q, k, v):
+                return sdpa(q, k, v, None, scale=scale, dropout_p=0.0, shapes=shapes, causal=causal)
+        return first_derivative_only(run, self) if call.backward else run
 
     def run(self, call: Call):
         kw = dict(scale=call.scale, dropout_p=call.dropout_p, shapes=call.shapes)

@@ -32,7 +32,7 @@ from attnkit._validate import AttnkitValueError
 from attnkit.kernels import _aten
 from attnkit.kernels.lse import merge
 from attnkit.kernels import tiles
-from attnkit.kernels.registry import Call, Kernel, double_backward_error
+from attnkit.kernels.registry import Call, Kernel, double_backward_error, first_derivative_only
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run, from_handle
 
 
@@ -466,47 +466,60 @@ class TiledKernel(Kernel):
                 reasons.append("under torch.compile: no attn_bias, score_mod or dropout (they run eagerly only)")
         return reasons
 
-    def prefers(self, call: Call) -> tuple[bool, str]:
+    def prefers(self, call: Call) -> tuple[bool, object]:
         s = call.shapes
         if call.compiling:  # the user prepared the mask for this: no host reads while tracing
             return True, "under torch.compile: block-sparse through a custom op over the PreparedMask"
         if call.q.device.type != "cpu":
-            return False, (f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
-                           "(kernel='tiled' forces it)")
-        kept = None
+            return False, lambda: (f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
+                                   "(kernel='tiled' forces it)")
 
         def prepared():
             return call.prepared_at(self.block_size)
 
         if call.score_mods():
-            return True, f"{prepared().kept:.0%} of blocks kept, the modifications applied per tile"
+            p = prepared()
+            return True, lambda: f"{p.kept:.0%} of blocks kept, the modifications applied per tile"
         if call.dropout_p > 0.0 or call.return_lse:
+            p = prepared()
             why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"
-            return True, f"{why}, {prepared().kept:.0%} of blocks kept"
+            return True, lambda: f"{why}, {p.kept:.0%} of blocks kept"
         if call.mask is None:
             return False, "no mask: SDPA's fused kernel"
         if call.causal_shift() == 0 and call.scale > 0.0:
             return False, "is_causal: SDPA's fused kernel"
+        small = lambda: f"dense mask: Lq*Lk={call.pairs} is small"  # noqa: E731
         if call.tensor_mask and call.pairs < MIN_PAIRS:
-            return False, f"dense mask: Lq*Lk={call.pairs} is small"
+            return False, small
         if call.hides_nothing_here():
             return False, "the mask hides nothing here"
         padding = call.limit_only() and s.lk >= PADDING_MIN_KEYS
         if call.pairs < MIN_PAIRS and s.lk <= MIN_KEYS and not padding:
-            return False, f"dense mask: Lq*Lk={call.pairs} is small"
+            return False, small
         p = prepared()
-        kept = p.kept
         if p.hides_nothing:
             return False, "the mask hides nothing here"
         if not p.masked and p.kv_limit is not None:
-            return True, f"{kept:.0%} of blocks kept, all full, keys past each sequence's end unread"
-        if not p.masked and kept <= MAX_KEPT_FULL:
-            return True, f"{kept:.0%} of blocks kept, all full"
+            return True, lambda: f"{p.kept:.0%} of blocks kept, all full, keys past each sequence's end unread"
+        if not p.masked and p.kept <= MAX_KEPT_FULL:
+            return True, lambda: f"{p.kept:.0%} of blocks kept, all full"
         if call.pairs < MIN_PAIRS:
-            return False, f"dense mask: Lq*Lk={call.pairs} is small"
-        if kept <= MAX_KEPT[(call.half, call.backward)]:
-            return True, f"{kept:.0%} of blocks kept"
-        return False, f"{kept:.0%} of blocks kept: the dense mask is faster"
+            return False, small
+        if p.kept <= MAX_KEPT[(call.half, call.backward)]:
+            return True, lambda: f"{p.kept:.0%} of blocks kept"
+        return False, lambda: f"{p.kept:.0%} of blocks kept: the dense mask is faster"
+
+    def runner(self, call: Call):
+        if call.score_mods() or call.dropout_p > 0.0 or call.compiling:
+            return None
+        s, prepared, scale = call.shapes, call.prepared_at(self.block_size), call.scale
+        lead = (1,) * (4 - s.rank)
+
+        def run(q, k, v):
+            q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (q, k, v))  # (B, H, L, D)
+            return attention(q4, k4, v4, prepared, scale=scale)[0].reshape(s.out)
+
+        return first_derivative_only(run, self) if call.backward else run
 
     def run(self, call: Call):
         s = call.shapes

@@ -43,9 +43,14 @@ __all__ = ["AVAILABLE", "TritonKernel", "interpreted", "triton_attention"]
 BLOCK_Q, BLOCK_K = 64, 64
 
 
+#: Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, read at import as
+#: Triton reads it): CPU tensors are allowed then.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``): CPU tensors allowed."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return INTERPRETED
 
 
 if AVAILABLE:
@@ -382,6 +387,9 @@ class TritonKernel(Kernel):
     supports_lse = True
     supports_score_mods = ("bias", "softcap")  # bias: ALiBi only (see _reasons); sinks from the lse
     max_rank = 4
+
+    def runs_on(self, device_type: str) -> bool:
+        return AVAILABLE and (device_type == "cuda" or (device_type == "cpu" and interpreted()))
 
     def _reasons(self, call: Call) -> list[str]:
         reasons = []
