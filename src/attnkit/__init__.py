@@ -2,31 +2,54 @@
 tutorial's API on top.
 
 One mask convention everywhere: True means "may attend".
+
+The names below are loaded when first used (``import attnkit`` imports neither torch
+nor anything else until then), so the ``attnkit`` command answers ``--help`` at once.
 """
 
-from attnkit import masks, tutorial
-from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError
-from attnkit.functional import attention, attention_weights, attention_with_weights, explain
-from attnkit.inspect import capture
-from attnkit.kernels import use_kernels
-from attnkit.nn import KVCache, MultiHeadAttention
-from attnkit.prepare import PreparedMask, prepare
+from __future__ import annotations
 
-# The tutorial's functions, also at the top level (the same objects as attnkit.tutorial's).
-from attnkit.tutorial import (
-    create_causal_mask,
-    create_padding_mask,
-    scaled_dot_product_attention,
-    visualize_attention,
-)
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from attnkit.errors import AttnkitError, AttnkitTypeError, AttnkitValueError, MissingExtraError
+
+try:  # the one version source is pyproject.toml, through the installed package's metadata
+    from importlib.metadata import PackageNotFoundError as _NotFound
+    from importlib.metadata import version as _version
+
+    __version__ = _version("attnkit")
+except _NotFound:  # pragma: no cover - a source tree on sys.path, not installed
+    __version__ = "0+unknown"
+
+#: name -> (module, attribute); the tutorial's functions are the same objects as attnkit.tutorial's.
+_NAMES = {
+    "attention": ("attnkit.functional", "attention"),
+    "attention_weights": ("attnkit.functional", "attention_weights"),
+    "attention_with_weights": ("attnkit.functional", "attention_with_weights"),
+    "explain": ("attnkit.functional", "explain"),
+    "capture": ("attnkit.inspect", "capture"),
+    "use_kernels": ("attnkit.kernels", "use_kernels"),
+    "KVCache": ("attnkit.nn", "KVCache"),
+    "MultiHeadAttention": ("attnkit.nn", "MultiHeadAttention"),
+    "PreparedMask": ("attnkit.prepare", "PreparedMask"),
+    "prepare": ("attnkit.prepare", "prepare"),
+    "create_causal_mask": ("attnkit.tutorial", "create_causal_mask"),
+    "create_padding_mask": ("attnkit.tutorial", "create_padding_mask"),
+    "scaled_dot_product_attention": ("attnkit.tutorial", "scaled_dot_product_attention"),
+    "visualize_attention": ("attnkit.tutorial", "visualize_attention"),
+}
+_SUBMODULES = {"bias", "distributed", "functional", "inspect", "integrations", "kernels", "masks", "models", "nn",
+               "score_mods", "tutorial", "viz"}
 
 __all__ = [
     "AttnkitError",
     "AttnkitTypeError",
     "AttnkitValueError",
     "KVCache",
+    "MissingExtraError",
     "MultiHeadAttention",
     "PreparedMask",
     "attention",
@@ -44,3 +67,45 @@ __all__ = [
     "visualize_attention",
 ]
 
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        module, attribute = _NAMES[name]
+        value = getattr(importlib.import_module(module), attribute)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"attnkit.{name}")
+    else:
+        raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES) | _SUBMODULES)
+
+
+class _Package(types.ModuleType):
+    """The package module: ``attnkit.prepare`` names the function, though a submodule of that
+    name exists (importing it would otherwise set the attribute to the module)."""
+
+    def __setattr__(self, name, value):
+        if name in _NAMES and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable as sys.modules["attnkit.prepare"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from attnkit import bias, distributed, functional, inspect, integrations, kernels, masks, nn, score_mods, tutorial
+    from attnkit.functional import attention, attention_weights, attention_with_weights, explain
+    from attnkit.inspect import capture
+    from attnkit.kernels import use_kernels
+    from attnkit.nn import KVCache, MultiHeadAttention
+    from attnkit.prepare import PreparedMask, prepare
+    from attnkit.tutorial import (
+        create_causal_mask,
+        create_padding_mask,
+        scaled_dot_product_attention,
+        visualize_attention,
+    )

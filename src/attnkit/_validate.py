@@ -17,16 +17,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class AttnkitError(Exception):
-    """Base class of every error attnkit raises on bad input."""
-
-
-class AttnkitValueError(AttnkitError, ValueError):
-    """A value, size or shape that attnkit cannot use."""
-
-
-class AttnkitTypeError(AttnkitError, TypeError):
-    """An argument of the wrong type or dtype."""
+from attnkit.errors import AttnkitError, AttnkitTypeError, AttnkitValueError, MissingExtraError  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from attnkit._validate import AttnkitError
+from attnkit.errors import AttnkitError, missing_extra
 
 
 def _say(message: str) -> None:
@@ -589,7 +589,10 @@ TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommend
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from attnkit import __version__
+
     parser = argparse.ArgumentParser(prog="attnkit", description="Exact attention you can see into.")
+    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "show",
@@ -681,7 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # a bare `attnkit`: what it can do
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     if args.command == "train":  # defaults that depend on the model
         steps, batch_size = TRAIN_DEFAULTS[args.model]
         args.out = args.out or args.model
@@ -689,7 +697,10 @@ def main(argv=None) -> int:
         args.batch_size = args.batch_size or batch_size
     try:
         return args.run(args)
-    except (AttnkitError, ModuleNotFoundError) as err:
+    except ModuleNotFoundError as err:  # an optional dependency: say which extra installs it
+        print(f"attnkit {args.command}: {missing_extra(err, f'attnkit {args.command}') or err}", file=sys.stderr)
+        return 2
+    except AttnkitError as err:
         print(f"attnkit {args.command}: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a file system error the checks above did not foresee

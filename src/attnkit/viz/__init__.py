@@ -1,5 +1,9 @@
-"""Pictures of attention. Figures need matplotlib: ``pip install attnkit[viz]``;
-the HTML view needs nothing beyond the standard library."""
+"""Pictures of attention: figures (matplotlib) and self-contained HTML views. Needs the
+``viz`` extra: ``pip install 'attnkit[viz]'`` (matplotlib, and a CJK font for token labels)."""
+
+from attnkit.errors import check_extra
+
+check_extra("viz", "attnkit.viz")
 
 from attnkit.viz.grid import attention_grid
 from attnkit.viz.heatmap import visualize_attention
