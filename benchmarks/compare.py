@@ -56,8 +56,13 @@ def main() -> int:
     script_args = [a for a in rest if a != "--"]
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base_tree), args.base],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             ratios: dict[str, dict[str, list[float]]] = {}
             for r in range(args.rounds):
@@ -76,18 +81,28 @@ def main() -> int:
         if not got["base"] or not got["new"]:
             continue
         change = statistics.median(got["new"]) / statistics.median(got["base"])
-        rows.append({"case": case, "base_ratio": round(statistics.median(got["base"]), 4),
-                     "new_ratio": round(statistics.median(got["new"]), 4), "new_vs_base": round(change, 3)})
+        rows.append(
+            {
+                "case": case,
+                "base_ratio": round(statistics.median(got["base"]), 4),
+                "new_ratio": round(statistics.median(got["new"]), 4),
+                "new_vs_base": round(change, 3),
+            }
+        )
     width = max(len(r["case"]) for r in rows)
-    print(f"\n{args.script}: the working tree against {args.base}, {args.rounds} interleaved rounds "
-          "(attnkit / the script's reference, medians)")
+    print(
+        f"\n{args.script}: the working tree against {args.base}, {args.rounds} interleaved rounds "
+        "(attnkit / the script's reference, medians)"
+    )
     print(f"{'case':<{width}}  {'base':>8}  {'new':>8}  {'new/base':>9}")
     for r in rows:
         flag = "  <- slower by more than 5%" if r["new_vs_base"] > 1.05 else ""
         print(f"{r['case']:<{width}}  {r['base_ratio']:>8.3f}  {r['new_ratio']:>8.3f}  {r['new_vs_base']:>8.3f}x{flag}")
     out = RESULTS / f"compare_{Path(args.script).stem}.json"
-    out.write_text(json.dumps({"base": args.base, "rounds": args.rounds, "script_args": script_args, "rows": rows},
-                              indent=1) + "\n")
+    out.write_text(
+        json.dumps({"base": args.base, "rounds": args.rounds, "script_args": script_args, "rows": rows}, indent=1)
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

@@ -84,18 +84,40 @@ def main():
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     rows = []
     for name, step in steps.items():
-        rows.append({"case": name, "ms": round(ms[name], 2), "vs_eager_tiled": round(ms[name] / ms["eager tiled"], 3),
-                     "first_call_s": round(compile_s[name], 2), "largest_allocation_mb": round(largest_allocation_mb(step), 2)})
-    print(f"L={length}, B=1, H=8, D=64, fp32, document & causal (8 documents, {prepared.kept:.0%} of blocks kept), "
-          f"{args.threads} threads, medians of {args.repeats}")
+        rows.append(
+            {
+                "case": name,
+                "ms": round(ms[name], 2),
+                "vs_eager_tiled": round(ms[name] / ms["eager tiled"], 3),
+                "first_call_s": round(compile_s[name], 2),
+                "largest_allocation_mb": round(largest_allocation_mb(step), 2),
+            }
+        )
+    print(
+        f"L={length}, B=1, H=8, D=64, fp32, document & causal (8 documents, {prepared.kept:.0%} of blocks kept), "
+        f"{args.threads} threads, medians of {args.repeats}"
+    )
     print(f"{'case':<22} {'fwd+bwd ms':>11} {'vs eager tiled':>15} {'first call s':>13} {'largest alloc MB':>17}")
     for r in rows:
-        print(f"{r['case']:<22} {r['ms']:>11.1f} {r['vs_eager_tiled']:>14.2f}x {r['first_call_s']:>13.1f} "
-              f"{r['largest_allocation_mb']:>17.1f}")
+        print(
+            f"{r['case']:<22} {r['ms']:>11.1f} {r['vs_eager_tiled']:>14.2f}x {r['first_call_s']:>13.1f} "
+            f"{r['largest_allocation_mb']:>17.1f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                                    "threads": args.threads, "length": length, "kept": prepared.kept, "rows": rows},
-                                   indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "threads": args.threads,
+                "length": length,
+                "kept": prepared.kept,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

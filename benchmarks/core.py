@@ -139,14 +139,29 @@ def decode_rows(repeats: int) -> list[dict]:
         q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 8, lk, 64), torch.randn(1, 8, lk, 64)
         padding = masks.padding(torch.tensor([lk - 3]))
         bool_padding = padding.materialize(1, lk)
-        for name, mask, sdpa_mask in (("padding", padding, bool_padding), ("causal", masks.causal(), None), ("none", None, None)):
+        for name, mask, sdpa_mask in (
+            ("padding", padding, bool_padding),
+            ("causal", masks.causal(), None),
+            ("none", None, None),
+        ):
             with torch.no_grad():
-                t = median_ms({
-                    "attnkit": lambda: attnkit.attention(q, k, v, mask),
-                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask),
-                }, repeats)
-            rows.append({"case": f"decode {name}", "L": lk, "attnkit_ms": t["attnkit"], "ref_ms": t["sdpa"],
-                         "ref": "sdpa", "kernel": str(attnkit.explain(q, k, v, mask))})
+                t = median_ms(
+                    {
+                        "attnkit": lambda: attnkit.attention(q, k, v, mask),
+                        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask),
+                    },
+                    repeats,
+                )
+            rows.append(
+                {
+                    "case": f"decode {name}",
+                    "L": lk,
+                    "attnkit_ms": t["attnkit"],
+                    "ref_ms": t["sdpa"],
+                    "ref": "sdpa",
+                    "kernel": str(attnkit.explain(q, k, v, mask)),
+                }
+            )
     return rows
 
 
@@ -163,13 +178,22 @@ def packed_row(repeats: int) -> dict:
     q, k, v = (torch.randn(b, 8, length, 64, generator=g) for _ in range(3))
     prepared = attnkit.prepare(mask, length, length)
     with torch.no_grad():
-        t = median_ms({
-            "attnkit": lambda: attnkit.attention(q, k, v, prepared),
-            "dense": lambda: F.scaled_dot_product_attention(q, k, v),
-        }, max(3, repeats // 6))
+        t = median_ms(
+            {
+                "attnkit": lambda: attnkit.attention(q, k, v, prepared),
+                "dense": lambda: F.scaled_dot_product_attention(q, k, v),
+            },
+            max(3, repeats // 6),
+        )
     ideal = t["dense"] * prepared.kept
-    return {"case": "packed B=4 (doc & causal)", "L": length, "attnkit_ms": t["attnkit"], "ref_ms": ideal,
-            "ref": f"ideal ({prepared.kept:.0%} of blocks)", "kernel": str(attnkit.explain(q, k, v, prepared))}
+    return {
+        "case": "packed B=4 (doc & causal)",
+        "L": length,
+        "attnkit_ms": t["attnkit"],
+        "ref_ms": ideal,
+        "ref": f"ideal ({prepared.kept:.0%} of blocks)",
+        "kernel": str(attnkit.explain(q, k, v, prepared)),
+    }
 
 
 def prepare_row(repeats: int) -> dict:
@@ -177,11 +201,19 @@ def prepare_row(repeats: int) -> dict:
     ids = torch.arange(length) // (length // 8)
     q = torch.randn(1, 8, length, 64)
     with torch.no_grad():
-        prepare_ms = median_ms({"p": lambda: attnkit.prepare(masks.document(ids) & masks.causal(), length, length)}, 5)["p"]
+        prepare_ms = median_ms({"p": lambda: attnkit.prepare(masks.document(ids) & masks.causal(), length, length)}, 5)[
+            "p"
+        ]
         prepared = attnkit.prepare(masks.document(ids) & masks.causal(), length, length)
         forward_ms = median_ms({"f": lambda: attnkit.attention(q, q, q, prepared)}, 3)["f"]
-    return {"case": "prepare doc&causal", "L": length, "attnkit_ms": prepare_ms, "ref_ms": forward_ms,
-            "ref": "one forward", "kernel": "-"}
+    return {
+        "case": "prepare doc&causal",
+        "L": length,
+        "attnkit_ms": prepare_ms,
+        "ref_ms": forward_ms,
+        "ref": "one forward",
+        "kernel": "-",
+    }
 
 
 def translator_row() -> dict:
@@ -199,8 +231,14 @@ def translator_row() -> dict:
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     tokens = out.shape[0] * out.shape[1]
-    return {"case": "DateTranslator greedy decode", "L": out.shape[1], "attnkit_ms": 1e3 * seconds,
-            "ref_ms": None, "ref": f"{tokens / seconds:,.0f} tokens/s (batch of {len(texts)})", "kernel": "-"}
+    return {
+        "case": "DateTranslator greedy decode",
+        "L": out.shape[1],
+        "attnkit_ms": 1e3 * seconds,
+        "ref_ms": None,
+        "ref": f"{tokens / seconds:,.0f} tokens/s (batch of {len(texts)})",
+        "kernel": "-",
+    }
 
 
 def table(rows) -> str:
@@ -208,7 +246,9 @@ def table(rows) -> str:
     for r in rows:
         ref = f"{r['ref_ms']:.3f}" if r["ref_ms"] else "-"
         ratio = f"{r['attnkit_ms'] / r['ref_ms']:.2f}" if r["ref_ms"] else "-"
-        lines.append(f"| {r['case']} | {r['L']} | {r['attnkit_ms']:.3f} | {r['ref']} | {ref} | {ratio} | {r['kernel']} |")
+        lines.append(
+            f"| {r['case']} | {r['L']} | {r['attnkit_ms']:.3f} | {r['ref']} | {ref} | {ratio} | {r['kernel']} |"
+        )
     return "\n".join(lines)
 
 
@@ -222,7 +262,11 @@ def main():
     rows.append(packed_row(args.repeats))
     rows.append(prepare_row(args.repeats))
     rows.append(translator_row())
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print()

@@ -210,7 +210,9 @@ def main():
                 for name in names:
                     done += 1
                     print(f"[{done}/{total}] {name} L={length} {dtype} {mode}", flush=True)
-                    row = run_case(name, length, getattr(torch, dtype), mode, args.repeats, args.flex_max_len, dense_times)
+                    row = run_case(
+                        name, length, getattr(torch, dtype), mode, args.repeats, args.flex_max_len, dense_times
+                    )
                     if name in args.cases:
                         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)

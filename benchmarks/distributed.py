@@ -29,15 +29,15 @@ import sys
 import time
 from pathlib import Path
 
+import core
 import torch
 import torch.nn.functional as F
+from core import PeakRSS, PeakTensors
 
 import attnkit
 from attnkit import distributed as D
 from attnkit import masks
 from attnkit.distributed.local import run_local
-import core
-from core import PeakRSS, PeakTensors
 
 RESULTS = Path(__file__).parent / "results"
 B, H, DH = 1, 8, 64
@@ -176,8 +176,17 @@ def main():
             print(json.dumps(row), file=sys.stderr, flush=True)
     acc = accuracy_rows(1024)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                                    "rows": rows, "accuracy": acc}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "rows": rows,
+                "accuracy": acc,
+            },
+            indent=1,
+        )
+    )
     print(table(rows))
     print()
     print(accuracy_table(acc))
@@ -188,7 +197,8 @@ def table(rows) -> str:
         return "-" if x is None else f"{x:,.0f}"
 
     lines = [
-        "| L | mask | attnkit 1x2 fwd / fwd+bwd (ms) | SDPA 1x2 fwd / fwd+bwd | ring 2x1 fwd / fwd+bwd | ring / attnkit fwd+bwd "
+        "| L | mask | attnkit 1x2 fwd / fwd+bwd (ms) | SDPA 1x2 fwd / fwd+bwd | ring 2x1 fwd / fwd+bwd "
+        "| ring / attnkit fwd+bwd "
         "| peak tensors MB 1 proc (fwd+bwd) | per rank | RSS rise MB 1 proc | per rank | MB sent per rank (fwd) "
         "| balance zigzag / contiguous |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

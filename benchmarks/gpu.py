@@ -53,6 +53,7 @@ def make_cases(length: int, heads: int):
 
 def timer(device):
     if device.type == "cuda":
+
         def run(fn, repeats):
             fn()
             torch.cuda.synchronize()
@@ -66,6 +67,7 @@ def timer(device):
                 times.append(start.elapsed_time(end))
             return statistics.median(times)
     else:
+
         def run(fn, repeats):
             fn()
             times = []
@@ -74,6 +76,7 @@ def timer(device):
                 fn()
                 times.append(1e3 * (time.perf_counter() - start))
             return statistics.median(times)
+
     return run
 
 
@@ -92,6 +95,7 @@ def candidates(q, k, v, mask, mods, device):
         o = attnkit.attention(q, k, v, mask, kernel="triton", **mods)
         if backward:
             o.backward(torch.ones_like(o))
+
     out["attnkit triton"] = ours
     plain = not mods
     dense = None
@@ -103,8 +107,11 @@ def candidates(q, k, v, mask, mods, device):
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
+        backends = {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        }
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -123,10 +130,12 @@ def candidates(q, k, v, mask, mods, device):
 
         def sdpa(backward, backend=backend, attn_mask=attn_mask, causal=causal):
             with sdpa_kernel(backend):
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
-                                                   enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None, enable_gqa=True
+                )
             if backward:
                 o.backward(torch.ones_like(o))
+
         out[f"sdpa {name}"] = sdpa
     return out
 
@@ -135,7 +144,9 @@ def flex_candidate(q, k, v, mask, mods, length):
     """Compiled FlexAttention (CUDA only): the callable and its set-up seconds, or None."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if mask is not None and not isinstance(mask, (masks._Causal, masks._SlidingWindow, masks._PrefixLM, masks._Combine)):
+    if mask is not None and not isinstance(
+        mask, (masks._Causal, masks._SlidingWindow, masks._PrefixLM, masks._Combine)
+    ):
         return None
     device = q.device
     start = time.perf_counter()
@@ -150,6 +161,7 @@ def flex_candidate(q, k, v, mask, mods, length):
             def mask_mod(b, h, qi, ki):  # document & causal
                 return (ids[qi] == ids[ki]) & (ki <= qi)
         elif isinstance(m, masks._Causal):
+
             def mask_mod(b, h, qi, ki):
                 return ki <= qi
         elif isinstance(m, masks._SlidingWindow):
@@ -171,17 +183,20 @@ def flex_candidate(q, k, v, mask, mods, length):
 
         def score_mod(score, b, h, qi, ki):
             return cap * torch.tanh(score / cap)
+
     if "attn_bias" in mods:
         slopes = mods["attn_bias"].slopes.to(device)
 
         def score_mod(score, b, h, qi, ki):
             return score + slopes[h] * (ki - qi)
+
     compiled = torch.compile(flex_attention)
 
     def flex(backward):
         o = compiled(q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=True)
         if backward:
             o.backward(torch.ones_like(o))
+
     flex(False)
     flex(True)
     torch.cuda.synchronize()
@@ -200,8 +215,14 @@ def main():
     else:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/gpu.py needs a CUDA GPU (or --interpret for the CPU smoke run).")
-        device, dtypes, lengths, heads, dim, repeats = (torch.device("cuda"), [torch.bfloat16, torch.float16],
-                                                        [4096, 16384, 65536], 16, 128, 5)
+        device, dtypes, lengths, heads, dim, repeats = (
+            torch.device("cuda"),
+            [torch.bfloat16, torch.float16],
+            [4096, 16384, 65536],
+            16,
+            128,
+            5,
+        )
     lengths = args.lengths or lengths
     repeats = args.repeats or repeats
     measure = timer(device)
@@ -209,8 +230,9 @@ def main():
     for dtype in dtypes:
         for length in lengths:
             g = torch.Generator(device="cpu").manual_seed(0)
-            q, k, v = (torch.randn(1, heads, length, dim, generator=g).to(device, dtype).requires_grad_()
-                       for _ in range(3))
+            q, k, v = (
+                torch.randn(1, heads, length, dim, generator=g).to(device, dtype).requires_grad_() for _ in range(3)
+            )
             for name, (mask, mods) in make_cases(length, heads).items():
                 mods = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in mods.items()}
                 if "attn_bias" in mods:
@@ -236,33 +258,61 @@ def main():
                             times[who] = measure(lambda fn=fn: fn(backward), repeats)
                             mem = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
                         except Exception as e:
-                            print(f"{who} failed for {name} L={length}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                            print(
+                                f"{who} failed for {name} L={length}: {type(e).__name__}: {str(e)[:200]}",
+                                file=sys.stderr,
+                            )
                             continue
                         flops = work * (3.5 if backward else 1.0)
-                        rows.append({"dtype": str(dtype).split(".")[-1], "L": length, "mask": name, "pass": "fwd+bwd" if backward else "fwd",
-                                     "kernel": who, "ms": times[who], "tflops": flops / times[who] / 1e9, "peak_mb": mem,
-                                     "setup_s": setup.get(who)})
+                        rows.append(
+                            {
+                                "dtype": str(dtype).split(".")[-1],
+                                "L": length,
+                                "mask": name,
+                                "pass": "fwd+bwd" if backward else "fwd",
+                                "kernel": who,
+                                "ms": times[who],
+                                "tflops": flops / times[who] / 1e9,
+                                "peak_mb": mem,
+                                "setup_s": setup.get(who),
+                            }
+                        )
                     best_other = min((t for w, t in times.items() if w != "attnkit triton"), default=None)
-                    for r in rows[-len(times):]:
-                        r["vs_best_other"] = None if best_other is None or r["kernel"] != "attnkit triton" else best_other / r["ms"]
+                    for r in rows[-len(times) :]:
+                        r["vs_best_other"] = (
+                            None if best_other is None or r["kernel"] != "attnkit triton" else best_other / r["ms"]
+                        )
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                 for t in (q, k, v):
                     t.grad = None
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
-                                    "torch": torch.__version__, "interpret": args.interpret, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
+                "torch": torch.__version__,
+                "interpret": args.interpret,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(table(rows))
 
 
 def table(rows) -> str:
-    lines = ["| dtype | L | mask | pass | kernel | ms | TFLOP/s | triton speed / best other | peak MB | set-up s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dtype | L | mask | pass | kernel | ms | TFLOP/s | triton speed / best other | peak MB | set-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = "" if r.get("vs_best_other") is None else f"{r['vs_best_other']:.2f}"
         mem = "" if r["peak_mb"] is None else f"{r['peak_mb']:,.0f}"
         setup = "" if r["setup_s"] is None else f"{r['setup_s']:.1f}"
-        lines.append(f"| {r['dtype']} | {r['L']} | {r['mask']} | {r['pass']} | {r['kernel']} | {r['ms']:.2f} "
-                     f"| {r['tflops']:.3f} | {ratio} | {mem} | {setup} |")
+        lines.append(
+            f"| {r['dtype']} | {r['L']} | {r['mask']} | {r['pass']} | {r['kernel']} | {r['ms']:.2f} "
+            f"| {r['tflops']:.3f} | {ratio} | {mem} | {setup} |"
+        )
     return "\n".join(lines)
 
 

@@ -37,8 +37,15 @@ IMPLS = ("eager", "sdpa", "attnkit")
 
 
 def models():
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     built = {}
     for impl in IMPLS:
@@ -52,6 +59,7 @@ def forward_step(model, ids, pos):
     def step():
         with torch.no_grad():
             model(ids, position_ids=pos, use_cache=False)
+
     return step
 
 
@@ -59,6 +67,7 @@ def train_step(model, ids, pos):
     def step():
         model.zero_grad()
         model(ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+
     return step
 
 
@@ -66,6 +75,7 @@ def generate_step(model, prompt, new_tokens):
     def step():
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
     return step
 
 
@@ -96,15 +106,23 @@ def main():
     print(rows[-1], flush=True)
     prompt, new = torch.randint(3, 1000, (1, 128)), 64
     ms = median_ms({k: generate_step(m, prompt, new) for k, m in built.items()}, args.repeats)
-    rows.append({"case": "generate 64 tokens after 128", "mode": "tokens/s",
-                 **{f"{k}_ms": v for k, v in ms.items()}, **{f"{k}_tok_s": 1e3 * new / v for k, v in ms.items()}})
+    rows.append(
+        {
+            "case": "generate 64 tokens after 128",
+            "mode": "tokens/s",
+            **{f"{k}_ms": v for k, v in ms.items()},
+            **{f"{k}_tok_s": 1e3 * new / v for k, v in ms.items()},
+        }
+    )
     print(rows[-1], flush=True)
 
     lines = ["| case | mode | eager ms | sdpa ms | attnkit ms | attnkit / sdpa |", "|---|---|---|---|---|---|"]
     for r in rows:
         extra = f" ({r['attnkit_tok_s']:.0f} vs {r['sdpa_tok_s']:.0f} tokens/s)" if "attnkit_tok_s" in r else ""
-        lines.append(f"| {r['case']} | {r['mode']} | {r['eager_ms']:.1f} | {r['sdpa_ms']:.1f} | {r['attnkit_ms']:.1f} | "
-                     f"{r['attnkit_ms'] / r['sdpa_ms']:.2f}{extra} |")
+        lines.append(
+            f"| {r['case']} | {r['mode']} | {r['eager_ms']:.1f} | {r['sdpa_ms']:.1f} | {r['attnkit_ms']:.1f} | "
+            f"{r['attnkit_ms'] / r['sdpa_ms']:.2f}{extra} |"
+        )
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}

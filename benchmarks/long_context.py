@@ -28,13 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+import core
 import torch
 
 import attnkit
 from attnkit import masks
 from attnkit.inspect import attention_stats
-
-import core
 
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 1, 8, 64
@@ -79,9 +78,18 @@ def stats_rows(lengths, repeats) -> list[dict]:
                 fwd_ms, fwd_mb = timed(lambda: attnkit.attention(q, k, v, mask), repeats)
                 st_ms, st_mb = timed(lambda: attention_stats(q, k, v, mask), repeats)
                 top_ms, top_mb = timed(lambda: attention_stats(q, k, v, mask, topk=8), repeats)
-            row = {"L": length, "mask": kind, "forward_ms": fwd_ms, "stats_ms": st_ms, "ratio": st_ms / fwd_ms,
-                   "forward_mb": fwd_mb, "stats_mb": st_mb, "topk_ms": top_ms, "topk_ratio": top_ms / fwd_ms,
-                   "topk_mb": top_mb}
+            row = {
+                "L": length,
+                "mask": kind,
+                "forward_ms": fwd_ms,
+                "stats_ms": st_ms,
+                "ratio": st_ms / fwd_ms,
+                "forward_mb": fwd_mb,
+                "stats_mb": st_mb,
+                "topk_ms": top_ms,
+                "topk_ratio": top_ms / fwd_ms,
+                "topk_mb": top_mb,
+            }
             dense_bytes = 4 * B * H * length * length
             row["eager_needs_gb"] = 3 * dense_bytes / 2**30  # weights, their log terms, the masked scores
             if length <= 8192:
@@ -107,17 +115,24 @@ def recall_rows(samples: dict) -> list[dict]:
 
 def table(rows) -> str:
     lines = [
-        "| L | mask | attnkit forward (ms) | attention_stats (ms) | stats / forward | with top-8 keys (ms) | top-8 / forward "
+        "| L | mask | attnkit forward (ms) | attention_stats (ms) | stats / forward | with top-8 keys (ms) "
+        "| top-8 / forward "
         "| peak rise: forward / stats / top-8 (MB) | eager weights + reductions (ms, MB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        eager = (f"{r['eager_ms']:,.0f} ms, {r['eager_mb']:,.0f} MB" if "eager_ms" in r
-                 else f"needs ~{r['eager_needs_gb']:.0f} GB: does not fit in 24 GB" if r["eager_needs_gb"] >= 24
-                 else f"needs ~{r['eager_needs_gb']:.0f} GB")
-        lines.append(f"| {r['L']:,} | {r['mask']} | {r['forward_ms']:,.0f} | {r['stats_ms']:,.0f} | {r['ratio']:.2f} "
-                     f"| {r['topk_ms']:,.0f} | {r['topk_ratio']:.2f} "
-                     f"| {r['forward_mb']:,.0f} / {r['stats_mb']:,.0f} / {r['topk_mb']:,.0f} | {eager} |")
+        eager = (
+            f"{r['eager_ms']:,.0f} ms, {r['eager_mb']:,.0f} MB"
+            if "eager_ms" in r
+            else f"needs ~{r['eager_needs_gb']:.0f} GB: does not fit in 24 GB"
+            if r["eager_needs_gb"] >= 24
+            else f"needs ~{r['eager_needs_gb']:.0f} GB"
+        )
+        lines.append(
+            f"| {r['L']:,} | {r['mask']} | {r['forward_ms']:,.0f} | {r['stats_ms']:,.0f} | {r['ratio']:.2f} "
+            f"| {r['topk_ms']:,.0f} | {r['topk_ratio']:.2f} "
+            f"| {r['forward_mb']:,.0f} / {r['stats_mb']:,.0f} / {r['topk_mb']:,.0f} | {eager} |"
+        )
     return "\n".join(lines)
 
 
@@ -132,16 +147,29 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--recall", default="1024:200,4096:100,16384:32,32768:16",
-                   help="length:texts pairs for RecallLM's accuracy ('' to skip)")
+    p.add_argument(
+        "--recall",
+        default="1024:200,4096:100,16384:32,32768:16",
+        help="length:texts pairs for RecallLM's accuracy ('' to skip)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
     args = p.parse_args()
     rows = stats_rows(args.lengths, args.repeats)
     samples = {int(a): int(b) for a, b in (x.split(":") for x in args.recall.split(",") if x)}
     recall = recall_rows(samples) if samples else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                                    "threads": torch.get_num_threads(), "stats": rows, "recall": recall}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "stats": rows,
+                "recall": recall,
+            },
+            indent=1,
+        )
+    )
     print(table(rows))
     if recall:
         print()

@@ -57,21 +57,40 @@ def cases(length: int):
 
     return {
         "alibi+causal": (
-            masks.causal(), {"attn_bias": bias.alibi(slopes, causal=True)},
-            (-slopes.view(-1, 1, 1) * (i - j)).masked_fill(j > i, float("-inf")), None, None,
-            lambda s, b, h, qi, kj: s - slopes[h] * (qi - kj), lambda b, h, qi, kj: kj <= qi,
+            masks.causal(),
+            {"attn_bias": bias.alibi(slopes, causal=True)},
+            (-slopes.view(-1, 1, 1) * (i - j)).masked_fill(j > i, float("-inf")),
+            None,
+            None,
+            lambda s, b, h, qi, kj: s - slopes[h] * (qi - kj),
+            lambda b, h, qi, kj: kj <= qi,
         ),
         "relative+document": (
-            masks.document(torch.arange(length) // doc), {"attn_bias": bias.relative(table)},
-            table_t[:, buckets].masked_fill((i // doc) != (j // doc), float("-inf")), None, None,
-            lambda s, b, h, qi, kj: s + table_t[h, buckets[qi, kj]], lambda b, h, qi, kj: (qi // doc) == (kj // doc),
+            masks.document(torch.arange(length) // doc),
+            {"attn_bias": bias.relative(table)},
+            table_t[:, buckets].masked_fill((i // doc) != (j // doc), float("-inf")),
+            None,
+            None,
+            lambda s, b, h, qi, kj: s + table_t[h, buckets[qi, kj]],
+            lambda b, h, qi, kj: (qi // doc) == (kj // doc),
         ),
         "softcap+window": (
-            masks.sliding_window(256), {"softcap": 30.0}, None, 30.0, None,
-            lambda s, b, h, qi, kj: 30.0 * torch.tanh(s / 30.0), window,
+            masks.sliding_window(256),
+            {"softcap": 30.0},
+            None,
+            30.0,
+            None,
+            lambda s, b, h, qi, kj: 30.0 * torch.tanh(s / 30.0),
+            window,
         ),
         "sinks+window": (
-            masks.sliding_window(256), {"sinks": sinks}, None, None, sinks, None, window,
+            masks.sliding_window(256),
+            {"sinks": sinks},
+            None,
+            None,
+            sinks,
+            None,
+            window,
         ),
     }
 
@@ -186,8 +205,11 @@ def main():
         for name in args.cases:
             row = run_case(name, args.length, mode, args.repeats, not args.no_flex, dense_ms)
             rows.append(row)
-            print(f"{name} {mode}: attnkit {row['attnkit_ms']:.1f} ms, ideal {row['ideal_ms']:.1f} ms, "
-                  f"{row['baseline']} {row['baseline_ms']:.1f} ms", flush=True)
+            print(
+                f"{name} {mode}: attnkit {row['attnkit_ms']:.1f} ms, ideal {row['ideal_ms']:.1f} ms, "
+                f"{row['baseline']} {row['baseline_ms']:.1f} ms",
+                flush=True,
+            )
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}

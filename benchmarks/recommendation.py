@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnkit.models import movielens
-from attnkit.models import recommender
+from attnkit.models import movielens, recommender
 from attnkit.models.recommender import SASRec, evaluate
 
 RESULTS = Path(__file__).parent / "results"
@@ -77,8 +76,11 @@ def main():
             _, record = recommender.train(args.epochs, seed=args.seed, progress=False, log=None)
         finally:
             recommender.SASRec = original
-        rows[f"{name} (trained here)"] = {"HR@10": record["test_HR@10"], "NDCG@10": record["test_NDCG@10"],
-                                          "train_seconds": record["seconds"]}
+        rows[f"{name} (trained here)"] = {
+            "HR@10": record["test_HR@10"],
+            "NDCG@10": record["test_NDCG@10"],
+            "train_seconds": record["seconds"],
+        }
         print(name, rows[f"{name} (trained here)"], flush=True)
     best_hr = max(rows["most popular"]["HR@10"], rows["first-order Markov"]["HR@10"])
     best_ndcg = max(rows["most popular"]["NDCG@10"], rows["first-order Markov"]["NDCG@10"])

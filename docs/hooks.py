@@ -39,65 +39,145 @@ def cpu(name: str) -> str:
     rows = []
     for r in d["rows"]:
         flex = _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-"
-        rows.append([r["case"], r["L"], r["dtype"], r["mode"], round(r["attnkit_ms"], 2), _ratio(r["attnkit_ms"], r["sdpa_ms"]),
-                     _ratio(r["attnkit_ms"], r["ideal_ms"]), flex, r["kernel"]])
+        rows.append(
+            [
+                r["case"],
+                r["L"],
+                r["dtype"],
+                r["mode"],
+                round(r["attnkit_ms"], 2),
+                _ratio(r["attnkit_ms"], r["sdpa_ms"]),
+                _ratio(r["attnkit_ms"], r["ideal_ms"]),
+                flex,
+                r["kernel"],
+            ]
+        )
     meta = d.get("meta", {})
-    return (f"*{meta.get('threads', '?')} threads, torch {meta.get('torch', '?')}.*\n\n"
-            + _table(["case", "L", "dtype", "mode", "attnkit ms", "vs SDPA", "vs ideal", "vs Flex", "kernel"], rows))
+    return f"*{meta.get('threads', '?')} threads, torch {meta.get('torch', '?')}.*\n\n" + _table(
+        ["case", "L", "dtype", "mode", "attnkit ms", "vs SDPA", "vs ideal", "vs Flex", "kernel"], rows
+    )
 
 
 def core(name: str) -> str:
     d = _load(name)
-    rows = [[r["case"], r["L"], round(r["attnkit_ms"], 3), round(r["ref_ms"], 3) if r.get("ref_ms") else "-", r["ref"],
-             _ratio(r["attnkit_ms"], r.get("ref_ms")), r["kernel"]] for r in d["rows"]]
+    rows = [
+        [
+            r["case"],
+            r["L"],
+            round(r["attnkit_ms"], 3),
+            round(r["ref_ms"], 3) if r.get("ref_ms") else "-",
+            r["ref"],
+            _ratio(r["attnkit_ms"], r.get("ref_ms")),
+            r["kernel"],
+        ]
+        for r in d["rows"]
+    ]
     return _table(["case", "L", "attnkit ms", "reference ms", "reference", "ratio", "kernel"], rows)
 
 
 def mods(name: str) -> str:
     d = _load(name)
-    rows = [[r["case"], r["L"], r["mode"], round(r["attnkit_ms"], 2), r["baseline"], _ratio(r["attnkit_ms"], r["baseline_ms"]),
-             _ratio(r["attnkit_ms"], r["ideal_ms"]), _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-"]
-            for r in d["rows"]]
+    rows = [
+        [
+            r["case"],
+            r["L"],
+            r["mode"],
+            round(r["attnkit_ms"], 2),
+            r["baseline"],
+            _ratio(r["attnkit_ms"], r["baseline_ms"]),
+            _ratio(r["attnkit_ms"], r["ideal_ms"]),
+            _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-",
+        ]
+        for r in d["rows"]
+    ]
     return _table(["case", "L", "mode", "attnkit ms", "baseline", "vs baseline", "vs ideal", "vs Flex"], rows)
 
 
 def compile_(name: str) -> str:
     d = _load(name)
-    rows = [[r["case"], r["ms"], f"{r['vs_eager_tiled']:.2f}x", r["first_call_s"], r["largest_allocation_mb"]]
-            for r in d["rows"]]
-    return (f"*L={d['length']}, {d['kept']:.0%} of blocks kept, {d['threads']} threads.*\n\n"
-            + _table(["case", "fwd+bwd ms", "vs eager tiled", "first call s", "largest allocation MB"], rows))
+    rows = [
+        [r["case"], r["ms"], f"{r['vs_eager_tiled']:.2f}x", r["first_call_s"], r["largest_allocation_mb"]]
+        for r in d["rows"]
+    ]
+    return f"*L={d['length']}, {d['kept']:.0%} of blocks kept, {d['threads']} threads.*\n\n" + _table(
+        ["case", "fwd+bwd ms", "vs eager tiled", "first call s", "largest allocation MB"], rows
+    )
 
 
 def compare(name: str) -> str:
     d = _load(name)
     rows = [[r["case"], r["base_ratio"], r["new_ratio"], f"{r['new_vs_base']:.3f}x"] for r in d["rows"]]
-    return (f"*Against {d['base']}, {d['rounds']} interleaved rounds; ratios are attnkit over the script's reference "
-            "in the same process.*\n\n" + _table(["case", "before", "after", "after / before"], rows))
+    return (
+        f"*Against {d['base']}, {d['rounds']} interleaved rounds; ratios are attnkit over the script's reference "
+        "in the same process.*\n\n" + _table(["case", "before", "after", "after / before"], rows)
+    )
 
 
 def distributed(name: str) -> str:
     d = _load(name)
     rows = []
     for r in d["rows"]:
-        rows.append([r["L"], r["mask"], round(r["attnkit_fwd"], 1), round(r["ring_fwd"], 1), _ratio(r["ring_fwd"], r["attnkit_fwd"]),
-                     round(r["attnkit_fwdbwd"], 1), round(r["ring_fwdbwd"], 1), _ratio(r["ring_fwdbwd"], r["attnkit_fwdbwd"]),
-                     " / ".join(f"{x:g}" for x in r["sent_mb"]) if isinstance(r.get("sent_mb"), list) else r.get("sent_mb", "-")])
-    return _table(["L", "mask", "1 process fwd ms", "2 ranks fwd ms", "ratio", "1 process fwd+bwd ms",
-                   "2 ranks fwd+bwd ms", "ratio", "MB sent per rank (fwd)"], rows)
+        rows.append(
+            [
+                r["L"],
+                r["mask"],
+                round(r["attnkit_fwd"], 1),
+                round(r["ring_fwd"], 1),
+                _ratio(r["ring_fwd"], r["attnkit_fwd"]),
+                round(r["attnkit_fwdbwd"], 1),
+                round(r["ring_fwdbwd"], 1),
+                _ratio(r["ring_fwdbwd"], r["attnkit_fwdbwd"]),
+                " / ".join(f"{x:g}" for x in r["sent_mb"])
+                if isinstance(r.get("sent_mb"), list)
+                else r.get("sent_mb", "-"),
+            ]
+        )
+    return _table(
+        [
+            "L",
+            "mask",
+            "1 process fwd ms",
+            "2 ranks fwd ms",
+            "ratio",
+            "1 process fwd+bwd ms",
+            "2 ranks fwd+bwd ms",
+            "ratio",
+            "MB sent per rank (fwd)",
+        ],
+        rows,
+    )
 
 
 def long_context(name: str) -> str:
     d = _load(name)
-    rows = [[r["L"], r["mask"], round(r["forward_ms"], 1), round(r["stats_ms"], 1), f"{r['ratio']:.2f}x",
-             round(r["stats_mb"], 1), r.get("eager_needs_gb", "-")] for r in d["stats"]]
+    rows = [
+        [
+            r["L"],
+            r["mask"],
+            round(r["forward_ms"], 1),
+            round(r["stats_ms"], 1),
+            f"{r['ratio']:.2f}x",
+            round(r["stats_mb"], 1),
+            r.get("eager_needs_gb", "-"),
+        ]
+        for r in d["stats"]
+    ]
     return _table(["L", "mask", "forward ms", "statistics ms", "vs forward", "statistics MB", "full weights GB"], rows)
 
 
 def hf(name: str) -> str:
     d = _load(name)
-    rows = [[r["case"], r["mode"], round(r["eager_ms"], 2) if r.get("eager_ms") else "-", round(r["sdpa_ms"], 2),
-             round(r["attnkit_ms"], 2), _ratio(r["attnkit_ms"], r["sdpa_ms"])] for r in d["rows"]]
+    rows = [
+        [
+            r["case"],
+            r["mode"],
+            round(r["eager_ms"], 2) if r.get("eager_ms") else "-",
+            round(r["sdpa_ms"], 2),
+            round(r["attnkit_ms"], 2),
+            _ratio(r["attnkit_ms"], r["sdpa_ms"]),
+        ]
+        for r in d["rows"]
+    ]
     return _table(["case", "mode", "eager ms", "sdpa ms", "attnkit ms", "attnkit / sdpa"], rows)
 
 
@@ -115,14 +195,27 @@ def recommendation(name: str) -> str:
 
 def captioner(name: str) -> str:
     d = _load(name)
-    return _table(["strips", "exact captions", "words right", "aligned"],
-                  [[d["strips"], f"{d['exact']:.1%}", f"{d['word_accuracy']:.1%}", f"{d['alignment']:.1%}"]])
+    return _table(
+        ["strips", "exact captions", "words right", "aligned"],
+        [[d["strips"], f"{d['exact']:.1%}", f"{d['word_accuracy']:.1%}", f"{d['alignment']:.1%}"]],
+    )
 
 
 TABLES = {
-    "cpu": cpu, "cpu_4096": cpu, "cpu_16384": cpu, "core": core, "mods": mods, "compile": compile_,
-    "compare_core": compare, "compare_cpu": compare, "distributed": distributed, "long_context": long_context,
-    "hf_transformers": hf, "speech": speech, "recommendation": recommendation, "captioner": captioner,
+    "cpu": cpu,
+    "cpu_4096": cpu,
+    "cpu_16384": cpu,
+    "core": core,
+    "mods": mods,
+    "compile": compile_,
+    "compare_core": compare,
+    "compare_cpu": compare,
+    "distributed": distributed,
+    "long_context": long_context,
+    "hf_transformers": hf,
+    "speech": speech,
+    "recommendation": recommendation,
+    "captioner": captioner,
 }
 
 

@@ -63,7 +63,9 @@ causal_mask = create_causal_mask(5)
 print(causal_mask.int())
 output, attention = causal_mask_attention(Q, K, V)
 same, _ = scaled_dot_product_attention(Q, K, V, create_causal_mask(seq_len))
-print(f"causal_mask_attention: {tuple(output.shape)}; same as the causal mask: {torch.allclose(output, same, atol=1e-6)}")
+print(
+    f"causal_mask_attention: {tuple(output.shape)}; same as the causal mask: {torch.allclose(output, same, atol=1e-6)}"
+)
 print(f"nothing after the diagonal: {bool((attention.triu(1) == 0).all())}")
 both = padding_mask & causal_mask  # (B, 1, 1, L) & (L, L) -> (B, 1, L, L)
 print(f"padding & causal: {tuple(both.shape)}; sequence 1:\n{both[1, 0].int()}")

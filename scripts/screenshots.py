@@ -1,7 +1,7 @@
 """Screenshots of the HTML view for the README, taken in headless Chromium.
 
-    attnkit show "The animal didn't cross the street because it was too tired." --out attention
-    python scripts/screenshots.py attention/attention.html docs/
+attnkit show "The animal didn't cross the street because it was too tired." --out attention
+python scripts/screenshots.py attention/attention.html docs/
 """
 
 import sys
@@ -19,8 +19,14 @@ def main(page: str, out: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for flag in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--window-size=1320,980", f"--user-data-dir={tempfile.mkdtemp()}"]:
+    for flag in [
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--window-size=1320,980",
+        f"--user-data-dir={tempfile.mkdtemp()}",
+    ]:
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     try:
@@ -28,7 +34,10 @@ def main(page: str, out: str) -> None:
         WebDriverWait(driver, 20).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
         driver.save_screenshot(str(out_dir / "view_model.png"))
         driver.find_element(By.CSS_SELECTOR, "nav button[data-view='head']").click()
-        driver.execute_script("document.getElementById('head-layer').value = 2; document.getElementById('head-layer').dispatchEvent(new Event('change'))")
+        driver.execute_script(
+            "document.getElementById('head-layer').value = 2; "
+            "document.getElementById('head-layer').dispatchEvent(new Event('change'))"
+        )
         driver.save_screenshot(str(out_dir / "view_head.png"))
         driver.find_element(By.CSS_SELECTOR, "nav button[data-view='model']").click()
         driver.find_element(By.CSS_SELECTOR, "canvas.thumb[data-layer='2'][data-head='0']").click()

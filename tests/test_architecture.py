@@ -26,20 +26,35 @@ def _sources():
 def test_no_module_reaches_into_a_masks_private_names():
     """Mask structure is published (band, limit_only, positions, elements, block_codes, key_limit,
     tensors); only masks.py and prepare.py touch what is private to masks."""
-    private = re.compile(r"masks\._[A-Za-z]|\._(block_map|dense|held|kv_limit|shift|q_pos|k_pos|position_key|"
-                         r"position_value|index_shift)\(|\bmask\._(key|part|in_cache)\(")
-    offenders = [f"{name}:{i + 1}: {line.strip()}" for name, text in _sources().items()
-                 if name not in ("masks.py", "prepare.py") for i, line in enumerate(text.splitlines())
-                 if private.search(line)]  # (biases have a _part and _in_cache of their own, in bias.py)
+    private = re.compile(
+        r"masks\._[A-Za-z]|\._(block_map|dense|held|kv_limit|shift|q_pos|k_pos|position_key|"
+        r"position_value|index_shift)\(|\bmask\._(key|part|in_cache)\("
+    )
+    offenders = [
+        f"{name}:{i + 1}: {line.strip()}"
+        for name, text in _sources().items()
+        if name not in ("masks.py", "prepare.py")
+        for i, line in enumerate(text.splitlines())
+        if private.search(line)
+    ]  # (biases have a _part and _in_cache of their own, in bias.py)
     assert not offenders, "\n".join(offenders)
 
 
 def test_no_kernel_module_uses_another_modules_private_names():
     modules = ("tiled", "tiles", "lse", "sdpa", "reference", "registry", "triton_attention")
-    pattern = re.compile(r"\b(?:_?(?:" + "|".join(modules) + r"))\._[a-z]\w*|from attnkit\.kernels\.(?:"
-                         + "|".join(modules) + r") import [^\n]*\b_[a-z]")
-    offenders = [f"{name}:{i + 1}: {line.strip()}" for name, text in _sources().items()
-                 for i, line in enumerate(text.splitlines()) if pattern.search(line)]
+    pattern = re.compile(
+        r"\b(?:_?(?:"
+        + "|".join(modules)
+        + r"))\._[a-z]\w*|from attnkit\.kernels\.(?:"
+        + "|".join(modules)
+        + r") import [^\n]*\b_[a-z]"
+    )
+    offenders = [
+        f"{name}:{i + 1}: {line.strip()}"
+        for name, text in _sources().items()
+        for i, line in enumerate(text.splitlines())
+        if pattern.search(line)
+    ]
     assert not offenders, "\n".join(offenders)
 
 
@@ -136,8 +151,9 @@ def test_use_kernels_restricts_and_orders_the_choice():
 def test_use_kernels_reaches_modules_and_capture():
     mha = attnkit.MultiHeadAttention(32, 4)
     seen = []
-    mha.register_attention_hook(lambda m, q, k, v, mask, kw: seen.append(attnkit.explain(q, k, v, mask, **kw).kernel),
-                                with_kwargs=True)
+    mha.register_attention_hook(
+        lambda m, q, k, v, mask, kw: seen.append(attnkit.explain(q, k, v, mask, **kw).kernel), with_kwargs=True
+    )
     with attnkit.use_kernels("reference"):
         mha(randn(2, 9, 32), mask=masks.causal())
     assert seen == ["reference"]

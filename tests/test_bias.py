@@ -45,6 +45,7 @@ def oracle(q, k, v, allowed=None, add=None, softcap=None, sinks=None, scale=None
 
 def bloom_slopes(n):
     """The slopes of the ALiBi paper / BLOOM: 2^(-8 i / n) for a power of two n, interleaved otherwise."""
+
     def geometric(m):
         first = 2 ** (-(2 ** -(math.log2(m) - 3)))
         return [first ** (i + 1) for i in range(m)]
@@ -80,8 +81,9 @@ def t5_bucket(rel, num_buckets, max_distance, bidirectional):
 
 
 def relative_formula(table, lq, lk, num_buckets=32, max_distance=128, bidirectional=True):
-    idx = torch.tensor([[t5_bucket(j - (i + lk - lq), num_buckets, max_distance, bidirectional) for j in range(lk)]
-                        for i in range(lq)])
+    idx = torch.tensor(
+        [[t5_bucket(j - (i + lk - lq), num_buckets, max_distance, bidirectional) for j in range(lk)] for i in range(lq)]
+    )
     return table.double()[idx].permute(2, 0, 1)  # (Lq, Lk, H) -> (H, Lq, Lk)
 
 
@@ -107,21 +109,32 @@ def make_mods(kind, dtype=torch.float64, lq=L, lk=L):
     dense_t = torch.randn(B, 1, lq, lk, dtype=torch.float64).to(dtype).requires_grad_()
     fn = lambda b, h, i, j: weight[h] * torch.cos(0.1 * (i - j).to(weight.dtype))  # noqa: E731
     fn_formula = weight.double().view(-1, 1, 1) * torch.cos(
-        0.1 * (torch.arange(lq)[:, None] - torch.arange(lk)[None, :]).double())
+        0.1 * (torch.arange(lq)[:, None] - torch.arange(lk)[None, :]).double()
+    )
     table_ = {
         "alibi": (dict(attn_bias=bias.alibi(slopes)), dict(add=alibi_formula(slopes, lq, lk)), [slopes]),
-        "alibi_causal": (dict(attn_bias=bias.alibi(slopes, causal=True)),
-                         dict(add=alibi_formula(slopes, lq, lk, causal=True)), [slopes]),
+        "alibi_causal": (
+            dict(attn_bias=bias.alibi(slopes, causal=True)),
+            dict(add=alibi_formula(slopes, lq, lk, causal=True)),
+            [slopes],
+        ),
         "relative": (dict(attn_bias=bias.relative(table)), dict(add=relative_formula(table, lq, lk)), [table]),
-        "relative_uni": (dict(attn_bias=bias.relative(table, bidirectional=False)),
-                         dict(add=relative_formula(table, lq, lk, bidirectional=False)), [table]),
+        "relative_uni": (
+            dict(attn_bias=bias.relative(table, bidirectional=False)),
+            dict(add=relative_formula(table, lq, lk, bidirectional=False)),
+            [table],
+        ),
         "from_fn": (dict(attn_bias=bias.from_fn(fn, weight)), dict(add=fn_formula), [weight]),
         "dense": (dict(attn_bias=bias.dense(dense_t)), dict(add=dense_t.double()), [dense_t]),
         "softcap": (dict(softcap=2.0), dict(softcap=2.0), []),
         "sinks": (dict(sinks=sinks), dict(sinks=sinks.double()), [sinks]),
-        "all": (dict(attn_bias=bias.alibi(slopes) + bias.relative(table), softcap=3.0, sinks=sinks),
-                dict(add=alibi_formula(slopes, lq, lk) + relative_formula(table, lq, lk), softcap=3.0,
-                     sinks=sinks.double()), [slopes, table, sinks]),
+        "all": (
+            dict(attn_bias=bias.alibi(slopes) + bias.relative(table), softcap=3.0, sinks=sinks),
+            dict(
+                add=alibi_formula(slopes, lq, lk) + relative_formula(table, lq, lk), softcap=3.0, sinks=sinks.double()
+            ),
+            [slopes, table, sinks],
+        ),
     }
     return table_[kind]
 
@@ -164,7 +177,9 @@ def test_low_precision_within_the_oracle_rule(kind, dtype):
     mask = masks.sliding_window(40)
     allowed = allowed_of(mask, L, L)
     gold = oracle(q.double(), k.double(), v.double(), allowed, **theirs)
-    naive = oracle(q, k, v, allowed, **{n: (t.to(dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()})
+    naive = oracle(
+        q, k, v, allowed, **{n: (t.to(dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()}
+    )
     out = attnkit.attention(q, k, v, mask, **ours)
     assert_oracle(out, gold, naive, what=f"{kind} {dtype}")
     gold_g, naive_g, out_g = (_grads(o, [q, k, v]) for o in (gold, naive, out))
@@ -187,18 +202,36 @@ def test_offsets_decoding_and_gqa(kind):
     offsets = torch.tensor([3, 11])
     got = attnkit.attention(q, k, v, attn_bias=bias.alibi(slopes, q_offset=offsets, kv_offset=2))
     for b in range(B):
-        want = oracle(q[b : b + 1], k[b : b + 1], v[b : b + 1],
-                      add=alibi_formula(slopes, lq, L, q_offset=int(offsets[b]), kv_offset=2))
+        want = oracle(
+            q[b : b + 1],
+            k[b : b + 1],
+            v[b : b + 1],
+            add=alibi_formula(slopes, lq, L, q_offset=int(offsets[b]), kv_offset=2),
+        )
         assert (got[b : b + 1] - want).abs().max() < 1e-12
 
 
 def test_rank_2_and_3_inputs():
     q, k, v = (randn(37, 8, dtype=torch.float64) for _ in range(3))
     slopes = torch.tensor([0.3], dtype=torch.float64)
-    out = attnkit.attention(q, k, v, masks.causal(), attn_bias=bias.alibi(slopes), softcap=4.0,
-                            sinks=torch.tensor([0.5], dtype=torch.float64))
-    want = oracle(q[None, None], k[None, None], v[None, None], torch.ones(37, 37, dtype=torch.bool).tril(),
-                  add=alibi_formula(slopes, 37, 37), softcap=4.0, sinks=torch.tensor([0.5], dtype=torch.float64))
+    out = attnkit.attention(
+        q,
+        k,
+        v,
+        masks.causal(),
+        attn_bias=bias.alibi(slopes),
+        softcap=4.0,
+        sinks=torch.tensor([0.5], dtype=torch.float64),
+    )
+    want = oracle(
+        q[None, None],
+        k[None, None],
+        v[None, None],
+        torch.ones(37, 37, dtype=torch.bool).tril(),
+        add=alibi_formula(slopes, 37, 37),
+        softcap=4.0,
+        sinks=torch.tensor([0.5], dtype=torch.float64),
+    )
     assert out.shape == (37, 8) and (out - want[0, 0]).abs().max() < 1e-12
     q3 = randn(3, 20, 8, dtype=torch.float64)
     table = torch.randn(32, 3, dtype=torch.float64)
@@ -321,8 +354,15 @@ def test_multihead_attention_softcap_sinks_and_per_call_bias():
     slopes = bias.alibi_slopes(4).double()
     out, w = mha(x, mask=masks.causal(), attn_bias=bias.alibi(slopes), need_weights=True)
     q, k, v = mha.project(x)
-    want = oracle(q, k, v, torch.ones(20, 20, dtype=torch.bool).tril(), add=alibi_formula(slopes, 20, 20),
-                  softcap=10.0, sinks=mha.sinks.detach())
+    want = oracle(
+        q,
+        k,
+        v,
+        torch.ones(20, 20, dtype=torch.bool).tril(),
+        add=alibi_formula(slopes, 20, 20),
+        softcap=10.0,
+        sinks=mha.sinks.detach(),
+    )
     assert torch.allclose(out, mha.out_proj(mha.merge_heads(want)), atol=1e-12)
     assert torch.allclose(mha(x, mask=masks.causal(), attn_bias=bias.alibi(slopes))[0], out, atol=1e-12)
     assert (w.sum(-1) < 1).all()
@@ -336,8 +376,9 @@ def test_multihead_attention_softcap_sinks_and_per_call_bias():
 def test_explain_names_the_modifications():
     q = randn(1, HQ, 300, 16)
     sinks = torch.zeros(HQ)
-    plan = attnkit.explain(q, q, q, masks.sliding_window(32), attn_bias=bias.alibi(bias.alibi_slopes(HQ)),
-                           softcap=50.0, sinks=sinks)
+    plan = attnkit.explain(
+        q, q, q, masks.sliding_window(32), attn_bias=bias.alibi(bias.alibi_slopes(HQ)), softcap=50.0, sinks=sinks
+    )
     assert plan.kernel == "tiled"
     assert str(plan).startswith("tiled: softcap=50, attn_bias=alibi, sinks;")
     assert plan.rejected["sdpa"] == ("no softcap", "no attention sinks (needs the log-sum-exp)")
@@ -399,8 +440,10 @@ def test_no_lq_by_lk_tensor_at_16384(case):
     learned = torch.tensor([0.01], requires_grad=True)
     mods = {
         "alibi_causal": (masks.causal(), dict(attn_bias=bias.alibi(learned, causal=True))),
-        "relative_document": (masks.document(torch.arange(length) // (length // 8)),
-                              dict(attn_bias=bias.relative(torch.randn(32, 1, requires_grad=True)))),
+        "relative_document": (
+            masks.document(torch.arange(length) // (length // 8)),
+            dict(attn_bias=bias.relative(torch.randn(32, 1, requires_grad=True))),
+        ),
         "softcap_window": (masks.sliding_window(256), dict(softcap=20.0)),
         "sinks_window": (masks.sliding_window(256), dict(sinks=learned)),
     }
@@ -414,8 +457,17 @@ def test_no_lq_by_lk_tensor_at_16384(case):
 
 
 def test_top_level_names():
-    for name in ["attention", "attention_weights", "masks", "scaled_dot_product_attention",
-                 "MultiHeadAttention", "create_padding_mask", "create_causal_mask", "visualize_attention", "explain"]:
+    for name in [
+        "attention",
+        "attention_weights",
+        "masks",
+        "scaled_dot_product_attention",
+        "MultiHeadAttention",
+        "create_padding_mask",
+        "create_causal_mask",
+        "visualize_attention",
+        "explain",
+    ]:
         assert name in attnkit.__all__ and hasattr(attnkit, name)
     for name in ["causal", "sliding_window", "prefix_lm", "document", "padding"]:
         assert callable(getattr(attnkit.masks, name))

@@ -9,8 +9,14 @@ import torch
 from attnkit.viz import attention_html, save_html
 
 FLAGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
     "--window-size=1300,1000",
 ]
 
@@ -22,8 +28,10 @@ def browser(tmp_path_factory):
     if not chromium or not driver_path:
         if os.environ.get("ATTNKIT_REQUIRE_BROWSER"):
             pytest.fail("ATTNKIT_REQUIRE_BROWSER is set but chromium/chromedriver are not on PATH")
-        pytest.skip("browser test skipped: no chromium/chromedriver on PATH "
-                    "(apt-get install chromium chromium-driver; .ci/run installs them)")
+        pytest.skip(
+            "browser test skipped: no chromium/chromedriver on PATH "
+            "(apt-get install chromium chromium-driver; .ci/run installs them)"
+        )
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.chrome.service import Service
 
@@ -57,7 +65,9 @@ def severe_logs(browser):
 CANVAS_SPREAD = """
 const c = arguments[0], d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
 let lo = 255, hi = 0, sum = 0;
-for (let i = 0; i < d.length; i += 4) { const v = d[i] + d[i+1] + d[i+2]; lo = Math.min(lo, v); hi = Math.max(hi, v); sum += v; }
+for (let i = 0; i < d.length; i += 4) {
+  const v = d[i] + d[i+1] + d[i+2]; lo = Math.min(lo, v); hi = Math.max(hi, v); sum += v;
+}
 return [hi - lo, sum];
 """
 
@@ -92,7 +102,9 @@ def test_head_view_draws_lines_and_hover_keeps_one_tokens_lines(browser, tmp_pat
     spread, everything = browser.execute_script(CANVAS_SPREAD, canvas)
     assert spread > 50
     # hover the first query token (left column, first row): only its lines stay
-    ActionChains(browser).move_to_element_with_offset(canvas, -canvas.size["width"] // 2 + 100, -canvas.size["height"] // 2 + 20).perform()
+    ActionChains(browser).move_to_element_with_offset(
+        canvas, -canvas.size["width"] // 2 + 100, -canvas.size["height"] // 2 + 20
+    ).perform()
     _, hovered = browser.execute_script(CANVAS_SPREAD, canvas)
     assert hovered != everything
     # toggle every head off: only the tokens remain
@@ -108,7 +120,7 @@ def test_user_text_is_escaped_everywhere(browser, tmp_path):
     from selenium.common.exceptions import NoAlertPresentException
     from selenium.webdriver.common.by import By
 
-    evil = ["<img src=x onerror=\"window.__pwned=1;alert(1)\">", "</script><script>window.__pwned=2</script>", "&amp;"]
+    evil = ['<img src=x onerror="window.__pwned=1;alert(1)">', "</script><script>window.__pwned=2</script>", "&amp;"]
     title = "</title><script>window.__pwned=3</script>"
     path = save_html(tmp_path / "c.html", fake_weights(1, 2, 3), evil, title=title, layer_names=["<b>x</b>"])
     open_page(browser, path)
@@ -229,11 +241,17 @@ def _long_inputs(length=32768, layers=6, heads=12, rows=(0, -1)):
     stats = []
     for _ in range(layers):
         lse = torch.randn(1, heads, length, generator=g)
-        stats.append(AttentionStats(
-            lse=lse, entropy=torch.rand(1, heads, length, generator=g) * 5,
-            max_weight=torch.rand(1, heads, length, generator=g), argmax=torch.zeros(1, heads, length, dtype=torch.long),
-            sink_mass=torch.rand(1, heads, length, generator=g), mean_distance=torch.rand(1, heads, length, generator=g) * 1e4,
-            received=torch.rand(1, heads, length, generator=g) ** 8 * 50))
+        stats.append(
+            AttentionStats(
+                lse=lse,
+                entropy=torch.rand(1, heads, length, generator=g) * 5,
+                max_weight=torch.rand(1, heads, length, generator=g),
+                argmax=torch.zeros(1, heads, length, dtype=torch.long),
+                sink_mass=torch.rand(1, heads, length, generator=g),
+                mean_distance=torch.rand(1, heads, length, generator=g) * 1e4,
+                received=torch.rand(1, heads, length, generator=g) ** 8 * 50,
+            )
+        )
     weights = [torch.softmax(4 * torch.randn(1, heads, len(rows), length, generator=g), -1) for _ in range(layers)]
     tokens = [f"w{i}" for i in range(length)]
     tokens[5] = "<script>alert(1)</script>"

@@ -10,8 +10,10 @@ import torch
 
 pytest.importorskip("sklearn")
 
-from attnkit.models import DigitCaptioner  # noqa: E402
-from attnkit.models import captioner  # noqa: E402
+from attnkit.models import (
+    DigitCaptioner,  # noqa: E402
+    captioner,  # noqa: E402
+)
 
 
 @pytest.fixture(scope="module")

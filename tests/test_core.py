@@ -6,13 +6,13 @@ import sys
 import pytest
 import torch
 import torch.utils._python_dispatch
+from conftest import assert_oracle, gold_and_naive, naive_attention, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
 from attnkit.kernels import KERNELS
-from conftest import assert_oracle, gold_and_naive, naive_attention, randn
 
 ALL_KERNELS = ["auto", "sdpa", "tiled", "reference"]
 
@@ -161,7 +161,11 @@ def test_per_row_plans_with_different_layouts_per_row(dtype):
     assert len(p.groups) == b  # every row its own plan
     union = (p.codes != masks.EMPTY).any(0).float().mean().item()
     assert p.kept < union  # each row visits only its own blocks
-    q, k, v = randn(b, 4, length, 16, dtype=dtype), randn(b, 2, length, 16, dtype=dtype), randn(b, 2, length, 16, dtype=dtype)
+    q, k, v = (
+        randn(b, 4, length, 16, dtype=dtype),
+        randn(b, 2, length, 16, dtype=dtype),
+        randn(b, 2, length, 16, dtype=dtype),
+    )
     gold, naive = gold_and_naive(q, k, v, mask.materialize(length, length))
     assert_oracle(attnkit.attention(q, k, v, p, kernel="tiled"), gold, naive)
     # gradients, every row its own plan
@@ -184,7 +188,11 @@ def test_per_head_masks_from_fn():
     mask = masks.from_fn(per_head, num_heads=4)
     p = attnkit.prepare(mask, length, length, block_size=(32, 16))
     assert p.codes.shape[:2] == (1, 4) and len(p.groups) == 4
-    q, k, v = randn(2, 4, length, 8, dtype=torch.float64), randn(2, 2, length, 8, dtype=torch.float64), randn(2, 2, length, 8, dtype=torch.float64)
+    q, k, v = (
+        randn(2, 4, length, 8, dtype=torch.float64),
+        randn(2, 2, length, 8, dtype=torch.float64),
+        randn(2, 2, length, 8, dtype=torch.float64),
+    )
     want = naive_attention(q, k, v, mask.materialize(length, length))[0]
     for kernel in ALL_KERNELS:
         got = attnkit.attention(q, k, v, mask, kernel=kernel)
@@ -213,7 +221,10 @@ def test_offsets_against_masks_built_by_hand(align):
 
     cases = [
         (masks.causal(align, q_offset=qo, kv_offset=ko), lambda s, i, j: j + ko[s] <= p(s, i)),
-        (masks.sliding_window(2, 1, align, q_offset=qo, kv_offset=ko), lambda s, i, j: p(s, i) - 2 <= j + ko[s] <= p(s, i) + 1),
+        (
+            masks.sliding_window(2, 1, align, q_offset=qo, kv_offset=ko),
+            lambda s, i, j: p(s, i) - 2 <= j + ko[s] <= p(s, i) + 1,
+        ),
         (masks.prefix_lm(4, align, q_offset=qo, kv_offset=ko), lambda s, i, j: j + ko[s] < 4 or j + ko[s] <= p(s, i)),
         (masks.causal(align, q_offset=3), lambda s, i, j: j <= i + 3 + (lk - lq if align == "bottom_right" else 0)),
     ]
@@ -246,10 +257,16 @@ def test_chunked_prefill_into_a_static_cache_keeps_its_structure():
     mask = masks.causal("top_left", q_offset=start)
     p = attnkit.prepare(mask, chunk, size)
     assert p.kept < 0.5  # the slots past the chunk are skipped
-    q, k, v = randn(1, 2, chunk, 16, dtype=torch.float64), randn(1, 2, size, 16, dtype=torch.float64), randn(1, 2, size, 16, dtype=torch.float64)
+    q, k, v = (
+        randn(1, 2, chunk, 16, dtype=torch.float64),
+        randn(1, 2, size, 16, dtype=torch.float64),
+        randn(1, 2, size, 16, dtype=torch.float64),
+    )
     k[:, :, start + chunk :] = float("nan")  # empty slots of the static cache
     v[:, :, start + chunk :] = float("nan")
-    want = naive_attention(q, k[:, :, : start + chunk], v[:, :, : start + chunk], mask.materialize(chunk, start + chunk))[0]
+    want = naive_attention(
+        q, k[:, :, : start + chunk], v[:, :, : start + chunk], mask.materialize(chunk, start + chunk)
+    )[0]
     got = attnkit.attention(q, k, v, mask)
     assert attnkit.explain(q, k, v, mask).kernel == "tiled"
     assert (got - want).abs().max() < 1e-12
@@ -272,8 +289,14 @@ def test_a_mask_inside_a_kv_cache_keeps_its_block_structure():
 
 
 @settings(max_examples=40, deadline=None)
-@given(lq=st.integers(1, 40), lk=st.integers(1, 40), w=st.integers(0, 6), m=st.integers(1, 5),
-       bq=st.sampled_from([1, 3, 8]), bk=st.sampled_from([1, 4, 16]))
+@given(
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    w=st.integers(0, 6),
+    m=st.integers(1, 5),
+    bq=st.sampled_from([1, 3, 8]),
+    bk=st.sampled_from([1, 4, 16]),
+)
 def test_from_fn_block_maps_against_materialized_masks(lq, lk, w, m, bq, bk):
     mask = masks.from_fn(lambda b, h, q, kv: ((q - kv).abs() <= w) | (kv % m == 0), num_heads=1)
     dense = mask.materialize(lq, lk)
@@ -332,7 +355,11 @@ def test_return_lse_gradcheck_through_both_outputs(kernel):
 
 
 def test_lse_merges_attention_over_split_keys():
-    q, k, v = randn(1, 2, 50, 8, dtype=torch.float64), randn(1, 2, 80, 8, dtype=torch.float64), randn(1, 2, 80, 8, dtype=torch.float64)
+    q, k, v = (
+        randn(1, 2, 50, 8, dtype=torch.float64),
+        randn(1, 2, 80, 8, dtype=torch.float64),
+        randn(1, 2, 80, 8, dtype=torch.float64),
+    )
     o1, l1 = attnkit.attention(q, k[:, :, :30], v[:, :, :30], return_lse=True)
     o2, l2 = attnkit.attention(q, k[:, :, 30:], v[:, :, 30:], return_lse=True)
     total = torch.logaddexp(l1, l2)
@@ -362,7 +389,11 @@ def test_explain_lists_every_other_kernels_reasons():
 
 
 def test_negative_or_zero_scale_with_causal_masks_is_not_nan():
-    q, k, v = randn(1, 2, 6, 8, dtype=torch.float64), randn(1, 2, 6, 8, dtype=torch.float64), randn(1, 2, 6, 8, dtype=torch.float64)
+    q, k, v = (
+        randn(1, 2, 6, 8, dtype=torch.float64),
+        randn(1, 2, 6, 8, dtype=torch.float64),
+        randn(1, 2, 6, 8, dtype=torch.float64),
+    )
     for scale in (0.0, -0.5):
         want = naive_attention(q, k, v, masks.causal().materialize(6, 6), scale=scale)[0]
         for kernel in ALL_KERNELS:
@@ -531,6 +562,7 @@ def test_tiled_causal_square_with_equal_offsets_is_one_fused_call_forward_and_ba
         def counted(*a, _real=real, _name=name, **kw):
             calls[_name] += 1
             return _real(*a, **kw)
+
         monkeypatch.setattr(_aten, f"flash_{name}", counted)
     mask = masks.causal(q_offset=offsets[0], kv_offset=offsets[1])
     q, k, v = (randn(2, 3, 300, 16, requires_grad=True) for _ in range(3))
@@ -549,8 +581,9 @@ def test_tiled_causal_square_with_equal_offsets_is_one_fused_call_forward_and_ba
 def test_a_decoding_step_with_a_causal_mask_goes_to_sdpa_unmasked():
     q, k, v = randn(2, 4, 1, 16), randn(2, 4, 600, 16), randn(2, 4, 600, 16)
     assert str(attnkit.explain(q, k, v, masks.causal())) == "sdpa: the mask hides nothing here"
-    torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal()),
-                               attnkit.attention(q, k, v, masks.causal(), kernel="reference"))
+    torch.testing.assert_close(
+        attnkit.attention(q, k, v, masks.causal()), attnkit.attention(q, k, v, masks.causal(), kernel="reference")
+    )
     # the top-left causal of one query sees one key: not "nothing hidden"
     assert "hides nothing" not in str(attnkit.explain(q, k, v, masks.causal("top_left")))
     torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal("top_left")), v[:, :, :1])
@@ -589,6 +622,10 @@ def test_dense_path_copies_keys_only_when_unused_rows_hold_non_finite_values(jun
         assert torch.equal(k2[:, :, :60], k[:, :, :60]) and torch.equal(k2[0], k[0])
     q = randn(2, 4, 3, 16)
     out = attnkit.attention(q, k, v, allowed.expand(2, 1, 3, 64), kernel="sdpa")
-    gold, naive = gold_and_naive(q, torch.where(allowed[..., 0, :, None], k, 0.0), torch.where(allowed[..., 0, :, None], v, 0.0),
-                                 allowed.expand(2, 1, 3, 64))
+    gold, naive = gold_and_naive(
+        q,
+        torch.where(allowed[..., 0, :, None], k, 0.0),
+        torch.where(allowed[..., 0, :, None], v, 0.0),
+        allowed.expand(2, 1, 3, 64),
+    )
     assert_oracle(out, gold, naive)

@@ -41,7 +41,14 @@ CASES = {
     "prefix_lm": (39, 39, 2, 2, lambda L, K: masks.prefix_lm(torch.tensor([5, 20])), {}),
     "padding_empty_rows": (31, 31, 2, 2, lambda L, K: masks.padding([0, 23]) & masks.causal(), {}),
     "from_fn": (35, 35, 2, 2, lambda L, K: masks.from_fn(_skip_odd), {}),
-    "dense_bool": (29, 29, 2, 2, lambda L, K: torch.rand(2, 1, L, K, generator=torch.Generator().manual_seed(4)) > 0.4, {}),
+    "dense_bool": (
+        29,
+        29,
+        2,
+        2,
+        lambda L, K: torch.rand(2, 1, L, K, generator=torch.Generator().manual_seed(4)) > 0.4,
+        {},
+    ),
     "full": (26, 26, 4, 1, lambda L, K: None, {}),
     "cross_padding": (23, 42, 2, 2, lambda L, K: masks.padding([30, 42]), {}),
     "alibi_softcap": (34, 34, 4, 2, lambda L, K: masks.causal(), {"alibi": True, "softcap": 5.0}),
@@ -259,12 +266,21 @@ def test_single_process_and_bad_inputs():
         masks.cached(masks.causal(), torch.tensor([0]), torch.tensor([3])).part(2, 4, q=slice(0, 1))
 
 
-@pytest.mark.parametrize("mask", [
-    masks.causal(), masks.causal(align="top_left", q_offset=2), masks.sliding_window(3, 2), masks.prefix_lm(4),
-    masks.padding([9, 5]), masks.document(torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 4])),
-    masks.from_fn(_skip_odd), masks.causal() | masks.prefix_lm(torch.tensor([2, 6])),
-    masks.dense(torch.rand(2, 1, 13, 13) > 0.5),
-], ids=repr)
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.causal(),
+        masks.causal(align="top_left", q_offset=2),
+        masks.sliding_window(3, 2),
+        masks.prefix_lm(4),
+        masks.padding([9, 5]),
+        masks.document(torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 4])),
+        masks.from_fn(_skip_odd),
+        masks.causal() | masks.prefix_lm(torch.tensor([2, 6])),
+        masks.dense(torch.rand(2, 1, 13, 13) > 0.5),
+    ],
+    ids=repr,
+)
 def test_mask_part_is_the_slice_of_the_whole(mask):
     full = mask.materialize(13, 13)
     for a, b, c, d in ((0, 5, 0, 4), (3, 9, 2, 13), (12, 13, 0, 13), (4, 4, 0, 3)):
@@ -277,8 +293,13 @@ def test_mask_part_is_the_slice_of_the_whole(mask):
 def test_bias_part_is_the_slice_of_the_whole():
     slopes = bias.alibi_slopes(4).requires_grad_()
     table = torch.randn(8, 4, requires_grad=True)
-    for b in (bias.alibi(slopes), bias.relative(table, 8, 16), bias.alibi(slopes) + bias.relative(table, 8, 16),
-              bias.from_fn(lambda bb, h, i, j: -0.1 * (i - j).abs().float()), bias.dense(torch.randn(2, 4, 11, 9))):
+    for b in (
+        bias.alibi(slopes),
+        bias.relative(table, 8, 16),
+        bias.alibi(slopes) + bias.relative(table, 8, 16),
+        bias.from_fn(lambda bb, h, i, j: -0.1 * (i - j).abs().float()),
+        bias.dense(torch.randn(2, 4, 11, 9)),
+    ):
         full = b.dense(2, 4, 11, 9, "cpu")
         part = b.part(11, 9, q=slice(2, 7), kv=slice(3, 9)).dense(2, 4, 5, 6, "cpu")
         torch.testing.assert_close(part.expand(2, 4, 5, 6), full[..., 2:7, 3:9].expand(2, 4, 5, 6))
@@ -301,7 +322,10 @@ def test_two_process_example_runs_under_torchrun():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(root / "examples" / "ring.py")],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     error = float(done.stdout.rsplit("=", 1)[1])

@@ -66,10 +66,12 @@ def test_page_examples_run(page, tmp_path):
     path = tmp_path / "page.py"
     path.write_text(script(page), encoding="utf-8")
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0")
-    done = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, f"{page}'s examples failed:\n{textwrap.indent(done.stdout[-3000:], '  ')}\n" \
-                                 f"{done.stderr[-6000:]}"
+    done = subprocess.run(
+        [sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (
+        f"{page}'s examples failed:\n{textwrap.indent(done.stdout[-3000:], '  ')}\n{done.stderr[-6000:]}"
+    )
 
 
 def test_skipped_blocks_say_why():

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DTYPES, assert_oracle, gold_and_naive, naive_attention, randn
 
 import attnkit
 from attnkit import masks
 from attnkit.kernels import reference, tiled, tiles
-from conftest import DTYPES, assert_oracle, gold_and_naive, naive_attention, randn
 
 KERNELS = ["auto", "sdpa", "tiled", "reference"]
 
@@ -40,11 +40,21 @@ def mask_cases(b, lq, lk):
         ("prefix", masks.prefix_lm(3), (j < 3) | (j <= p)),
         ("padding", masks.padding(lengths), j[None, None] < lengths[:, None, None, None]),
         ("bool", rand, rand),
-        ("padding|causal", masks.padding(lengths) | masks.causal(), (j[None, None] < lengths[:, None, None, None]) | (j <= p)),
+        (
+            "padding|causal",
+            masks.padding(lengths) | masks.causal(),
+            (j[None, None] < lengths[:, None, None, None]) | (j <= p),
+        ),
     ]
     if lq == lk:
         ids = torch.sort(torch.randint(0, 3, (b, lq)), dim=-1).values
-        cases.append(("document&causal", masks.document(ids) & masks.causal(), (ids[:, None, :, None] == ids[:, None, None, :]) & (j <= i)))
+        cases.append(
+            (
+                "document&causal",
+                masks.document(ids) & masks.causal(),
+                (ids[:, None, :, None] == ids[:, None, None, :]) & (j <= i),
+            )
+        )
     return cases
 
 
@@ -168,7 +178,9 @@ def test_empty_keys_give_zeros_of_the_right_shape(kernel):
 def test_gqa_equals_repeating_kv_heads(kernel, hq, hkv):
     q, k, v = qkv(hq=hq, hkv=hkv, lq=7, lk=9)
     group = hq // hkv
-    want = attnkit.attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), masks.causal(), kernel=kernel)
+    want = attnkit.attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), masks.causal(), kernel=kernel
+    )
     got = attnkit.attention(q, k, v, masks.causal(), kernel=kernel)
     assert torch.allclose(got, want, atol=1e-6)
     head_mask = torch.rand(2, hq, 7, 9) > 0.5
@@ -185,10 +197,14 @@ def test_non_contiguous_inputs_equal_contiguous(kernel):
     # strided and contiguous inputs take different BLAS paths: equal within rounding, not bit for bit
     gold, naive = gold_and_naive(q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous())
     assert_oracle(attnkit.attention(q, k, v, mask, kernel=kernel), gold, naive)
-    assert_oracle(attnkit.attention(q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), kernel=kernel), gold, naive)
+    assert_oracle(
+        attnkit.attention(q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), kernel=kernel), gold, naive
+    )
 
 
-@pytest.mark.parametrize("shape", [(7, 9), (1, 9), (2, 1, 1, 9), (1, 4, 7, 9), (2, 4, 7, 9), (2, 1, 7, 9), (4, 1, 9), (1, 1)])
+@pytest.mark.parametrize(
+    "shape", [(7, 9), (1, 9), (2, 1, 1, 9), (1, 4, 7, 9), (2, 4, 7, 9), (2, 1, 7, 9), (4, 1, 9), (1, 1)]
+)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_masks_of_every_broadcast_shape(shape, kernel):
     q, k, v = qkv(lq=7, lk=9, dtype=torch.float64)
@@ -259,11 +275,19 @@ def test_other_ranks(rank, kernel):
     if rank == 5 and kernel == "tiled":
         pytest.skip("the tiled kernel takes ranks 2 to 4 (covered by test_tiled_refuses_what_it_cannot_run)")
     shape = {2: (), 3: (4,), 5: (2, 3, 4)}[rank]
-    q, k, v = randn(*shape, 6, 8, dtype=torch.float64), randn(*shape, 5, 8, dtype=torch.float64), randn(*shape, 5, 3, dtype=torch.float64)
+    q, k, v = (
+        randn(*shape, 6, 8, dtype=torch.float64),
+        randn(*shape, 5, 8, dtype=torch.float64),
+        randn(*shape, 5, 3, dtype=torch.float64),
+    )
     mask = torch.rand(6, 5) > 0.3
     want = naive_attention(q, k, v, mask)[0]
     assert torch.allclose(attnkit.attention(q, k, v, mask, kernel=kernel), want, atol=1e-12)
-    assert torch.allclose(attnkit.attention(q, k, v, masks.causal(), kernel=kernel), naive_attention(q, k, v, masks.causal().materialize(6, 5)[0, 0])[0], atol=1e-12)
+    assert torch.allclose(
+        attnkit.attention(q, k, v, masks.causal(), kernel=kernel),
+        naive_attention(q, k, v, masks.causal().materialize(6, 5)[0, 0])[0],
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -299,7 +323,9 @@ def test_parity_with_torch_sdpa():
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert torch.allclose(attnkit.attention(q, k, v, mask, kernel="reference"), want, atol=1e-5)
     want = F.scaled_dot_product_attention(q, k, v[..., :23, :], is_causal=True)
-    assert torch.allclose(attnkit.attention(q, k, v, masks.causal(align="top_left"), kernel="reference"), want, atol=1e-5)
+    assert torch.allclose(
+        attnkit.attention(q, k, v, masks.causal(align="top_left"), kernel="reference"), want, atol=1e-5
+    )
 
 
 # --- dropout ---------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import DTYPES, naive_attention, randn, rounding_atol
 
 import attnkit
 from attnkit import masks
-from conftest import DTYPES, naive_attention, randn, rounding_atol
 
 
 def small(lq=4, lk=5, hq=2, hkv=2, d=3, dv=2):

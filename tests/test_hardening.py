@@ -70,8 +70,11 @@ def test_nan_in_keys_and_values_no_query_attends_never_reaches_the_output(kernel
     assert torch.isfinite(out).all()
     clean_k, clean_v = k.clone(), v.clone()
     clean_k[1, :, 90:], clean_v[1, :, 90:] = 0.0, 0.0
-    assert torch.allclose(out, attnkit.attention(q, clean_k, clean_v, masks.padding(lengths) & masks.causal(),
-                                                 kernel="reference"), atol=1e-12)
+    assert torch.allclose(
+        out,
+        attnkit.attention(q, clean_k, clean_v, masks.padding(lengths) & masks.causal(), kernel="reference"),
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -105,8 +108,12 @@ def test_float_masks_holding_plus_inf_or_nan_are_refused(bad):
 def test_1d_and_0d_bool_masks_broadcast_like_sdpa(kernel):
     q, k, v = (randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(3))
     keys = torch.tensor([True, True, False, True, False, True])
-    assert torch.allclose(attnkit.attention(q, k, v, keys, kernel=kernel), naive_attention(q, k, v, keys[None])[0], atol=1e-12)
-    assert torch.allclose(attnkit.attention(q, k, v, torch.tensor(True), kernel=kernel), naive_attention(q, k, v)[0], atol=1e-12)
+    assert torch.allclose(
+        attnkit.attention(q, k, v, keys, kernel=kernel), naive_attention(q, k, v, keys[None])[0], atol=1e-12
+    )
+    assert torch.allclose(
+        attnkit.attention(q, k, v, torch.tensor(True), kernel=kernel), naive_attention(q, k, v)[0], atol=1e-12
+    )
     assert attnkit.attention_weights(q, k, v, keys)[..., 2].abs().max() == 0
 
 
@@ -200,10 +207,21 @@ def test_cli_gives_one_line_errors_and_exit_code_2(tmp_path, capsys):
     cases = [
         (["translate", "2019-03-25", "--out", str(a_file)], "is an existing file"),
         (["translate", "2019-03-25", "--out", str(a_file / "below")], "cannot create the --out folder"),
-        (["translate", "2019-03-25", "--weights", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "o")],
-         "is not a file"),
-        (["translate", "2019-03-25", "--weights", str(a_file), "--out", str(tmp_path / "o")],
-         "is not a DateTranslator weights file"),
+        (
+            [
+                "translate",
+                "2019-03-25",
+                "--weights",
+                str(tmp_path / "missing.safetensors"),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "is not a file",
+        ),
+        (
+            ["translate", "2019-03-25", "--weights", str(a_file), "--out", str(tmp_path / "o")],
+            "is not a DateTranslator weights file",
+        ),
         (["translate", "", "--out", str(tmp_path / "o")], "'' is not a date attnkit can read: the text is empty"),
         (["translate", "hello world", "--out", str(tmp_path / "o")], "not a date in a supported format"),
     ]
@@ -246,8 +264,20 @@ def translator():
 
 
 def test_translator_refuses_what_is_not_a_date(translator):
-    texts = ["", "hello world", "31 February 2019", "2019-13-01", "32 March 2019", "25 March 1850",
-             "25 March 2150", "1" * 48, "03/25/2019", "20190325", "Monday, March 26, 2019", "3th of May 2000"]
+    texts = [
+        "",
+        "hello world",
+        "31 February 2019",
+        "2019-13-01",
+        "32 March 2019",
+        "25 March 1850",
+        "25 March 2150",
+        "1" * 48,
+        "03/25/2019",
+        "20190325",
+        "Monday, March 26, 2019",
+        "3th of May 2000",
+    ]
     assert translator.translate(texts) == [None] * len(texts)
     reasons = {a.text: a.reason for a in translator.answers(texts)}
     assert reasons["31 February 2019"] == "there is no 31 February 2019"

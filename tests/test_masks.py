@@ -24,9 +24,7 @@ SIZES = [(1, 1), (4, 4), (3, 7), (7, 3), (6, 6)]
 @pytest.mark.parametrize("lq,lk", SIZES)
 def test_causal_bottom_right_and_top_left(lq, lk):
     assert torch.equal(masks.causal().materialize(lq, lk), by_hand(lambda b, i, j: j <= i + lk - lq, lq, lk))
-    assert torch.equal(
-        masks.causal(align="top_left").materialize(lq, lk), by_hand(lambda b, i, j: j <= i, lq, lk)
-    )
+    assert torch.equal(masks.causal(align="top_left").materialize(lq, lk), by_hand(lambda b, i, j: j <= i, lq, lk))
 
 
 @pytest.mark.parametrize("lq,lk", SIZES)
@@ -88,8 +86,7 @@ def test_and_or_combine_elementwise():
 def test_repr_and_picture():
     m = masks.causal() | (masks.padding([2]) & masks.prefix_lm(1))
     assert repr(m) == (
-        "causal(align='bottom_right') | (padding(lengths=[2]) & "
-        "prefix_lm(prefix_len=1, align='bottom_right'))"
+        "causal(align='bottom_right') | (padding(lengths=[2]) & prefix_lm(prefix_len=1, align='bottom_right'))"
     )
     assert masks.causal().picture(2, 3) == "1 1 0\n1 1 1"
 

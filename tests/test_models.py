@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import naive_attention
 
 import attnkit
 from attnkit import masks
-from conftest import naive_attention
 
 DATA = Path(__file__).parent / "data" / "minilm_reference.json"
 
@@ -54,15 +54,18 @@ def test_captured_weights_equal_attention_weights_by_hand(model):
     assert all(w.shape == (2, 12, ids.shape[1], ids.shape[1]) for w in cap.weights)
     # recompute layer 0 by hand from its input
     x = model.embedding_norm(
-        model.word_embeddings(ids) + model.position_embeddings(torch.arange(ids.shape[1]))[None]
+        model.word_embeddings(ids)
+        + model.position_embeddings(torch.arange(ids.shape[1]))[None]
         + model.token_type_embeddings(torch.zeros_like(ids))
     )
     attn = model.layers[0].attention
     q = attn.q_proj(x).view(2, -1, 12, 32).transpose(1, 2)
     k = attn.k_proj(x).view(2, -1, 12, 32).transpose(1, 2)
-    _, want = naive_attention(q.double(), k.double(), k.double(), masks.padding(lengths).materialize(ids.shape[1], ids.shape[1]))
+    _, want = naive_attention(
+        q.double(), k.double(), k.double(), masks.padding(lengths).materialize(ids.shape[1], ids.shape[1])
+    )
     assert torch.allclose(cap.weights[0].double(), want, atol=1e-5)
-    padded = cap.weights[0][0, :, :, lengths[0]:]
+    padded = cap.weights[0][0, :, :, lengths[0] :]
     assert (padded == 0).all()  # padding keys get no attention
 
 
@@ -114,7 +117,9 @@ def test_show_end_to_end(model, tmp_path):
     text = "The animal didn't cross the street because it was too tired. <img src=x>"
     run = subprocess.run(
         [sys.executable, "-m", "attnkit", "show", text, "--out", str(tmp_path), "--layer", "1", "--head", "2"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     for name in ["attention.html", "attention.png", "attention_layer1_head2.png", "attention.npz"]:
@@ -131,6 +136,10 @@ def test_show_end_to_end(model, tmp_path):
 
 
 def test_show_rejects_a_head_that_does_not_exist(model, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "attnkit", "show", "hi", "--out", str(tmp_path), "--head", "12"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "attnkit", "show", "hi", "--out", str(tmp_path), "--head", "12"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0 and "--head must be in 0..11, but got 12" in run.stderr

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import naive_attention, randn
 from torch import nn
 
 import attnkit
 from attnkit import masks
-from conftest import naive_attention, randn
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -84,7 +84,11 @@ def test_every_mask_form():
     additive = torch.zeros(5, 5, dtype=torch.float64).masked_fill(~dense, float("-inf"))
     assert torch.allclose(mha(x, mask=additive)[0], want, atol=1e-12)
     pad = attnkit.create_padding_mask(torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]))
-    assert torch.allclose(mha(x, mask=pad & attnkit.create_causal_mask(5))[0], mha(x, mask=masks.padding(torch.tensor([3, 5])) & masks.causal())[0], atol=1e-12)
+    assert torch.allclose(
+        mha(x, mask=pad & attnkit.create_causal_mask(5))[0],
+        mha(x, mask=masks.padding(torch.tensor([3, 5])) & masks.causal())[0],
+        atol=1e-12,
+    )
 
 
 def test_unbatched_inputs():

@@ -1,12 +1,12 @@
 """Properties over random shapes, masks and dtypes (hypothesis)."""
 
 import torch
+from conftest import assert_oracle, gold_and_naive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit.kernels import reference
-from conftest import assert_oracle, gold_and_naive
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

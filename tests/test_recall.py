@@ -50,7 +50,7 @@ def test_rotary_attention_decodes_with_the_cache_as_it_runs_whole():
     cache = attnkit.KVCache(2, 2, 16, 8)
     steps = [mha(x[:, :5], mask=masks.causal(), cache=cache)[0]]
     for t in range(5, 9):
-        steps.append(mha(x[:, t:t + 1], mask=masks.causal(), cache=cache)[0])
+        steps.append(mha(x[:, t : t + 1], mask=masks.causal(), cache=cache)[0])
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="self-attention"):
         mha(x, torch.randn(2, 4, 32))
@@ -67,7 +67,7 @@ def test_recall_texts_hold_their_answers():
         assert len(answers) == 3
         for at in answers.tolist():
             assert int(row[at - 1]) == Task.QUERY and task.first_key <= int(row[at]) < task.first_value
-            stated = (row[:at - 1] == row[at]).nonzero().flatten()
+            stated = (row[: at - 1] == row[at]).nonzero().flatten()
             assert len(stated) == 1  # each key is stated once before the queries
             assert int(row[stated[0] + 1]) == int(target[at]) == int(row[at + 1])
     with pytest.raises(ValueError, match="cannot hold"):

@@ -37,12 +37,14 @@ def gym_alibi(num_heads):
     def alibi_mod(score, b, h, q_idx, kv_idx):
         scale = torch.exp2(-((h + 1) * 8.0 / num_heads))
         return score + (kv_idx - q_idx) * scale
+
     return alibi_mod
 
 
 def gym_softcap(cap):
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
+
     return softcap_mod
 
 
@@ -86,8 +88,12 @@ def test_attention_gym_alibi_equals_attnkits_alibi_bias():
 
 def test_softcap_score_mod_equals_softcap():
     q, k, v = randn(2, 2, 130, 16) * 4, randn(2, 2, 130, 16) * 4, randn(2, 2, 130, 16)
-    torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal(), score_mod=gym_softcap(5.0)),
-                               attnkit.attention(q, k, v, masks.causal(), softcap=5.0), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        attnkit.attention(q, k, v, masks.causal(), score_mod=gym_softcap(5.0)),
+        attnkit.attention(q, k, v, masks.causal(), softcap=5.0),
+        atol=2e-6,
+        rtol=1e-5,
+    )
 
 
 def test_a_function_written_for_vmap_runs_one_pair_at_a_time():
@@ -119,9 +125,16 @@ def test_tensors_the_function_closes_over_get_gradients():
         (grads[kernel],) = torch.autograd.grad(out.square().sum(), w)
     assert (grads["tiled"] - grads["reference"]).abs().max() <= 1e-10
     assert torch.autograd.gradcheck(
-        lambda w_: attnkit.attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], masks.causal(), kernel="tiled",
-                                     score_mod=ScoreMod(lambda s, b, h, i, j: s * (1 + w_[h]), w_)),
-        (w,))
+        lambda w_: attnkit.attention(
+            q[:, :, :20],
+            k[:, :, :20],
+            v[:, :, :20],
+            masks.causal(),
+            kernel="tiled",
+            score_mod=ScoreMod(lambda s, b, h, i, j: s * (1 + w_[h]), w_),
+        ),
+        (w,),
+    )
 
 
 def test_score_mod_with_every_other_modification_and_capture():
@@ -129,8 +142,9 @@ def test_score_mod_with_every_other_modification_and_capture():
     mha = attnkit.MultiHeadAttention(32, 4, sinks=True).eval()
     x = randn(1, 40, 32)
     q, k, v = mha.project(x)
-    mods = dict(attn_bias=bias.alibi(bias.alibi_slopes(4)), softcap=8.0, sinks=torch.randn(4),
-                score_mod=MODS["sigmoid_gate"])
+    mods = dict(
+        attn_bias=bias.alibi(bias.alibi_slopes(4)), softcap=8.0, sinks=torch.randn(4), score_mod=MODS["sigmoid_gate"]
+    )
     got = attnkit.attention(q, k, v, masks.causal(), kernel="tiled", **mods)
     want = attnkit.attention(q.double(), k.double(), v.double(), masks.causal(), kernel="reference", **mods)
     assert (got.double() - want).abs().max() <= 1e-5

@@ -250,8 +250,9 @@ def test_f23_output_gradient_reaches_the_returned_weights(dtype, with_sinks):
     out.float().sum().backward()
     assert w.grad is not None
     # out is computed from w: out == w @ v (up to the rounding of the matmul)
-    torch.testing.assert_close(out.float(), w.float() @ v.float(), atol=2e-2 if dtype != torch.float32 else 1e-6,
-                               rtol=1e-2)
+    torch.testing.assert_close(
+        out.float(), w.float() @ v.float(), atol=2e-2 if dtype != torch.float32 else 1e-6, rtol=1e-2
+    )
 
 
 # --- F3, F5: a KV cache aligns masks, biases and statistics with each sequence's own end ----------
@@ -387,8 +388,10 @@ def test_f6_ring_layer_applies_its_rotary_embedding():
     plain.load_state_dict(ring.state_dict())
     x = randn(2, 10, 32)
     torch.testing.assert_close(ring(x, mask=masks.causal())[0], plain(x, mask=masks.causal())[0])
-    torch.testing.assert_close(ring(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0],
-                               plain(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0])
+    torch.testing.assert_close(
+        ring(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0],
+        plain(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0],
+    )
 
 
 # --- cosmetic findings: clear errors ---------------------------------------------------------------

@@ -59,13 +59,16 @@ def test_f15_show_refuses_text_that_is_not_utf8(tmp_path, capsys):
     assert "not UTF-8" in err and "--file" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--length", "1e11"], "--length: must be a whole number"),
-    (["--length", "100000000000"], "--length: must be at most 1,048,576"),
-    (["--depth", "nan"], "--depth: must be in \\[0, 1\\]"),
-    (["--depth", "2.0"], "--depth: must be in \\[0, 1\\]"),
-    (["--depth", "-1"], "--depth: must be in \\[0, 1\\]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--length", "1e11"], "--length: must be a whole number"),
+        (["--length", "100000000000"], "--length: must be at most 1,048,576"),
+        (["--depth", "nan"], "--depth: must be in \\[0, 1\\]"),
+        (["--depth", "2.0"], "--depth: must be in \\[0, 1\\]"),
+        (["--depth", "-1"], "--depth: must be in \\[0, 1\\]"),
+    ],
+)
 def test_f16_f17_show_length_and_depth_are_checked(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         main(["show", "--model", "recall", *args, "--out", str(tmp_path)])

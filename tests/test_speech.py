@@ -73,16 +73,20 @@ def test_warp_ensemble_keeps_the_best_scored_greedy_hypothesis(model):
         assert torch.equal(model.decode_ensemble(feats, lengths, warps=(1.0,)), model.generate(feats, lengths))
         chosen = model.decode_ensemble(feats, lengths, warps=warps)
         for row in range(len(waves)):
-            one = feats[row:row + 1, : int(lengths[row])]
-            encoded = [model.encode(speech.warp_mels(one, a), lengths[row:row + 1]) for a in warps]
-            texts = [model.text_of(model.generate(speech.warp_mels(one, a), lengths[row:row + 1])[0].tolist())
-                     for a in warps]
+            one = feats[row : row + 1, : int(lengths[row])]
+            encoded = [model.encode(speech.warp_mels(one, a), lengths[row : row + 1]) for a in warps]
+            texts = [
+                model.text_of(model.generate(speech.warp_mels(one, a), lengths[row : row + 1])[0].tolist())
+                for a in warps
+            ]
             score = {}
             for text in texts:  # log p(text) summed over the warped inputs, by hand
                 ids = [speech.BOS] + [model.vocab.index(c) for c in text] + [speech.EOS]
                 score[text] = sum(
-                    model.decode(torch.tensor([ids[:-1]]), memory, padding).log_softmax(-1)[
-                        0, torch.arange(len(ids) - 1), ids[1:]].sum().item()
+                    model.decode(torch.tensor([ids[:-1]]), memory, padding)
+                    .log_softmax(-1)[0, torch.arange(len(ids) - 1), ids[1:]]
+                    .sum()
+                    .item()
                     for memory, padding in encoded
                 )
             got = model.text_of(chosen[row].tolist())
@@ -138,7 +142,10 @@ def test_alignment_is_monotonic_on_the_examples(model):
         found = model.transcribe_with_attention(samples, rate)
         assert found["text"] == digits
         assert found["attention"].shape[:2] == (model.config.decoder_layers, model.config.num_heads)
-        assert found["attention"].shape[2] == len(digits) + 1 and found["frame_times"].shape[0] == found["attention"].shape[3]
+        assert (
+            found["attention"].shape[2] == len(digits) + 1
+            and found["frame_times"].shape[0] == found["attention"].shape[3]
+        )
         assert speech.alignment_is_monotonic(model, samples)
 
 

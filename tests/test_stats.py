@@ -26,10 +26,14 @@ def dense_stats(q, k, v, mask, *, sink_tokens=1, topk=3, positions=None, **mods)
     kpos = torch.arange(lk, dtype=torch.float64)
     values, keys = w.topk(min(topk, lk), -1)
     return {
-        "entropy": entropy, "max_weight": top, "argmax": torch.where(top > 0, arg, -1),
-        "sink_mass": w[..., :sink_tokens].sum(-1), "received": w.sum(-2),
+        "entropy": entropy,
+        "max_weight": top,
+        "argmax": torch.where(top > 0, arg, -1),
+        "sink_mass": w[..., :sink_tokens].sum(-1),
+        "received": w.sum(-2),
         "mean_distance": (w * (qpos[:, None] - kpos[None, :]).abs()).sum(-1),
-        "topk_weights": values, "topk_keys": torch.where(values > 0, keys, -1),
+        "topk_weights": values,
+        "topk_keys": torch.where(values > 0, keys, -1),
     }
 
 
@@ -142,7 +146,9 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("mask", [masks.causal(), masks.document(torch.arange(16384) // 1000) & masks.causal()], ids=["causal", "document"])
+@pytest.mark.parametrize(
+    "mask", [masks.causal(), masks.document(torch.arange(16384) // 1000) & masks.causal()], ids=["causal", "document"]
+)
 def test_no_tensor_of_lq_lk_over_16_at_16384(mask):
     length = 16384
     q = k = v = torch.randn(1, 1, length, 16)
@@ -155,15 +161,23 @@ def test_no_tensor_of_lq_lk_over_16_at_16384(mask):
 # --- attention_weights(rows=, heads=) -------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["causal", "document_causal", "padding_empty_rows", "alibi_softcap", "sinks",
-                                  "from_fn_per_head", "dense_bool"])
+@pytest.mark.parametrize(
+    "name",
+    ["causal", "document_causal", "padding_empty_rows", "alibi_softcap", "sinks", "from_fn_per_head", "dense_bool"],
+)
 def test_chosen_rows_and_heads_are_slices_of_the_weights(name):
     mask, mods = CASES[name]
     q, k, v = torch.randn(2, 4, L, 16), torch.randn(2, 2, L, 16), torch.randn(2, 2, L, 16)
     full = attnkit.attention_weights(q, k, v, mask, **mods)
     for rows, heads in ((-1, None), ([0, 17, 199], [1, 3]), (slice(50, 60), 2), (None, [0])):
         got = attnkit.attention_weights(q, k, v, mask, rows=rows, heads=heads, **mods)
-        r = torch.arange(L)[rows] if isinstance(rows, slice) else torch.arange(L) if rows is None else torch.tensor(rows).reshape(-1) % L
+        r = (
+            torch.arange(L)[rows]
+            if isinstance(rows, slice)
+            else torch.arange(L)
+            if rows is None
+            else torch.tensor(rows).reshape(-1) % L
+        )
         h = torch.arange(4) if heads is None else torch.tensor(heads).reshape(-1)
         torch.testing.assert_close(got, full[:, h][:, :, r])
 

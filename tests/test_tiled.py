@@ -3,6 +3,7 @@ dropout, dispatch choices and O(L) memory."""
 
 import pytest
 import torch
+from conftest import assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -10,7 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attnkit
 from attnkit import masks
 from attnkit.kernels import tiled
-from conftest import assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
 
 # --- block maps --------------------------------------------------------------------------
 
@@ -110,7 +110,11 @@ SMALL_BLOCKS = [(16, 8), (64, 64), None]  # None: the default sizes
 def test_tiled_against_the_oracle_around_block_boundaries(length, dtype):
     b, h = 2, 2
     d = 8 if length > 500 else 16
-    q, k, v = randn(b, h, length, d, dtype=dtype), randn(b, 1, length, d, dtype=dtype), randn(b, 1, length, d, dtype=dtype)
+    q, k, v = (
+        randn(b, h, length, d, dtype=dtype),
+        randn(b, 1, length, d, dtype=dtype),
+        randn(b, 1, length, d, dtype=dtype),
+    )
     for mask in mask_zoo(b, length, length):
         dense = dense_of(mask, length, length)
         gold, naive = gold_and_naive(q, k, v, dense)
@@ -129,7 +133,11 @@ def test_tiled_with_lq_not_lk(lq, lk):
 
 
 def test_log_sum_exp_and_fully_masked_rows_and_blocks():
-    q, k, v = randn(1, 2, 100, 8, dtype=torch.float64), randn(1, 2, 100, 8, dtype=torch.float64), randn(1, 2, 100, 8, dtype=torch.float64)
+    q, k, v = (
+        randn(1, 2, 100, 8, dtype=torch.float64),
+        randn(1, 2, 100, 8, dtype=torch.float64),
+        randn(1, 2, 100, 8, dtype=torch.float64),
+    )
     ids = torch.tensor([0] * 50 + [1] * 50)
     mask = masks.document(ids) & masks.padding(torch.tensor([40]))  # queries 50.. see nothing
     prepared = attnkit.prepare(mask, 100, 100, block_size=(16, 8))
@@ -145,10 +153,18 @@ def test_log_sum_exp_and_fully_masked_rows_and_blocks():
 @pytest.mark.parametrize("blocks", [(16, 8), None])
 def test_tiled_gradients_against_the_oracle(dtype, blocks):
     lq = lk = 97
-    q64, k64, v64 = randn(2, 4, lq, 16, dtype=torch.float64), randn(2, 2, lk, 16, dtype=torch.float64), randn(2, 2, lk, 16, dtype=torch.float64)
+    q64, k64, v64 = (
+        randn(2, 4, lq, 16, dtype=torch.float64),
+        randn(2, 2, lk, 16, dtype=torch.float64),
+        randn(2, 2, lk, 16, dtype=torch.float64),
+    )
     grad = randn(2, 4, lq, 16, dtype=torch.float64)
     ids = torch.sort(torch.randint(0, 3, (2, lq)), -1).values
-    for mask in [masks.document(ids) & masks.causal(), masks.prefix_lm(7) | masks.sliding_window(4), masks.padding(torch.tensor([50, 0]))]:
+    for mask in [
+        masks.document(ids) & masks.causal(),
+        masks.prefix_lm(7) | masks.sliding_window(4),
+        masks.padding(torch.tensor([50, 0])),
+    ]:
         dense = mask.materialize(lq, lk)
         prepared = attnkit.prepare(mask, lq, lk, block_size=blocks)
 
@@ -163,7 +179,9 @@ def test_tiled_gradients_against_the_oracle(dtype, blocks):
         for name, g, n, o in zip("qkv", gold, naive, got):
             assert torch.isfinite(o).all()
             err = (o.double() - g).abs().max().item()
-            bound = 1e-12 if dtype == torch.float64 else 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
+            bound = (
+                1e-12 if dtype == torch.float64 else 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
+            )
             assert err <= bound, f"d{name} {mask!r}: {err:.3e} > {bound:.3e}"
 
 
@@ -273,7 +291,9 @@ def test_long_document_mask_never_allocates_lq_by_lk():
     assert torch.isfinite(q.grad).all()
     # spot check one document against the oracle
     sl = slice(2048, 4096)
-    want = naive_attention(q[..., sl, :].detach().double(), k[..., sl, :].detach().double(), v[..., sl, :].detach().double())[0]
+    want = naive_attention(
+        q[..., sl, :].detach().double(), k[..., sl, :].detach().double(), v[..., sl, :].detach().double()
+    )[0]
     assert (out[..., sl, :].detach().double() - want).abs().max() < 1e-5
 
 

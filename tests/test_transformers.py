@@ -14,8 +14,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import attnkit  # noqa: E402
-import attnkit.integrations.transformers as hf  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel,
     AutoModelForCausalLM,
@@ -32,23 +30,60 @@ from transformers import (  # noqa: E402
     T5Config,
 )
 
+import attnkit  # noqa: E402
+import attnkit.integrations.transformers as hf  # noqa: E402
+
 V = 97
 SMALL = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 DECODERS = {
-    "llama": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, **SMALL),
-    "mistral": lambda: MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, sliding_window=6, **SMALL),
-    "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
-                                 **SMALL),
-    "gemma2": lambda: Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, sliding_window=6, attn_logit_softcapping=5.0,
-                                   query_pre_attn_scalar=16, **SMALL),
-    "gpt_oss": lambda: GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                    sliding_window=6, **SMALL),
+    "llama": lambda: LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **SMALL
+    ),
+    "mistral": lambda: MistralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=6,
+        **SMALL,
+    ),
+    "qwen2": lambda: Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+        **SMALL,
+    ),
+    "gemma2": lambda: Gemma2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        attn_logit_softcapping=5.0,
+        query_pre_attn_scalar=16,
+        **SMALL,
+    ),
+    "gpt_oss": lambda: GptOssConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        **SMALL,
+    ),
     "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **SMALL),
 }
 
@@ -171,12 +206,33 @@ def test_bert_encoder_with_padding_equals_eager():
 @pytest.mark.parametrize("name", ["t5", "bart"])
 def test_seq2seq_equals_eager(name):
     if name == "t5":
-        config = T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4,
-                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=2)
+        config = T5Config(
+            vocab_size=V,
+            d_model=64,
+            d_kv=16,
+            d_ff=96,
+            num_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=2,
+        )
     else:
-        config = BartConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                            decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, pad_token_id=0,
-                            bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, max_position_embeddings=64)
+        config = BartConfig(
+            vocab_size=V,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=96,
+            decoder_ffn_dim=96,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            max_position_embeddings=64,
+        )
     eager, ours = pair(config, AutoModelForSeq2SeqLM)
     ids, right, _ = batch(6)
     target = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(7))
@@ -185,7 +241,9 @@ def test_seq2seq_equals_eager(name):
         o = ours(ids, attention_mask=right, decoder_input_ids=target).logits
         close(o, e)
         kw = dict(max_new_tokens=12, do_sample=False)
-        assert torch.equal(ours.generate(ids, attention_mask=right, **kw), eager.generate(ids, attention_mask=right, **kw))
+        assert torch.equal(
+            ours.generate(ids, attention_mask=right, **kw), eager.generate(ids, attention_mask=right, **kw)
+        )
 
 
 def test_models_that_bypass_the_interface_are_refused():
@@ -248,8 +306,9 @@ def test_unknown_mask_functions_keep_their_block_structure():
     assert got.device.type == "meta"
     text = repr(got.attnkit_mask.mask)
     assert "from_fn(chunked_overlay" in text and "causal" in text  # the causal part keeps its formula
-    want = mu.sdpa_mask(batch_size=2, q_length=length, kv_length=length, mask_function=chunked,
-                        allow_is_causal_skip=False, device="cpu")
+    want = mu.sdpa_mask(
+        batch_size=2, q_length=length, kv_length=length, mask_function=chunked, allow_is_causal_skip=False, device="cpu"
+    )
     torch.testing.assert_close(got.attnkit_mask.materialize().expand(2, 1, length, length), want, atol=0, rtol=0)
     assert got.attnkit_mask.kept < 0.4  # blocks outside the chunks are skipped
 
@@ -266,19 +325,33 @@ def test_unknown_mask_functions_keep_their_block_structure():
 def _composite(kind):
     """A tiny LLaVA (CLIP vision tower + Llama) or PaliGemma (SigLIP + Gemma) and inputs with image tokens."""
     image_token = V + 5
-    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=V + 10, pad_token_id=0)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-                  patch_size=8)
+    text = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V + 10,
+        pad_token_id=0,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
     if kind == "llava":
-        config = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**vision),
-                                          text_config=LlamaConfig(**text), image_token_index=image_token,
-                                          vision_feature_layer=-1)
+        config = transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**vision),
+            text_config=LlamaConfig(**text),
+            image_token_index=image_token,
+            vision_feature_layer=-1,
+        )
         cls = transformers.LlavaForConditionalGeneration
     else:
-        config = transformers.PaliGemmaConfig(vision_config=transformers.SiglipVisionConfig(**vision),
-                                              text_config=transformers.GemmaConfig(head_dim=16, **text),
-                                              image_token_index=image_token, projection_dim=64)
+        config = transformers.PaliGemmaConfig(
+            vision_config=transformers.SiglipVisionConfig(**vision),
+            text_config=transformers.GemmaConfig(head_dim=16, **text),
+            image_token_index=image_token,
+            projection_dim=64,
+        )
         config.text_config.vocab_size = V + 10
         cls = transformers.PaliGemmaForConditionalGeneration
     ids = torch.randint(3, V, (2, 22), generator=torch.Generator().manual_seed(1))
@@ -307,8 +380,9 @@ def test_composite_models_run_attnkit_in_every_part(kind):
             close(ours(**inputs).logits, eager(**inputs).logits)
     finally:
         handle.remove()
-    assert any("Vision" in n or "Siglip" in n or "CLIP" in n for n in seen) and any("Llama" in n or "Gemma" in n
-                                                                                     for n in seen)
+    assert any("Vision" in n or "Siglip" in n or "CLIP" in n for n in seen) and any(
+        "Llama" in n or "Gemma" in n for n in seen
+    )
 
 
 def test_the_attention_function_alone_drops_the_padding_mask():
@@ -432,8 +506,10 @@ def _dense_of(result, batch_size, lq, lk):
     return result
 
 
-@pytest.mark.parametrize("case", ["causal", "sliding", "bidirectional_window", "padded_left", "padded_right",
-                                  "packed", "cache_offset", "chunked"])
+@pytest.mark.parametrize(
+    "case",
+    ["causal", "sliding", "bidirectional_window", "padded_left", "padded_right", "packed", "cache_offset", "chunked"],
+)
 def test_mask_function_equals_transformers_dense_mask(case):
     from transformers import masking_utils as mu
 
@@ -451,16 +527,28 @@ def test_mask_function_equals_transformers_dense_mask(case):
         attention_mask[0, 9:] = False
     elif case == "packed":
         ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 3 + [2] * 6])
-        pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
-                           torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)])])
-        fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
-                          mu.packed_sequence_mask_function(ids))
+        pos = torch.stack(
+            [
+                torch.cat([torch.arange(5), torch.arange(7)]),
+                torch.cat([torch.arange(3), torch.arange(3), torch.arange(6)]),
+            ]
+        )
+        fn = mu.and_masks(
+            mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos), mu.packed_sequence_mask_function(ids)
+        )
     elif case == "cache_offset":  # a chunk of 5 queries after 7 cached tokens, in a static cache of 16
         lq, lk, q_off = 5, 16, 7
     elif case == "chunked":  # no formula in attnkit: a from_fn mask
         fn = mu.chunked_causal_mask_function(3, torch.zeros(b, dtype=torch.long))
-    kw = dict(batch_size=b, q_length=lq, kv_length=lk, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
-              attention_mask=attention_mask)
+    kw = dict(
+        batch_size=b,
+        q_length=lq,
+        kv_length=lk,
+        q_offset=q_off,
+        kv_offset=kv_off,
+        mask_function=fn,
+        attention_mask=attention_mask,
+    )
     want = mu.sdpa_mask(**kw, allow_is_causal_skip=False)
     got = hf.mask_function(**kw)
     assert got.device.type == "meta" and isinstance(got.attnkit_mask, attnkit.PreparedMask)
@@ -498,8 +586,10 @@ def test_use_kernels_reaches_models_run_through_the_integration():
     ids, mask, _ = batch()
     chosen = []
     handle = hf.register_attention_hook(
-        lambda m, q, k, v, msk, mods: chosen.append(attnkit.explain(q, k, v, msk, **{
-            key: value for key, value in mods.items() if key != "dropout_p"}).kernel))
+        lambda m, q, k, v, msk, mods: chosen.append(
+            attnkit.explain(q, k, v, msk, **{key: value for key, value in mods.items() if key != "dropout_p"}).kernel
+        )
+    )
     try:
         with torch.no_grad(), attnkit.use_kernels("reference"):
             got = ours(ids, attention_mask=mask).logits

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
+from conftest import randn
 
 import attnkit
 from attnkit import masks
 from attnkit.models import dates, translator
 from attnkit.models.translator import BOS, DateTranslator
 from attnkit.nn import KVCache
-from conftest import randn
 
 # --- KV cache ------------------------------------------------------------------------------
 
@@ -53,7 +53,9 @@ def test_cached_decoding_with_mixed_lengths():
 def test_cache_capacity_error_and_reset():
     cache = KVCache(2, 1, 4, 8)
     cache.append(torch.randn(2, 1, 3, 8), torch.randn(2, 1, 3, 8), counts=torch.tensor([3, 1]))
-    with pytest.raises(ValueError, match=r"capacity exceeded: sequence 0 holds 3 entries and 2 more do not fit in max_len=4"):
+    with pytest.raises(
+        ValueError, match=r"capacity exceeded: sequence 0 holds 3 entries and 2 more do not fit in max_len=4"
+    ):
         cache.append(torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8))
     assert cache.lengths.tolist() == [3, 1]  # a refused append stores nothing
     with pytest.raises(ValueError, match=r"the cache holds keys \(2, 1, 4, 8\)"):
@@ -130,7 +132,7 @@ def test_encoder_ignores_padding_and_decoder_reads_the_source(model):
     with torch.no_grad():
         base = model(source, lengths, target_in)
         noisy = source.clone()
-        noisy[1, lengths[1]:] = 40  # garbage where row 1 is padding
+        noisy[1, lengths[1] :] = 40  # garbage where row 1 is padding
         assert torch.allclose(model(noisy, lengths, target_in), base, atol=1e-6)
         other = source.clone()
         other[0, :2] = torch.tensor([model.source_vocab["1"], model.source_vocab["7"]])
@@ -141,7 +143,9 @@ def test_accuracy_on_fresh_dates_of_every_family(model):
     pairs = dates.dataset(500, seed=2026_11_29)
     predictions = model.translate([t for t, _ in pairs])
     right = [p == iso for p, (_, iso) in zip(predictions, pairs)]
-    assert sum(right) / len(right) >= 0.99, [(t, p) for p, (t, iso), ok in zip(predictions, pairs, right) if not ok][:10]
+    assert sum(right) / len(right) >= 0.99, [(t, p) for p, (t, iso), ok in zip(predictions, pairs, right) if not ok][
+        :10
+    ]
     families = {f: [] for f in dates.FAMILIES}
     for i, ok in enumerate(right):
         families[dates.FAMILIES[i % len(dates.FAMILIES)]].append(ok)
@@ -208,8 +212,12 @@ def test_dataset_is_reproducible():
 
 def test_translate_cli_end_to_end(tmp_path):
     pytest.importorskip("matplotlib")
-    run = subprocess.run([sys.executable, "-m", "attnkit", "translate", "25th of March 2019", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "attnkit", "translate", "25th of March 2019", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "2019-03-25"
     for name in ["alignment.png", "alignment_grid.png", "alignment.html"]:

@@ -10,10 +10,11 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: pip install 'attnkit[gpu]' (make test does)")
 
+from conftest import assert_oracle, rounding_atol  # noqa: E402
+
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
 from attnkit.kernels import triton_attention as tk  # noqa: E402
-from conftest import assert_oracle, rounding_atol  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.interpreted(), reason="needs TRITON_INTERPRET=1 (set by conftest)")
 
@@ -66,10 +67,18 @@ def _check(q, k, v, mask, **mods):
     finite = torch.isfinite(gold_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     lse_err = (lse.double() - gold_lse)[finite].abs().max().item() if finite.any() else 0.0
-    assert lse_err <= 1e-5 * max(1.0, gold_lse[finite].abs().max().item()) + 2 * (naive_lse.double() - gold_lse)[finite].abs().max().item()
+    assert (
+        lse_err
+        <= 1e-5 * max(1.0, gold_lse[finite].abs().max().item())
+        + 2 * (naive_lse.double() - gold_lse)[finite].abs().max().item()
+    )
     for name, got, gold, naive in zip("qkv", grads, gold_grads, naive_grads):
         err = (got.double() - gold).abs().max().item()
-        bound = 2 * (naive.double() - gold).abs().max().item() + rounding_atol(gold, q.dtype) + 1e-5 * gold.abs().max().item()
+        bound = (
+            2 * (naive.double() - gold).abs().max().item()
+            + rounding_atol(gold, q.dtype)
+            + 1e-5 * gold.abs().max().item()
+        )
         assert err <= bound, f"d{name}: {err:.3e} > {bound:.3e}"
 
 
@@ -93,12 +102,16 @@ def test_uneven_and_cross_lengths(lq, lk):
     _check(q, k, v, masks.padding([lk // 2, lk]))
 
 
-@pytest.mark.parametrize("mods", [
-    {"softcap": 4.0},
-    {"attn_bias": bias.alibi(bias.alibi_slopes(4))},
-    {"attn_bias": bias.alibi(bias.alibi_slopes(4), causal=True)},
-    {"sinks": torch.randn(4, dtype=torch.float64)},
-], ids=["softcap", "alibi", "alibi_causal", "sinks"])
+@pytest.mark.parametrize(
+    "mods",
+    [
+        {"softcap": 4.0},
+        {"attn_bias": bias.alibi(bias.alibi_slopes(4))},
+        {"attn_bias": bias.alibi(bias.alibi_slopes(4), causal=True)},
+        {"sinks": torch.randn(4, dtype=torch.float64)},
+    ],
+    ids=["softcap", "alibi", "alibi_causal", "sinks"],
+)
 @pytest.mark.parametrize("name", ["causal", "window", "document_causal"])
 def test_score_modifications(name, mods):
     q, k, v = _inputs(120, 120, torch.float32)
@@ -152,7 +165,10 @@ def test_gpu_benchmark_runs_end_to_end_in_the_interpreter(tmp_path):
     out = tmp_path / "gpu.json"
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "gpu.py"), "--interpret", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| triton" in done.stdout or "triton" in out.read_text()

@@ -8,15 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import naive_attention, randn
 
 import attnkit
-from conftest import naive_attention, randn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_scaled_dot_product_attention_returns_output_and_weights():
-    Q, K, V = randn(2, 4, 8, dtype=torch.float64), randn(2, 6, 8, dtype=torch.float64), randn(2, 6, 3, dtype=torch.float64)
+    Q, K, V = (
+        randn(2, 4, 8, dtype=torch.float64),
+        randn(2, 6, 8, dtype=torch.float64),
+        randn(2, 6, 3, dtype=torch.float64),
+    )
     output, weights = attnkit.scaled_dot_product_attention(Q, K, V)
     want_out, want_w = naive_attention(Q, K, V)
     assert output.shape == (2, 4, 3) and weights.shape == (2, 4, 6)
@@ -82,7 +86,9 @@ def test_visualize_attention_bad_input(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError, match=r"needs 3 query tokens and 3 key tokens, but got 2 and 2"):
         attnkit.visualize_attention(torch.rand(3, 3), ["a", "b"], None)
-    with pytest.raises(ValueError, match=r"\(Lq, Lk\), \(B, Lq, Lk\) or \(B, H, Lq, Lk\), but got shape \(2, 2, 4, 3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"\(Lq, Lk\), \(B, Lq, Lk\) or \(B, H, Lq, Lk\), but got shape \(2, 2, 4, 3, 3\)"
+    ):
         attnkit.visualize_attention(torch.rand(2, 2, 4, 3, 3), ["a", "b", "c"], None)
     with pytest.raises(ValueError, match=r"head=4 is out of range for weights of shape \(2, 4, 3, 3\), which hold 4"):
         attnkit.visualize_attention(torch.rand(2, 4, 3, 3), ["a", "b", "c"], None, head=4)
@@ -98,8 +104,10 @@ def test_visualize_attention_says_which_matrix_of_the_tutorials_example_does_not
     """The tutorial's heatmap example: weights (1, 8, 10, 10) with 6 tokens."""
     pytest.importorskip("matplotlib")
     tokens = ["[CLS]", "今天", "天气", "很", "好", "[SEP]"]
-    want = (r"weights\[0, 0\] of weights \(1, 8, 10, 10\) is a 10 x 10 matrix: it needs 10 query "
-            r"tokens and 10 key tokens, but got 6 and 6")
+    want = (
+        r"weights\[0, 0\] of weights \(1, 8, 10, 10\) is a 10 x 10 matrix: it needs 10 query "
+        r"tokens and 10 key tokens, but got 6 and 6"
+    )
     with pytest.raises(ValueError, match=want):
         attnkit.tutorial.visualize_attention(torch.rand(1, 8, 10, 10), tokens)
 
@@ -120,20 +128,37 @@ def test_tutorial_example_runs_end_to_end(tmp_path):
     pytest.importorskip("matplotlib")
     script = ROOT / "examples" / "tutorial.py"
     assert "from attnkit.tutorial import *" in script.read_text()
-    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
-    for line in ["Attention shape: torch.Size([2, 8, 10, 10])", "same as softmax(QK^T / sqrt(d_k)) V: True",
-                 "split heads: (2, 8, 10, 64)", "weights:     (2, 8, 10, 10)",
-                 "same as the causal mask: True", "nothing after the diagonal: True", "no weight on padding: True",
-                 "is a 10 x 10 matrix: it needs 10 query tokens",
-                 "cross-attention:         (2, 5, 512), weights (2, 8, 5, 7)"]:
+    for line in [
+        "Attention shape: torch.Size([2, 8, 10, 10])",
+        "same as softmax(QK^T / sqrt(d_k)) V: True",
+        "split heads: (2, 8, 10, 64)",
+        "weights:     (2, 8, 10, 10)",
+        "same as the causal mask: True",
+        "nothing after the diagonal: True",
+        "no weight on padding: True",
+        "is a 10 x 10 matrix: it needs 10 query tokens",
+        "cross-attention:         (2, 5, 512), weights (2, 8, 5, 7)",
+    ]:
         assert line in run.stdout
     assert (tmp_path / "attention.png").stat().st_size > 10_000
 
 
 def test_public_api_names():
-    for name in ["attention", "attention_weights", "masks", "scaled_dot_product_attention",
-                 "MultiHeadAttention", "create_padding_mask", "create_causal_mask", "visualize_attention", "explain"]:
+    for name in [
+        "attention",
+        "attention_weights",
+        "masks",
+        "scaled_dot_product_attention",
+        "MultiHeadAttention",
+        "create_padding_mask",
+        "create_causal_mask",
+        "visualize_attention",
+        "explain",
+    ]:
         assert name in attnkit.__all__ and hasattr(attnkit, name)
     for name in ["causal", "sliding_window", "prefix_lm", "document", "padding"]:
         assert callable(getattr(attnkit.masks, name))
@@ -174,8 +199,14 @@ class PlainTutorialMHA(torch.nn.Module):
 def test_star_import_gives_the_tutorials_names():
     namespace: dict = {}
     exec("from attnkit.tutorial import *", namespace)
-    names = {"scaled_dot_product_attention", "MultiHeadAttention", "create_padding_mask", "create_causal_mask",
-             "causal_mask_attention", "visualize_attention"}
+    names = {
+        "scaled_dot_product_attention",
+        "MultiHeadAttention",
+        "create_padding_mask",
+        "create_causal_mask",
+        "causal_mask_attention",
+        "visualize_attention",
+    }
     assert names <= set(namespace)
     for name in names - {"MultiHeadAttention", "causal_mask_attention"}:
         assert getattr(attnkit, name) is namespace[name]  # the top-level names are aliases

@@ -41,8 +41,20 @@ _NAMES = {
     "scaled_dot_product_attention": ("attnkit.tutorial", "scaled_dot_product_attention"),
     "visualize_attention": ("attnkit.tutorial", "visualize_attention"),
 }
-_SUBMODULES = {"bias", "distributed", "functional", "inspect", "integrations", "kernels", "masks", "models", "nn",
-               "score_mods", "tutorial", "viz"}
+_SUBMODULES = {
+    "bias",
+    "distributed",
+    "functional",
+    "inspect",
+    "integrations",
+    "kernels",
+    "masks",
+    "models",
+    "nn",
+    "score_mods",
+    "tutorial",
+    "viz",
+}
 
 __all__ = [
     "AttnkitError",
@@ -97,9 +109,18 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from attnkit import bias, distributed, functional, inspect, integrations, kernels, masks, nn, score_mods, tutorial
+    from attnkit import bias as bias
+    from attnkit import distributed as distributed
+    from attnkit import functional as functional
+    from attnkit import inspect as inspect
+    from attnkit import integrations as integrations
+    from attnkit import kernels as kernels
+    from attnkit import masks as masks
+    from attnkit import nn as nn
+    from attnkit import score_mods as score_mods
+    from attnkit import tutorial as tutorial
     from attnkit.functional import attention, attention_weights, attention_with_weights, explain
-    from attnkit.inspect import capture
+    from attnkit.inspect.capture import capture
     from attnkit.kernels import use_kernels
     from attnkit.nn import KVCache, MultiHeadAttention
     from attnkit.prepare import PreparedMask, prepare

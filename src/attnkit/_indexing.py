@@ -21,12 +21,10 @@ def as4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-
 def check_align(align: str) -> str:
     if align not in ALIGNS:
         raise AttnkitValueError(f"align must be 'bottom_right' or 'top_left', but got {short(align)}.")
     return align
-
 
 
 def own(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +41,6 @@ def own(t: torch.Tensor) -> torch.Tensor:
     return compact.clone().expand(t.shape)
 
 
-
 def check_offset(x, name: str):
     """An offset: an int, or an integer tensor of shape (B,) (one per sequence)."""
     if isinstance(x, torch.Tensor):
@@ -53,7 +50,6 @@ def check_offset(x, name: str):
     return int(x)
 
 
-
 def per_seq(x, device, ndim: int = 4):
     """An int as is, a ``(B,)`` tensor as ``(B, 1, ..., 1)`` with ``ndim`` dims on ``device``."""
     if isinstance(x, torch.Tensor):
@@ -61,10 +57,8 @@ def per_seq(x, device, ndim: int = 4):
     return x
 
 
-
 def fmt(x) -> str:
     return repr(x.tolist()) if isinstance(x, torch.Tensor) else repr(x)
-
 
 
 def span(index, length: int, name: str) -> tuple[int, int]:
@@ -75,7 +69,6 @@ def span(index, length: int, name: str) -> tuple[int, int]:
     if step != 1:
         raise AttnkitValueError(f"{name} must be a contiguous slice (step 1), but got {index}.")
     return start, max(start, stop)
-
 
 
 def shifted(x, by: int):

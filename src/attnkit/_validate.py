@@ -14,10 +14,9 @@ from numbers import Real
 
 import torch
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 from attnkit.errors import AttnkitError, AttnkitTypeError, AttnkitValueError, MissingExtraError  # noqa: F401
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -56,9 +55,7 @@ def check_qkv(q, k, v) -> Shapes:
         if not isinstance(t, torch.Tensor):
             raise AttnkitTypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}.")
     if q.dim() < 2:
-        raise AttnkitValueError(
-            f"q must have at least 2 dimensions (..., Lq, D), but got shape {tuple(q.shape)}."
-        )
+        raise AttnkitValueError(f"q must have at least 2 dimensions (..., Lq, D), but got shape {tuple(q.shape)}.")
     if not q.dim() == k.dim() == v.dim():
         raise AttnkitValueError(
             "q, k and v must have the same number of dimensions, but got "
@@ -71,13 +68,11 @@ def check_qkv(q, k, v) -> Shapes:
         )
     if q.dtype not in FLOAT_DTYPES:
         raise AttnkitTypeError(
-            f"q, k and v must be floating point (float16, bfloat16, float32 or float64), "
-            f"but got {q.dtype}."
+            f"q, k and v must be floating point (float16, bfloat16, float32 or float64), but got {q.dtype}."
         )
     if not q.device == k.device == v.device:
         raise AttnkitValueError(
-            f"q, k and v must be on the same device, but got q: {q.device}, k: {k.device}, "
-            f"v: {v.device}."
+            f"q, k and v must be on the same device, but got q: {q.device}, k: {k.device}, v: {v.device}."
         )
     if q.shape[-1] != k.shape[-1]:
         raise AttnkitValueError(
@@ -91,16 +86,14 @@ def check_qkv(q, k, v) -> Shapes:
         )
     if k.shape[:-2] != v.shape[:-2]:
         raise AttnkitValueError(
-            f"k and v must have the same batch and head sizes, but got k: {tuple(k.shape)} "
-            f"and v: {tuple(v.shape)}."
+            f"k and v must have the same batch and head sizes, but got k: {tuple(k.shape)} and v: {tuple(v.shape)}."
         )
     rank = q.dim()
     if rank == 2:
         return Shapes((), 1, 1, q.shape[0], k.shape[0], q.shape[1], v.shape[1], 2)
     if q.shape[:-3] != k.shape[:-3]:
         raise AttnkitValueError(
-            f"q and k must have the same batch sizes, but got q: {tuple(q.shape)} and "
-            f"k: {tuple(k.shape)}."
+            f"q and k must have the same batch sizes, but got q: {tuple(q.shape)} and k: {tuple(k.shape)}."
         )
     hq, hkv = q.shape[-3], k.shape[-3]
     if hkv == 0 or hq % hkv != 0:
@@ -108,9 +101,7 @@ def check_qkv(q, k, v) -> Shapes:
             f"q has Hq={hq} heads and k/v have Hkv={hkv}, but Hq must be a multiple of Hkv "
             "(grouped-query attention shares each K/V head among Hq/Hkv query heads)."
         )
-    return Shapes(
-        tuple(q.shape[:-3]), hq, hkv, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], rank
-    )
+    return Shapes(tuple(q.shape[:-3]), hq, hkv, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], rank)
 
 
 def check_scale(scale, d: int) -> float:
@@ -148,9 +139,7 @@ def check_tensor_mask(mask: torch.Tensor, q: torch.Tensor, shapes: Shapes) -> No
             f"dtype {q.dtype}, but got {mask.dtype}. {hint}"
         )
     if mask.device != q.device:
-        raise AttnkitValueError(
-            f"mask must be on the query's device {q.device}, but got {mask.device}."
-        )
+        raise AttnkitValueError(f"mask must be on the query's device {q.device}, but got {mask.device}.")
     check_broadcast(tuple(mask.shape), shapes, "mask")
 
 
@@ -175,7 +164,7 @@ def check_broadcast(mask_shape: tuple[int, ...], shapes: Shapes, what: str) -> N
 def short(value, limit: int = 80) -> str:
     """``repr(value)`` cut to about ``limit`` characters, for quoting user input in errors."""
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 5] + "...'" [: 4 if text[:1] in "'\"" else 3]
+    return text if len(text) <= limit else text[: limit - 5] + "...'"[: 4 if text[:1] in "'\"" else 3]
 
 
 def compiling() -> bool:
@@ -191,14 +180,14 @@ def check_int_tensor(t, name: str, ndims: tuple[int, ...]) -> torch.Tensor:
         try:
             t = torch.as_tensor(t)
         except (TypeError, ValueError, RuntimeError):
-            raise AttnkitTypeError(f"{name} must be integers (a list or an integer tensor), but got {short(t)}.") from None
+            raise AttnkitTypeError(
+                f"{name} must be integers (a list or an integer tensor), but got {short(t)}."
+            ) from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise AttnkitTypeError(f"{name} must be an integer tensor, but got {t.dtype}.")
     if t.dim() not in ndims:
         want = " or ".join(str(n) for n in ndims)
-        raise AttnkitValueError(
-            f"{name} must have {want} dimension(s), but got shape {tuple(t.shape)}."
-        )
+        raise AttnkitValueError(f"{name} must have {want} dimension(s), but got shape {tuple(t.shape)}.")
     return t
 
 

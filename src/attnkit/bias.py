@@ -28,11 +28,13 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_nonnegative_int, short
 from attnkit._indexing import check_align, check_offset, fmt, shifted, span
+from attnkit._types import Device, Offset
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_nonnegative_int, short
 
 __all__ = ["Alibi", "Bias", "alibi", "alibi_slopes", "cached", "dense", "from_fn", "relative"]
 
@@ -49,10 +51,13 @@ class Bias:
         """The tensors the bias is computed from (gradients flow to those that require grad)."""
         return ()
 
-    def elements(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
+    def elements(
+        self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len: int
+    ) -> torch.Tensor:
+        """The bias at broadcasting index tensors (see the class docstring)."""
         raise NotImplementedError
 
-    def check(self, batch: int, num_heads: int, q_len: int, kv_len: int, device) -> None:
+    def check(self, batch: int, num_heads: int, q_len: int, kv_len: int, device: torch.device) -> None:
         """Raise a clear error if the bias cannot serve a call with these sizes."""
         for t in self.params():
             if t.device != device:
@@ -68,7 +73,17 @@ class Bias:
         """This bias for queries at key positions ``start[b] + i`` (see :func:`cached`)."""
         return self
 
-    def add_grad(self, grads: dict, dtile: torch.Tensor, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> None:
+    def add_grad(
+        self,
+        grads: dict[int, torch.Tensor],
+        dtile: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q_idx: torch.Tensor,
+        kv_idx: torch.Tensor,
+        q_len: int,
+        kv_len: int,
+    ) -> None:
         """Add this tile's contribution ``d loss / d params`` to ``grads`` (keyed by id)."""
         wanted = [t for t in self.params() if t.requires_grad]
         if not wanted:
@@ -81,7 +96,7 @@ class Bias:
             if g is not None:
                 grads[id(t)] = g if id(t) not in grads else grads[id(t)] + g
 
-    def dense(self, batch: int, num_heads: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    def dense(self, batch: int, num_heads: int, q_len: int, kv_len: int, device: Device) -> torch.Tensor:
         """The whole bias ``(B or 1, Hq or 1, Lq, Lk)``, differentiable (for the reference kernel)."""
         b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
         h = torch.arange(num_heads, device=device).view(1, -1, 1, 1)
@@ -283,17 +298,19 @@ class Alibi(_Positional):
     ``q_offset`` and ``kv_offset``; public so kernels that compute it in their tile loop
     (the Triton kernel) can read its parameters."""
 
-    def __init__(self, slopes, causal, align, q_offset, kv_offset):
+    def __init__(self, slopes: torch.Tensor, causal: bool, align: str, q_offset: Offset, kv_offset: Offset):
         self.slopes = _float_tensor(slopes, "slopes", "of shape (num_heads,)")
         if self.slopes.dim() != 1:
             raise AttnkitValueError(f"slopes must have shape (num_heads,), but got {tuple(self.slopes.shape)}.")
         self.causal = bool(causal)
         self._set_positions(align, q_offset, kv_offset)
 
-    def params(self):
+    def params(self) -> tuple[torch.Tensor, ...]:
         return (self.slopes,)
 
-    def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
+    def elements(
+        self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len: int
+    ) -> torch.Tensor:
         # One broadcast pass is cheaper here than the Toeplitz layout of _Positional.
         qp, kp = self._positions(b, q_idx, kv_idx, q_len, kv_len)
         dt = self.slopes.dtype
@@ -301,15 +318,22 @@ class Alibi(_Positional):
         penalty = distance.neg_() if self.causal else distance.abs_()
         return penalty * -self.slopes[h]  # (Bs or 1, 1, n, S) * (1, Hs, 1, 1)
 
-    def check(self, batch, num_heads, q_len, kv_len, device):
+    def check(self, batch: int, num_heads: int, q_len: int, kv_len: int, device: torch.device) -> None:
         super().check(batch, num_heads, q_len, kv_len, device)
         _check_heads(self.slopes, 0, num_heads, "the ALiBi slopes")
 
-    def describe(self):
+    def describe(self) -> str:
         return "alibi(causal)" if self.causal else "alibi"
 
 
-def alibi(slopes, *, causal: bool = False, align: str = "bottom_right", q_offset=0, kv_offset=0) -> Bias:
+def alibi(
+    slopes: torch.Tensor,
+    *,
+    causal: bool = False,
+    align: str = "bottom_right",
+    q_offset: Offset = 0,
+    kv_offset: Offset = 0,
+) -> Bias:
     """ALiBi: ``-slopes[h] * |p(i) - j|``, a penalty linear in the distance.
 
     ``slopes: (Hq,)`` float tensor (it may require grad); :func:`alibi_slopes` gives
@@ -323,8 +347,9 @@ def alibi(slopes, *, causal: bool = False, align: str = "bottom_right", q_offset
 # --- T5's relative position bias -------------------------------------------------------
 
 
-def relative_buckets(relative_position: torch.Tensor, num_buckets: int, max_distance: int,
-                     bidirectional: bool) -> torch.Tensor:
+def relative_buckets(
+    relative_position: torch.Tensor, num_buckets: int, max_distance: int, bidirectional: bool
+) -> torch.Tensor:
     """T5's bucket of each ``key position - query position`` (an int64 tensor).
 
     Half the buckets (``num_buckets // 2``) hold exact distances; the rest grow
@@ -352,10 +377,17 @@ class _Relative(_Positional):
             raise AttnkitValueError(
                 f"table must have shape (num_buckets={num_buckets}, num_heads), but got {tuple(self.table.shape)}."
             )
-        for name, value, low in (("num_buckets", num_buckets, 4 if bidirectional else 2), ("max_distance", max_distance, 1)):
+        for name, value, low in (
+            ("num_buckets", num_buckets, 4 if bidirectional else 2),
+            ("max_distance", max_distance, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise AttnkitValueError(f"{name} must be an int >= {low}, but got {short(value)}.")
-        self.num_buckets, self.max_distance, self.bidirectional = int(num_buckets), int(max_distance), bool(bidirectional)
+        self.num_buckets, self.max_distance, self.bidirectional = (
+            int(num_buckets),
+            int(max_distance),
+            bool(bidirectional),
+        )
         if self.max_distance <= (self.num_buckets // (2 if bidirectional else 1)) // 2:
             raise AttnkitValueError(
                 f"max_distance={max_distance} must exceed the exact range, num_buckets // "
@@ -383,8 +415,16 @@ class _Relative(_Positional):
         return f"relative({self.num_buckets} buckets)"
 
 
-def relative(table, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True, *,
-             align: str = "bottom_right", q_offset=0, kv_offset=0) -> Bias:
+def relative(
+    table: torch.Tensor,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+    bidirectional: bool = True,
+    *,
+    align: str = "bottom_right",
+    q_offset: Offset = 0,
+    kv_offset: Offset = 0,
+) -> Bias:
     """T5's relative position bias: ``table[bucket(j - p(i)), h]``.
 
     ``table: (num_buckets, Hq)`` float tensor, learnable (T5's
@@ -404,7 +444,9 @@ class _FromFn(_Positional):
             raise AttnkitTypeError(f"fn must be callable as fn(b, h, q_idx, kv_idx), but got {type(fn).__name__}.")
         for i, t in enumerate(params):
             if not isinstance(t, torch.Tensor):
-                raise AttnkitTypeError(f"params must be tensors (those fn closes over), but params[{i}] is {type(t).__name__}.")
+                raise AttnkitTypeError(
+                    f"params must be tensors (those fn closes over), but params[{i}] is {type(t).__name__}."
+                )
         self.fn, self._params = fn, tuple(params)
         self._set_positions("top_left", q_offset, kv_offset)
 
@@ -437,7 +479,9 @@ class _FromFn(_Positional):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
 
 
-def from_fn(fn, *params, q_offset=0, kv_offset=0) -> Bias:
+def from_fn(
+    fn: Callable[..., torch.Tensor], *params: torch.Tensor, q_offset: Offset = 0, kv_offset: Offset = 0
+) -> Bias:
     """Any bias ``fn(b, h, q_idx, kv_idx) -> float tensor``, evaluated one tile at a time.
 
     The arguments are broadcasting int64 index tensors ``b: (Bs, 1, 1, 1)``,
@@ -496,9 +540,9 @@ class _Dense(Bias):
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         t = self._t4()
         if t.shape[2] != 1:
-            t = t[:, :, q_start:q_start + q_count]
+            t = t[:, :, q_start : q_start + q_count]
         if t.shape[3] != 1:
-            t = t[..., kv_start:kv_start + kv_count]
+            t = t[..., kv_start : kv_start + kv_count]
         other = copy.copy(self)
         other.tensor = t  # a view: gradients reach the whole tensor
         return other
@@ -515,7 +559,7 @@ class _Dense(Bias):
         return f"dense{tuple(self.tensor.shape)}"
 
 
-def cached(bias: Bias, start) -> Bias:
+def cached(bias: Bias, start: torch.Tensor) -> Bias:
     """``bias`` for queries stored in a KV cache after ``start[b]`` entries of sequence b.
 
     Query i of sequence b sits at key position ``start[b] + i``, as in

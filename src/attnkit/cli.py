@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from attnkit.errors import AttnkitError, missing_extra
 
@@ -92,8 +94,10 @@ def _run_minilm(text, rows_text=None) -> dict:
     encoding = model.tokenizer.encode(text)
     if encoding.overflowing:  # the tokenizer cut the text at the model's limit
         end = encoding.offsets[-2][1] if len(encoding.offsets) > 1 else 0
-        _say(f"note: all-MiniLM-L6-v2 reads at most {model.max_seq_length} tokens: showing the text up to "
-             f"character {end} of {len(text)} ({len(text[:end].split())} of {len(text.split())} words).")
+        _say(
+            f"note: all-MiniLM-L6-v2 reads at most {model.max_seq_length} tokens: showing the text up to "
+            f"character {end} of {len(text)} ({len(text[:end].split())} of {len(text.split())} words)."
+        )
     tokens = model.tokens(text)
     ids, lengths = model.tokenize([text])
     run = _capture(model, lambda: model(ids, lengths), tokens, 6, 12, rows_text)
@@ -120,15 +124,19 @@ def _run_recall(text, args) -> dict:
         needle = int((ids[:-2] == asked).nonzero()[0])
         marks = {"needle": needle}
         truth = model.task.tokens[int(targets[0, at])]
-        report.append(f"the text asks for {model.task.tokens[asked]}, stated at position {needle:,} "
-                      f"({at - needle:,} tokens before the question); the answer is {truth}")
-    tokens = model.tokens_of(ids)
+        report.append(
+            f"the text asks for {model.task.tokens[asked]}, stated at position {needle:,} "
+            f"({at - needle:,} tokens before the question); the answer is {truth}"
+        )
+    words = model.tokens_of(ids)
     c = model.config
-    run = _capture(model, lambda: model(ids[None]), tokens, c.num_layers, c.num_heads, args.rows)
+    run = _capture(model, lambda: model(ids[None]), words, c.num_layers, c.num_heads, args.rows)
     answer, p = model.answer(ids[None])[0]
-    report.append(f"RecallLM answers: {answer or '(no query at the end: the text must end with ? k<number>)'}"
-                  + (f" (p={p:.2f})" if answer else ""))
-    return {**run, "special": ("<bos>",), "title": f"RecallLM, {len(tokens):,} tokens", "marks": marks, "report": report}
+    report.append(
+        f"RecallLM answers: {answer or '(no query at the end: the text must end with ? k<number>)'}"
+        + (f" (p={p:.2f})" if answer else "")
+    )
+    return {**run, "special": ("<bos>",), "title": f"RecallLM, {len(words):,} tokens", "marks": marks, "report": report}
 
 
 def _run_checkpoint(path, text, rows_text=None) -> dict:
@@ -140,8 +148,9 @@ def _run_checkpoint(path, text, rows_text=None) -> dict:
         raise AttnkitValueError(
             f"--model must be 'recall' or a folder with a config.json (a saved checkpoint), but got {path!r}."
         )
-    import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
     from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
 
     config = AutoConfig.from_pretrained(folder)
     if getattr(config, "is_encoder_decoder", False):
@@ -186,7 +195,7 @@ def _read_text(args) -> str | None:
         except UnicodeEncodeError as err:  # bytes the terminal's encoding could not decode (surrogate escapes)
             raise AttnkitValueError(
                 f"the text holds a byte that is not UTF-8 at character {err.start} "
-                f"({args.text[max(0, err.start - 10):err.start].encode('utf-8', 'replace').decode()!r} before it): "
+                f"({args.text[max(0, err.start - 10) : err.start].encode('utf-8', 'replace').decode()!r} before it): "
                 "pass UTF-8 text, or put it in a UTF-8 file and use --file FILE."
             ) from None
     return args.text
@@ -199,7 +208,9 @@ def _rows(text, length: int) -> list[int]:
     try:
         rows = [int(x) for x in (text or "-1").split(",") if x.strip()]
     except ValueError:
-        raise AttnkitValueError(f"--rows must be comma-separated token positions, e.g. 0,-1, but got {text!r}.") from None
+        raise AttnkitValueError(
+            f"--rows must be comma-separated token positions, e.g. 0,-1, but got {text!r}."
+        ) from None
     bad = [r for r in rows if not -length <= r < length]
     if bad or not rows:
         raise AttnkitValueError(f"--rows {text!r}: positions must be in {-length}..{length - 1} for {length} tokens.")
@@ -217,7 +228,7 @@ def _fits_full_view(length: int, layers: int, heads: int) -> bool:
     return length <= LONG_FROM and layers * heads * length * length <= MAX_CELLS
 
 
-def show(args) -> int:
+def show(args: argparse.Namespace) -> int:
     import numpy as np
 
     from attnkit.inspect.summary import summarize
@@ -240,7 +251,11 @@ def show(args) -> int:
             raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
 
     title = run.get("title") or text
-    written = [save_html(out / "attention.html", weights, tokens, layer_names=[f"layer {i}" for i in range(layers)], title=title)]
+    written = [
+        save_html(
+            out / "attention.html", weights, tokens, layer_names=[f"layer {i}" for i in range(layers)], title=title
+        )
+    ]
     _say("drawing the figures ...")
     attention_grid(weights, out / "attention.png", tokens=tokens, title=title)
     written.append(out / "attention.png")
@@ -254,8 +269,12 @@ def show(args) -> int:
         visualize_attention(weights[layer, head], tokens, path, title=f"layer {layer}, head {head}")
         written.append(path)
     # float16 halves the file (weights in [0, 1] keep 3 significant digits)
-    np.savez_compressed(out / "attention.npz", tokens=np.array(tokens), weights=weights.numpy().astype(np.float16),
-                        layers=np.array([f"layer {i}" for i in range(layers)]))
+    np.savez_compressed(
+        out / "attention.npz",
+        tokens=np.array(tokens),
+        weights=weights.numpy().astype(np.float16),
+        layers=np.array([f"layer {i}" for i in range(layers)]),
+    )
     written.append(out / "attention.npz")
 
     if len(tokens) <= 300:
@@ -281,18 +300,27 @@ def _write_long(out: Path, run: dict) -> int:
     _say(f"{len(tokens):,} tokens: writing the long view (statistics, and the weights of rows {rows}) ...")
     written = [save_long_html(out / "long.html", cap.stats, tokens, rows, cap.weights, title=title)]
     written += long_figures(out, cap.stats, tokens, rows, cap.weights, title=title, marks=run.get("marks"))
-    stacked = {name: np.stack([getattr(s, name)[0].numpy() for s in cap.stats]).astype(np.float32)
-               for name in ("entropy", "max_weight", "sink_mass", "mean_distance")}
-    np.savez_compressed(out / "attention_stats.npz", tokens=np.array(tokens), rows=np.array(rows),
-                        received=np.stack([s.received[0].numpy() for s in cap.stats]).astype(np.float32),
-                        row_weights=np.stack([w[0].numpy() for w in cap.weights]).astype(np.float32), **stacked)
+    stacked: dict[str, Any] = {
+        name: np.stack([getattr(s, name)[0].numpy() for s in cap.stats]).astype(np.float32)
+        for name in ("entropy", "max_weight", "sink_mass", "mean_distance")
+    }
+    np.savez_compressed(
+        out / "attention_stats.npz",
+        tokens=np.array(tokens),
+        rows=np.array(rows),
+        received=np.stack([s.received[0].numpy() for s in cap.stats]).astype(np.float32),
+        row_weights=np.stack([w[0].numpy() for w in cap.weights]).astype(np.float32),
+        **stacked,
+    )
     written.append(out / "attention_stats.npz")
     print(f"layer  head  entropy  first-token mass  mean distance   (means over {len(tokens):,} query rows)")
     for layer, st in enumerate(cap.stats):
         summary = st.head_summary()
         for head in range(len(summary["entropy"])):
-            print(f"{layer:>5}  {head:>4}  {float(summary['entropy'][head]):>7.2f}  "
-                  f"{float(summary['sink_mass'][head]):>16.1%}  {float(summary['mean_distance'][head]):>13,.0f}")
+            print(
+                f"{layer:>5}  {head:>4}  {float(summary['entropy'][head]):>7.2f}  "
+                f"{float(summary['sink_mass'][head]):>16.1%}  {float(summary['mean_distance'][head]):>13,.0f}"
+            )
     for line in run.get("report", []):
         print(line)
     print()
@@ -315,7 +343,7 @@ def _save_trained(args, model, record, path: Path, summary: str) -> int:
     return 0
 
 
-def train(args) -> int:
+def train(args: argparse.Namespace) -> int:
     if args.model == "captioner":
         return _train_captioner(args)
     if args.model == "recommender":
@@ -330,9 +358,14 @@ def train(args) -> int:
     _out_dir(args.out)
     _say(f"training DateTranslator: {args.steps} steps, seed {args.seed}, batch {args.batch_size}")
     model, record = train_translator(args.steps, seed=args.seed, batch_size=args.batch_size)
-    return _save_trained(args, model, record, Path(args.out) / WEIGHTS,
-                         f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
-                         f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)")
+    return _save_trained(
+        args,
+        model,
+        record,
+        Path(args.out) / WEIGHTS,
+        f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
+        f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)",
+    )
 
 
 def _train_captioner(args) -> int:
@@ -342,10 +375,15 @@ def _train_captioner(args) -> int:
     out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training DigitCaptioner: {steps} steps, seed {args.seed}, batch {batch_size}")
     model, record = train_captioner(steps, seed=args.seed, batch_size=batch_size)
-    return _save_trained(args, model, record, out / WEIGHTS,
-                         f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
-                         f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
-                         f"({record['seconds']:.0f} s of training)")
+    return _save_trained(
+        args,
+        model,
+        record,
+        out / WEIGHTS,
+        f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
+        f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
+        f"({record['seconds']:.0f} s of training)",
+    )
 
 
 def _train_speech(args) -> int:
@@ -353,15 +391,22 @@ def _train_speech(args) -> int:
     from attnkit.models.speech import train as train_speech
 
     out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
-    _say(f"training SpeechRecognizer: {steps} steps, seed {args.seed}, batch {batch_size}, on espeak-ng speech "
-         "(accents en-us, en-gb; voices m1-m4, f1-f2)")
+    _say(
+        f"training SpeechRecognizer: {steps} steps, seed {args.seed}, batch {batch_size}, on espeak-ng speech "
+        "(accents en-us, en-gb; voices m1-m4, f1-f2)"
+    )
     model, record = train_speech(steps, seed=args.seed, batch_size=batch_size, log=_say)
     _say("scoring 100 utterances of held-out voices ...")
     h = record["held_out_100"] = evaluate(model, dataset(100, TEST_VOICES, 10_000))
-    return _save_trained(args, model, record, out / WEIGHTS,
-                         f"held-out voices, 100 utterances: {h['exact']:.1%} exact, CER {h['cer']:.1%}, "
-                         f"{h['monotonic']:.0%} monotonic alignments ({record['seconds']:.0f} s); "
-                         "benchmarks/speech.py scores 500")
+    return _save_trained(
+        args,
+        model,
+        record,
+        out / WEIGHTS,
+        f"held-out voices, 100 utterances: {h['exact']:.1%} exact, CER {h['cer']:.1%}, "
+        f"{h['monotonic']:.0%} monotonic alignments ({record['seconds']:.0f} s); "
+        "benchmarks/speech.py scores 500",
+    )
 
 
 def _train_recall(args) -> int:
@@ -372,9 +417,14 @@ def _train_recall(args) -> int:
     _say(f"training RecallLM: {steps} steps, seed {args.seed}, batch {batch_size}, texts of 64 growing to 1024 tokens")
     model, record = train_recall(steps, seed=args.seed, batch_size=batch_size, log=_say)
     record["accuracy_1024"] = accuracy(model, 1024, n=200, seed=1)
-    return _save_trained(args, model, record, out / WEIGHTS,
-                         f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
-                         f"({record['seconds']:.0f} s of training); benchmarks/long_context.py measures 4k-32k")
+    return _save_trained(
+        args,
+        model,
+        record,
+        out / WEIGHTS,
+        f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
+        f"({record['seconds']:.0f} s of training); benchmarks/long_context.py measures 4k-32k",
+    )
 
 
 def _train_recommender(args) -> int:
@@ -384,12 +434,17 @@ def _train_recommender(args) -> int:
     out, epochs, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(f"training SASRec on MovieLens-100K: {epochs} epochs, seed {args.seed}, batch {batch_size}")
     model, record = train_recommender(epochs, seed=args.seed, batch_size=batch_size, log=_say)
-    return _save_trained(args, model, record, out / WEIGHTS,
-                         f"test: HR@10 {record['test_HR@10']:.3f}, NDCG@10 {record['test_NDCG@10']:.3f} "
-                         f"(best validation NDCG@10 {record['best_valid_NDCG@10']:.3f}, {record['seconds']:.0f} s)")
+    return _save_trained(
+        args,
+        model,
+        record,
+        out / WEIGHTS,
+        f"test: HR@10 {record['test_HR@10']:.3f}, NDCG@10 {record['test_NDCG@10']:.3f} "
+        f"(best validation NDCG@10 {record['best_valid_NDCG@10']:.3f}, {record['seconds']:.0f} s)",
+    )
 
 
-def recommend(args) -> int:
+def recommend(args: argparse.Namespace) -> int:
     from attnkit._validate import AttnkitValueError
     from attnkit.models import movielens
     from attnkit.models.recommender import SASRec
@@ -414,11 +469,23 @@ def recommend(args) -> int:
     weights = explained["weights"][..., -shown:]  # (layers, heads, shown)
     labels = [t[:40] for t in explained["titles"][-shown:]]
     written = [out / "recommend.png", out / "recommend.html"]
-    visualize_attention(weights.mean(1), [f"layer {i}" for i in range(len(weights))], written[0],
-                        key_tokens=labels, xlabel="history (oldest to newest)", ylabel="",
-                        title=f"user {args.user}: the next-item query's attention (mean of heads)")
-    save_html(written[1], weights[:, :, None, :], ["next item"], key_tokens=labels,
-              layer_names=[f"layer {i}" for i in range(len(weights))], title=f"user {args.user}: attention over the history")
+    visualize_attention(
+        weights.mean(1),
+        [f"layer {i}" for i in range(len(weights))],
+        written[0],
+        key_tokens=labels,
+        xlabel="history (oldest to newest)",
+        ylabel="",
+        title=f"user {args.user}: the next-item query's attention (mean of heads)",
+    )
+    save_html(
+        written[1],
+        weights[:, :, None, :],
+        ["next item"],
+        key_tokens=labels,
+        layer_names=[f"layer {i}" for i in range(len(weights))],
+        title=f"user {args.user}: attention over the history",
+    )
     for path in written:
         _say(f"wrote {path}")
     return 0
@@ -452,7 +519,7 @@ def _read_image(path):
     raise AttnkitValueError(f"--image must be a .npy or .png file, but got {path!r}.")
 
 
-def caption(args) -> int:
+def caption(args: argparse.Namespace) -> int:
     import random
 
     from attnkit._validate import AttnkitValueError
@@ -466,7 +533,9 @@ def caption(args) -> int:
         try:
             wanted = [int(d) for d in args.digits.split(",")]
         except ValueError:
-            raise AttnkitValueError(f"--digits must be digits 0-9 separated by commas, but got {args.digits!r}.") from None
+            raise AttnkitValueError(
+                f"--digits must be digits 0-9 separated by commas, but got {args.digits!r}."
+            ) from None
         if not wanted or not all(0 <= d <= 9 for d in wanted) or len(wanted) > 8:
             raise AttnkitValueError(f"--digits must be 1 to 8 digits 0-9 separated by commas, but got {args.digits!r}.")
         _, labels = digits()
@@ -483,17 +552,24 @@ def caption(args) -> int:
     print(" ".join(words))
     last = result["weights"][-1].mean(0)  # (words, patches): last layer, mean of heads
     written = [out / "caption.png", out / "caption.html"]
-    region_figure(result["image"], words, last, result["grid"], written[0],
-                  title=f"{' '.join(words)} (last layer, mean of heads)")
-    save_region_html(written[1], result["image"], words, result["weights"], result["grid"],
-                     layers=[f"decoder layer {i} (cross)" for i in range(len(result['weights']))],
-                     title=" ".join(words))
+    region_figure(
+        result["image"], words, last, result["grid"], written[0], title=f"{' '.join(words)} (last layer, mean of heads)"
+    )
+    save_region_html(
+        written[1],
+        result["image"],
+        words,
+        result["weights"],
+        result["grid"],
+        layers=[f"decoder layer {i} (cross)" for i in range(len(result["weights"]))],
+        title=" ".join(words),
+    )
     for path in written:
         _say(f"wrote {path}")
     return 0
 
 
-def listen(args) -> int:
+def listen(args: argparse.Namespace) -> int:
     import numpy as np
 
     from attnkit._validate import AttnkitValueError
@@ -504,7 +580,7 @@ def listen(args) -> int:
     out = _out_dir(args.out)
     given = [x is not None for x in (args.file, args.say)] + [args.example is not None]
     if sum(given) != 1:
-        raise AttnkitValueError("give FILE.wav, --say \"4 0 7\" or --example N (one of them).")
+        raise AttnkitValueError('give FILE.wav, --say "4 0 7" or --example N (one of them).')
     if args.say is not None:
         digits = "".join(args.say.split())
         samples, rate = say(digits, "en-gb-x-rp", "f3"), 16000
@@ -527,14 +603,31 @@ def listen(args) -> int:
     print(found["text"] if found["text"] else "(no digits heard)")
     last = found["attention"][-1].mean(0)  # (chars, frames): last layer, mean of heads
     written = [out / "listen.png", out / "listen.html"]
-    speech_figure(samples, rate, found["features"], found["chars"], last, found["frame_times"], written[0],
-                  title=f"heard {found['text'] or '(nothing)'} (last decoder layer, mean of heads)")
+    speech_figure(
+        samples,
+        rate,
+        found["features"],
+        found["chars"],
+        last,
+        found["frame_times"],
+        written[0],
+        title=f"heard {found['text'] or '(nothing)'} (last decoder layer, mean of heads)",
+    )
     frames = [f"{t:.2f}s" for t in found["frame_times"].tolist()]
-    save_html(written[1], found["attention"], found["chars"], key_tokens=frames,
-              layer_names=[f"decoder layer {i} (cross)" for i in range(found["attention"].shape[0])],
-              title=f"heard {found['text']}")
-    np.savez_compressed(out / "listen.npz", attention=found["attention"].numpy(), chars=np.array(found["chars"]),
-                        frame_times=found["frame_times"].numpy())
+    save_html(
+        written[1],
+        found["attention"],
+        found["chars"],
+        key_tokens=frames,
+        layer_names=[f"decoder layer {i} (cross)" for i in range(found["attention"].shape[0])],
+        title=f"heard {found['text']}",
+    )
+    np.savez_compressed(
+        out / "listen.npz",
+        attention=found["attention"].numpy(),
+        chars=np.array(found["chars"]),
+        frame_times=found["frame_times"].numpy(),
+    )
     for path in written:
         _say(f"wrote {path}")
     return 0
@@ -559,7 +652,7 @@ def _load_translator(path, cls):
         ) from None
 
 
-def translate(args) -> int:
+def translate(args: argparse.Namespace) -> int:
     from attnkit.models.translator import DateTranslator
     from attnkit.viz import attention_grid, save_html, visualize_attention
 
@@ -571,21 +664,37 @@ def translate(args) -> int:
     inputs, outputs = _shown(result["input_tokens"]), result["output_tokens"]
     last = weights[-1].mean(dim=0)
     written = [out / "alignment.png", out / "alignment_grid.png", out / "alignment.html"]
-    visualize_attention(last, outputs, written[0], key_tokens=inputs, xlabel="input character",
-                        ylabel="output character",
-                        title=f"{args.text} \u2192 {result['output']} (last layer, mean of heads)")
+    visualize_attention(
+        last,
+        outputs,
+        written[0],
+        key_tokens=inputs,
+        xlabel="input character",
+        ylabel="output character",
+        title=f"{args.text} \u2192 {result['output']} (last layer, mean of heads)",
+    )
     attention_grid(weights, written[1], title=f"cross-attention: {args.text}")
-    save_html(written[2], weights, outputs, key_tokens=inputs,
-              layer_names=[f"decoder layer {i} (cross)" for i in range(len(weights))],
-              title=f"{args.text} \u2192 {result['output']}")
+    save_html(
+        written[2],
+        weights,
+        outputs,
+        key_tokens=inputs,
+        layer_names=[f"decoder layer {i} (cross)" for i in range(len(weights))],
+        title=f"{args.text} \u2192 {result['output']}",
+    )
     for path in written:
         _say(f"wrote {path}")
     return 0
 
 
 #: ``attnkit train MODEL``: default (steps, batch size); the recommender's steps are epochs.
-TRAIN_DEFAULTS = {"translator": (1500, 128), "captioner": (4000, 96), "recommender": (120, 128), "recall": (5000, 32),
-                  "speech": (4000, 32)}
+TRAIN_DEFAULTS = {
+    "translator": (1500, 128),
+    "captioner": (4000, 96),
+    "recommender": (120, 128),
+    "recall": (5000, 32),
+    "speech": (4000, 32),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -607,26 +716,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("text", nargs="?", help="the text to look at")
     p.add_argument("--file", help="read the text from this UTF-8 file (long texts welcome)")
-    p.add_argument("--model", help="'recall' (the shipped RecallLM) or a local checkpoint folder (config.json, "
-                   "weights, tokenizer) run through transformers with attn_implementation='attnkit'")
-    p.add_argument("--length", type=_length, default=4096,
-                   help=f"with --model recall and no text: generate a recall text of this many tokens (default 4096, "
-                   f"at most {MAX_LENGTH:,})")
-    p.add_argument("--depth", type=_fraction, default=0.02,
-                   help="with --length: where the asked pair sits, 0 = start of the text, 1 = end (default 0.02)")
+    p.add_argument(
+        "--model",
+        help="'recall' (the shipped RecallLM) or a local checkpoint folder (config.json, "
+        "weights, tokenizer) run through transformers with attn_implementation='attnkit'",
+    )
+    p.add_argument(
+        "--length",
+        type=_length,
+        default=4096,
+        help=f"with --model recall and no text: generate a recall text of this many tokens (default 4096, "
+        f"at most {MAX_LENGTH:,})",
+    )
+    p.add_argument(
+        "--depth",
+        type=_fraction,
+        default=0.02,
+        help="with --length: where the asked pair sits, 0 = start of the text, 1 = end (default 0.02)",
+    )
     p.add_argument("--seed", type=int, default=0, help="with --length: the generated text's seed")
-    p.add_argument("--rows", help="query positions whose full weights to keep, e.g. '0,-1' (default: the last token); "
-                   f"inputs over {LONG_FROM} tokens always get the long view")
+    p.add_argument(
+        "--rows",
+        help="query positions whose full weights to keep, e.g. '0,-1' (default: the last token); "
+        f"inputs over {LONG_FROM} tokens always get the long view",
+    )
     p.add_argument("--out", default="attention", help="output folder (default: ./attention)")
     p.add_argument("--layer", type=int, help="draw the heads of this layer as PNGs (0-based)")
     p.add_argument("--head", type=int, help="draw this head (of --layer, or of every layer) as PNG")
     p.set_defaults(run=show)
 
-    p = sub.add_parser("train", help="train a model (translator: the date normalizer; captioner: the digit captioner; "
-                       "recommender: SASRec; recall: RecallLM)")
+    p = sub.add_parser(
+        "train",
+        help="train a model (translator: the date normalizer; captioner: the digit captioner; "
+        "recommender: SASRec; recall: RecallLM)",
+    )
     p.add_argument("model", choices=["translator", "captioner", "recommender", "recall", "speech"])
-    p.add_argument("--steps", type=_positive, default=None,
-                   help="optimizer steps (default 1500; captioner 4000; recall 5000; speech 4000); for the recommender, epochs (default 120)")
+    p.add_argument(
+        "--steps",
+        type=_positive,
+        default=None,
+        help="optimizer steps (default 1500; captioner 4000; recall 5000; speech 4000); "
+        "for the recommender, epochs (default 120)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96; recall and speech 32")
     p.add_argument("--out", default=None, help="output folder (default: ./<model>)")
@@ -683,7 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:  # a bare `attnkit`: what it can do

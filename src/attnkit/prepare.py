@@ -28,11 +28,13 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from attnkit import masks as _masks
+from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 
 __all__ = ["prepare", "PreparedMask", "Run", "RowBlock", "Group", "DEFAULT_BLOCK_SIZE", "prepared_for", "clear_cache"]
@@ -88,7 +90,8 @@ class _TileCache:
     """Evaluated mask tiles of one prepared mask, bounded in bytes, thread-safe."""
 
     def __init__(self, limit: int):
-        self.limit, self.size, self.tiles = limit, 0, {}
+        self.limit, self.size = limit, 0
+        self.tiles: dict[object, Any] = {}
         self.lock = threading.Lock()
 
     def get(self, key):
@@ -172,7 +175,7 @@ class PreparedMask:
             return None
         return self.band[1]
 
-    def partial_bits(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def partial_bits(self, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The element masks of the partial blocks, for kernels that read masks as data.
 
         Returns ``bits (T, bq, bk) int8`` (1 = may attend; at least one tile) and
@@ -190,7 +193,7 @@ class PreparedMask:
 
     @property
     def lead_shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape[:2])
+        return (self.codes.shape[0], self.codes.shape[1])
 
     @property
     def device(self) -> torch.device:
@@ -206,7 +209,7 @@ class PreparedMask:
         """4, like the dense mask it stands for (code that checks a mask's rank can hold one)."""
         return 4
 
-    def to(self, device) -> PreparedMask:
+    def to(self, device: Device) -> PreparedMask:
         """The same prepared mask with its tensors on ``device`` (a new value)."""
         return prepare(self.mask, self.q_len, self.kv_len, device=device, block_size=self.block_size)
 
@@ -214,9 +217,9 @@ class PreparedMask:
         """The same mask prepared for another block size (through the implicit cache: once)."""
         if tuple(block_size) == self.block_size:
             return self
-        return prepared_for(self.mask, self.q_len, self.kv_len, self.device, tuple(block_size))
+        return prepared_for(self.mask, self.q_len, self.kv_len, self.device, (block_size[0], block_size[1]))
 
-    def materialize(self, device=None) -> torch.Tensor:
+    def materialize(self, device: Device = None) -> torch.Tensor:
         """The dense bool mask ``(Bm, Hm, Lq, Lk)`` (True = may attend)."""
         if self.mask is None:
             return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device or self.device)
@@ -238,12 +241,21 @@ def from_handle(handle: torch.Tensor) -> PreparedMask:
     """The prepared mask a :attr:`PreparedMask.handle` names (for custom ops running compiled code)."""
     found = _LIVE.get(int(handle))
     if found is None:
-        raise AttnkitValueError("the PreparedMask this compiled call was traced with no longer exists: keep a "
-                                "reference to it while the compiled function runs.")
+        raise AttnkitValueError(
+            "the PreparedMask this compiled call was traced with no longer exists: keep a "
+            "reference to it while the compiled function runs."
+        )
     return found
 
 
-def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int, int] | None = None) -> PreparedMask:
+def prepare(
+    mask: _masks.Mask | torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
+    *,
+    device: Device = None,
+    block_size: tuple[int, int] | None = None,
+) -> PreparedMask:
     """Prepare ``mask`` for attention of ``q_len`` queries over ``kv_len`` keys.
 
     ``mask`` is an attnkit mask object, a bool tensor (True = may attend, broadcast
@@ -297,8 +309,20 @@ def prepare(mask, q_len: int, kv_len: int, *, device=None, block_size: tuple[int
     band = None if mask is None else mask.band(q_len, kv_len)
     limit_only = mask is not None and mask.limit_only()
     return PreparedMask(
-        mask, q_len, kv_len, (bq, bk), codes, kv_num, kv_indices, kv_full, limit, groups, kept,
-        _TileCache(TILE_CACHE_BYTES), band, limit_only,
+        mask,
+        q_len,
+        kv_len,
+        (bq, bk),
+        codes,
+        kv_num,
+        kv_indices,
+        kv_full,
+        limit,
+        groups,
+        kept,
+        _TileCache(TILE_CACHE_BYTES),
+        band,
+        limit_only,
     )
 
 
@@ -310,17 +334,20 @@ def _partial_bits(prepared: PreparedMask, device) -> tuple[torch.Tensor, torch.T
     bq, bk = prepared.block_size
     bm, hm, nq, nk = codes.shape
     ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
-    tiles = []
+    tiles: list[torch.Tensor] = []
     by_block: dict = {}
     for b, h, i, j in (codes == _masks.PARTIAL).nonzero().tolist():
         by_block.setdefault((i, j), []).append((b, h))
     last_q, last_k = max(prepared.q_len - 1, 0), max(prepared.kv_len - 1, 0)
+    mask = prepared.mask
     for (i, j), where in by_block.items():
+        assert mask is not None, "partial blocks come from a mask"
         q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
         kv_idx = torch.arange(j * bk, (j + 1) * bk)[None, :]
         inside = (q_idx < prepared.q_len) & (kv_idx < prepared.kv_len)
-        e = as4d(prepared.mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k),
-                                        prepared.q_len, prepared.kv_len)).cpu()
+        e = as4d(
+            mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k), prepared.q_len, prepared.kv_len)
+        ).cpu()
         e = e.expand(*e.shape[:2], bq, bk) & inside
         for b, h in where:
             ids[b, h, i, j] = len(tiles)
@@ -357,7 +384,9 @@ def _plan_groups(codes: np.ndarray, limit, q_len, kv_len, bq, bk) -> tuple[Group
         for heads in by_head.values():
             state = codes[rows[0], heads[0]]
             end = kv_len if lim is None else lim
-            groups.append(Group(batch, None if len(by_head) == 1 else tuple(heads), _plan_rows(state, end, q_len, bq, bk)))
+            groups.append(
+                Group(batch, None if len(by_head) == 1 else tuple(heads), _plan_rows(state, end, q_len, bq, bk))
+            )
     return tuple(groups)
 
 
@@ -424,8 +453,9 @@ _implicit_lock = threading.Lock()
 PREPARATIONS = {"count": 0}
 
 
-def prepared_for(mask: _masks.Mask | None, q_len: int, kv_len: int, device,
-                 block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> PreparedMask:
+def prepared_for(
+    mask: _masks.Mask | None, q_len: int, kv_len: int, device: Device, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
+) -> PreparedMask:
     """``prepare(mask, q_len, kv_len, device=device, block_size=block_size)`` through the
     bounded implicit cache: once per (mask, lengths, device, block size).
 

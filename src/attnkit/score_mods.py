@@ -28,6 +28,7 @@ torch.Size([1, 2, 6, 8])
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -40,20 +41,26 @@ class ScoreMod:
     """A score modification ``fn(score, b, h, q_idx, kv_idx) -> score`` and the tensors it closes
     over (``params``: they get gradients)."""
 
-    def __init__(self, fn, *params):
+    def __init__(self, fn: Callable[..., torch.Tensor] | ScoreMod, *params: torch.Tensor):
         if isinstance(fn, ScoreMod):
-            fn, params = fn.fn, fn.params + params
+            params = fn.params + params
+            fn = fn.fn
+        self.fn: Callable[..., torch.Tensor]
+        self.params: tuple[torch.Tensor, ...]
         if not callable(fn):
-            raise AttnkitTypeError(f"score_mod must be callable as fn(score, b, h, q_idx, kv_idx), but got {type(fn).__name__}.")
+            raise AttnkitTypeError(
+                f"score_mod must be callable as fn(score, b, h, q_idx, kv_idx), but got {type(fn).__name__}."
+            )
         for i, t in enumerate(params):
             if not isinstance(t, torch.Tensor):
-                raise AttnkitTypeError(f"ScoreMod params must be tensors (those fn closes over), but params[{i}] is "
-                                       f"{type(t).__name__}.")
+                raise AttnkitTypeError(
+                    f"ScoreMod params must be tensors (those fn closes over), but params[{i}] is {type(t).__name__}."
+                )
         self.fn, self.params = fn, tuple(params)
 
     @property
     def __name__(self) -> str:
-        return getattr(self.fn, "__name__", type(self.fn).__name__)
+        return str(getattr(self.fn, "__name__", type(self.fn).__name__))
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.__name__}, {len(self.params)} params)"
@@ -118,7 +125,7 @@ def _vmapped(fn):
     return torch.vmap(f, in_dims=(0, 0, None, None, None))  # batch rows
 
 
-def as_score_mod(value) -> ScoreMod | None:
+def as_score_mod(value: Callable[..., torch.Tensor] | ScoreMod | None) -> ScoreMod | None:
     """``score_mod=`` as a :class:`ScoreMod` (None stays None)."""
     if value is None or isinstance(value, ScoreMod):
         return value

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from attnkit import masks
+from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.functional import attention_with_weights
 from attnkit.nn import attention as _fast
@@ -66,7 +67,9 @@ def _as_bool_mask(mask):
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def scaled_dot_product_attention(Q, K, V, mask=None):
+def scaled_dot_product_attention(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | masks.Mask | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(Q K^T / sqrt(d_k)) V``; returns ``(output, attention_weights)``.
 
     ``Q: (..., Lq, d_k)``, ``K: (..., Lk, d_k)``, ``V: (..., Lk, d_v)`` (the tutorial
@@ -87,7 +90,7 @@ def scaled_dot_product_attention(Q, K, V, mask=None):
     return attention_with_weights(Q, K, V, _as_bool_mask(mask))
 
 
-def causal_mask_attention(Q, K, V):
+def causal_mask_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention in which each position sees itself and the positions before it.
 
     The same as ``scaled_dot_product_attention(Q, K, V, create_causal_mask(L))`` for
@@ -117,7 +120,7 @@ def create_padding_mask(seq: torch.Tensor, pad_idx: int = 0) -> torch.Tensor:
     return (seq != pad_idx)[:, None, None, :]  # (B, L) -> (B, 1, 1, L)
 
 
-def create_causal_mask(seq_len: int, *, device=None) -> torch.Tensor:
+def create_causal_mask(seq_len: int, *, device: Device = None) -> torch.Tensor:
     """``(L, L)`` bool mask, True = may attend: the lower triangle.
 
     Fix: the tutorial's version marks the *future* positions with True while its
@@ -159,27 +162,51 @@ class MultiHeadAttention(_fast.MultiHeadAttention):
 
     _other_layout: ClassVar[dict[str, str]] = {fast: tutorial for tutorial, fast in _fast.TUTORIAL_NAMES.items()}
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.1, *, bias: bool = True,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dropout: float = 0.1,
+        *,
+        bias: bool = True,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(d_model, num_heads, dropout, bias=bias, device=device, dtype=dtype)
         for tutorial, fast in _fast.TUTORIAL_NAMES.items():
             setattr(self, tutorial, self._modules.pop(fast))  # the same nn.Linear, the tutorial's name
         self.d_k = self.head_dim
-        self.dropout = nn.Dropout(self.dropout)
+        self.dropout = nn.Dropout(self.dropout)  # type: ignore[assignment]  # the tutorial's attribute
 
     # attnkit.MultiHeadAttention reads its projections by these names.
-    q_proj = property(lambda self: self.W_q)
-    k_proj = property(lambda self: self.W_k)
-    v_proj = property(lambda self: self.W_v)
-    out_proj = property(lambda self: self.W_o)
+    W_q: nn.Linear
+    W_k: nn.Linear
+    W_v: nn.Linear
+    W_o: nn.Linear
+
+    @property
+    def q_proj(self) -> nn.Linear:  # type: ignore[override]
+        return self.W_q
+
+    @property
+    def k_proj(self) -> nn.Linear:  # type: ignore[override]
+        return self.W_k
+
+    @property
+    def v_proj(self) -> nn.Linear:  # type: ignore[override]
+        return self.W_v
+
+    @property
+    def out_proj(self) -> nn.Linear:  # type: ignore[override]
+        return self.W_o
 
     def _dropout_p(self) -> float:
-        return self.dropout.p
+        return float(self.dropout.p)  # type: ignore[attr-defined]
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}"
 
-    def split_heads(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:  # type: ignore[override]
         """``(batch_size, seq, d_model) -> (batch_size, num_heads, seq, d_k)``.
 
         The tutorial's signature: the second argument is the **batch size** (the
@@ -200,13 +227,21 @@ class MultiHeadAttention(_fast.MultiHeadAttention):
             )
         return x.view(batch_size, -1, self.num_heads, self.d_k).permute(0, 2, 1, 3)
 
-    def forward(self, query, key, value, mask=None):
+    def forward(  # type: ignore[override]  # the tutorial's signature: key and value are required
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | masks.Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, attention_weights)``: ``(B, Lq, d_model)`` and ``(B, num_heads, Lq, Lk)``.
 
         ``mask`` hides where it is 0 (see :func:`scaled_dot_product_attention`) and
         broadcasts to ``(B, num_heads, Lq, Lk)``; ``attnkit.masks`` objects work too.
         """
-        return super().forward(query, key, value, _as_bool_mask(mask), need_weights=True)
+        out, weights = super().forward(query, key, value, _as_bool_mask(mask), need_weights=True)
+        assert weights is not None
+        return out, weights
 
     @classmethod
     def from_attnkit(cls, module: _fast.MultiHeadAttention) -> MultiHeadAttention:
@@ -221,15 +256,27 @@ class MultiHeadAttention(_fast.MultiHeadAttention):
                 f"kdim == vdim == d_model, but the module has {module.extra_repr()}."
             )
         weight = module.q_proj.weight
-        new = cls(module.d_model, module.num_heads, module._dropout_p(), bias=module.q_proj.bias is not None,
-                  device=weight.device, dtype=weight.dtype)
+        new = cls(
+            module.d_model,
+            module.num_heads,
+            module._dropout_p(),
+            bias=module.q_proj.bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
         new.load_state_dict(module.state_dict())
         return new.train(module.training)
 
     def to_attnkit(self) -> _fast.MultiHeadAttention:
         """An ``attnkit.MultiHeadAttention`` with a copy of these weights (same outputs)."""
         weight = self.W_q.weight
-        new = _fast.MultiHeadAttention(self.d_model, self.num_heads, self.dropout.p,
-                                       bias=self.W_q.bias is not None, device=weight.device, dtype=weight.dtype)
+        new = _fast.MultiHeadAttention(
+            self.d_model,
+            self.num_heads,
+            self._dropout_p(),
+            bias=self.W_q.bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
         new.load_state_dict(self.state_dict())
         return new.train(self.training)

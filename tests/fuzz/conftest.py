@@ -9,8 +9,14 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("fuzz", max_examples=300, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "ci",
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "fuzz", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 settings.load_profile(os.environ.get("ATTNKIT_FUZZ_PROFILE", "ci"))

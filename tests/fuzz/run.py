@@ -32,10 +32,21 @@ def main() -> int:
     rounds = 0
     while time.monotonic() < end:
         seed = int.from_bytes(os.urandom(4), "little")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE),
-                   f"--hypothesis-seed={seed}", "--hypothesis-show-statistics"]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(HERE),
+            f"--hypothesis-seed={seed}",
+            "--hypothesis-show-statistics",
+        ]
         try:
-            run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=max(5.0, end - time.monotonic()))
+            run = subprocess.run(
+                command, capture_output=True, text=True, env=env, timeout=max(5.0, end - time.monotonic())
+            )
         except subprocess.TimeoutExpired:
             print(f"round {rounds + 1} (seed {seed}): stopped at the time limit", flush=True)
             break

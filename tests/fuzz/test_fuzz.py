@@ -18,12 +18,15 @@ import attnkit
 from attnkit import bias, masks
 from attnkit._validate import AttnkitError
 
+
 def _oracle():
     """tests/conftest.py (the float64 oracle of TESTING.md), loaded by path: 'conftest' here is this folder's."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("attnkit_test_oracle", Path(__file__).resolve().parents[1] / "conftest.py")
+    spec = importlib.util.spec_from_file_location(
+        "attnkit_test_oracle", Path(__file__).resolve().parents[1] / "conftest.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -76,7 +79,9 @@ def mask_objects(draw, b, lq, lk):
         return masks.dense(t), "dense"
     lengths = torch.randint(0, lk + 1, (b,), generator=g)
     other = masks.sliding_window(draw(st.integers(0, 30)), 0, align)
-    combined = masks.padding(lengths) & masks.causal(align) | other if draw(st.booleans()) else masks.padding(lengths) & other
+    combined = (
+        masks.padding(lengths) & masks.causal(align) | other if draw(st.booleans()) else masks.padding(lengths) & other
+    )
     return combined, f"combo {combined!r}"
 
 
@@ -93,8 +98,13 @@ def _dense(mask, lq, lk):
     return None if mask is None else attnkit.prepare(mask, lq, lk).materialize()
 
 
-@given(shapes(), st.data(), st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
-       st.sampled_from(KERNELS), st.integers(0, 2**31 - 1))
+@given(
+    shapes(),
+    st.data(),
+    st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    st.sampled_from(KERNELS),
+    st.integers(0, 2**31 - 1),
+)
 def test_every_kernel_and_mask_against_the_formula(sizes, data, dtype, kernel, seed):
     b, hq, hkv, lq, lk, d, dv = sizes
     mask, what = data.draw(mask_objects(b, lq, lk))
@@ -108,12 +118,15 @@ def test_every_kernel_and_mask_against_the_formula(sizes, data, dtype, kernel, s
     # float32 at some shapes; so the bound is 2x the larger of the naive formula's and
     # SDPA's own errors on the same dense problem (TESTING.md's rule when SDPA is the better one).
     torch_out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=dense, enable_gqa=hq != hkv).nan_to_num(0.0)
+        q, k, v, attn_mask=dense, enable_gqa=hq != hkv
+    ).nan_to_num(0.0)
     reference = naive if (naive.double() - gold).abs().max() >= (torch_out.double() - gold).abs().max() else torch_out
     assert_oracle(out, gold, reference, factor=2.0, what=f"{kernel} {what}")
 
 
-@given(shapes(max_len=70), st.data(), st.sampled_from(["tiled", "reference", "sdpa", "auto"]), st.integers(0, 2**31 - 1))
+@given(
+    shapes(max_len=70), st.data(), st.sampled_from(["tiled", "reference", "sdpa", "auto"]), st.integers(0, 2**31 - 1)
+)
 def test_gradients_against_the_formula(sizes, data, kernel, seed):
     b, hq, hkv, lq, lk, d, dv = sizes
     mask, what = data.draw(mask_objects(b, lq, lk))
@@ -134,11 +147,16 @@ def test_score_modifications_against_the_reference(sizes, data, kernel, seed):
     g = torch.Generator().manual_seed(seed)
     mods = {}
     if data.draw(st.booleans()):
-        mods["attn_bias"] = data.draw(st.sampled_from([
-            bias.alibi(bias.alibi_slopes(hq).double()),
-            bias.relative(torch.randn(32, hq, generator=g, dtype=torch.float64)),
-            bias.alibi(bias.alibi_slopes(hq).double(), causal=True) + bias.dense(torch.randn(lq, lk, generator=g, dtype=torch.float64)),
-        ]))
+        mods["attn_bias"] = data.draw(
+            st.sampled_from(
+                [
+                    bias.alibi(bias.alibi_slopes(hq).double()),
+                    bias.relative(torch.randn(32, hq, generator=g, dtype=torch.float64)),
+                    bias.alibi(bias.alibi_slopes(hq).double(), causal=True)
+                    + bias.dense(torch.randn(lq, lk, generator=g, dtype=torch.float64)),
+                ]
+            )
+        )
     if data.draw(st.booleans()):
         mods["softcap"] = data.draw(st.floats(0.5, 50.0))
     if data.draw(st.booleans()):
@@ -151,8 +169,13 @@ def test_score_modifications_against_the_reference(sizes, data, kernel, seed):
     assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
 
 
-@given(shapes(max_len=90), st.data(), st.sampled_from(KERNELS), st.integers(0, 2**31 - 1),
-       st.sampled_from([float("nan"), float("inf"), 1e30]))
+@given(
+    shapes(max_len=90),
+    st.data(),
+    st.sampled_from(KERNELS),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([float("nan"), float("inf"), 1e30]),
+)
 def test_edge_values(sizes, data, kernel, seed, junk):
     """Huge logits, junk in K/V rows no query sees and in queries that see nothing."""
     b, hq, hkv, lq, lk, d, dv = sizes
@@ -170,13 +193,32 @@ def test_edge_values(sizes, data, kernel, seed, junk):
     assert (out[hidden_rows.expand(b, hq, lq)] == 0).all()
 
 
-BAD_VALUES = [None, "x", 3, -1, 0, 1.5, float("nan"), [], [1, 2], (1,), object(), torch.tensor([1, 2]),
-              torch.zeros(3, 3), torch.zeros(2, 0), torch.zeros(2, 3, dtype=torch.long), torch.tensor(float("nan")),
-              torch.ones(5, 9, dtype=torch.bool), True]
+BAD_VALUES = [
+    None,
+    "x",
+    3,
+    -1,
+    0,
+    1.5,
+    float("nan"),
+    [],
+    [1, 2],
+    (1,),
+    object(),
+    torch.tensor([1, 2]),
+    torch.zeros(3, 3),
+    torch.zeros(2, 0),
+    torch.zeros(2, 3, dtype=torch.long),
+    torch.tensor(float("nan")),
+    torch.ones(5, 9, dtype=torch.bool),
+    True,
+]
 
 
-@given(st.sampled_from(["mask", "scale", "dropout_p", "kernel", "attn_bias", "softcap", "sinks", "q", "k", "v"]),
-       st.sampled_from(BAD_VALUES))
+@given(
+    st.sampled_from(["mask", "scale", "dropout_p", "kernel", "attn_bias", "softcap", "sinks", "q", "k", "v"]),
+    st.sampled_from(BAD_VALUES),
+)
 def test_bad_inputs_raise_clear_errors(argument, value):
     q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     args = {"q": q, "k": k, "v": v}
@@ -195,8 +237,10 @@ def test_bad_inputs_raise_clear_errors(argument, value):
     assert torch.isfinite(out).all() or (isinstance(value, torch.Tensor) and value.is_floating_point())
 
 
-@given(st.sampled_from(["causal", "sliding_window", "prefix_lm", "document", "padding", "dense", "from_fn"]),
-       st.sampled_from(BAD_VALUES))
+@given(
+    st.sampled_from(["causal", "sliding_window", "prefix_lm", "document", "padding", "dense", "from_fn"]),
+    st.sampled_from(BAD_VALUES),
+)
 def test_bad_mask_arguments_raise_clear_errors(kind, value):
     build = {
         "causal": lambda x: masks.causal(x),

@@ -259,8 +259,12 @@ def _dense_bias(bias, b, hq, lq, lk):
 # --- context 1: a plain call on every kernel ---------------------------------------------------------
 
 
-@given(sizes(), st.data(), st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
-       st.sampled_from(["auto", "tiled", "reference", "sdpa"]))
+@given(
+    sizes(),
+    st.data(),
+    st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    st.sampled_from(["auto", "tiled", "reference", "sdpa"]),
+)
 def test_plain_call(size, data, dtype, kernel):
     b, hq, hkv, lq, lk, d, dv = size
     mask, m_what = data.draw(a_mask(b, hq, lq, lk))
@@ -270,28 +274,53 @@ def test_plain_call(size, data, dtype, kernel):
     sinks = _sinks(data.draw, hq, pd)
     mod_name = data.draw(st.sampled_from(list(SCORE_MODS)))
     q, k, v, l_what = _draw_inputs(data.draw, size, dtype, scale=data.draw(st.sampled_from([1.0, 4.0])))
-    note(f"{size} {dtype} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} score_mod={mod_name} "
-         f"| {l_what}")
-    mods = {"attn_bias": attn_bias, "softcap": softcap, "sinks": None if sinks is None else sinks.detach(),
-            "score_mod": SCORE_MODS[mod_name]}
+    note(
+        f"{size} {dtype} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} score_mod={mod_name} "
+        f"| {l_what}"
+    )
+    mods = {
+        "attn_bias": attn_bias,
+        "softcap": softcap,
+        "sinks": None if sinks is None else sinks.detach(),
+        "score_mod": SCORE_MODS[mod_name],
+    }
     try:
         out = attnkit.attention(q, k, v, mask, kernel=kernel, **mods)
     except ValueError as err:  # a forced kernel may refuse (SDPA has no sinks): that must be all
         assert kernel != "auto" and "cannot run this call" in str(err), err
         return
     allowed, dense_bias = _allowed(mask, lq, lk), _dense_bias(attn_bias, b, hq, lq, lk)
-    gold, w_gold, lse_gold = formula(q.double(), k.double(), v.double(), allowed, dense_bias, softcap,
-                                     None if sinks is None else sinks.detach().double(), score_mod=SCORE_MODS[mod_name])
-    naive, _, _ = formula(q, k, v, allowed, None if dense_bias is None else dense_bias.to(dtype), softcap,
-                          None if sinks is None else sinks.detach().to(dtype), score_mod=SCORE_MODS[mod_name])
+    gold, w_gold, lse_gold = formula(
+        q.double(),
+        k.double(),
+        v.double(),
+        allowed,
+        dense_bias,
+        softcap,
+        None if sinks is None else sinks.detach().double(),
+        score_mod=SCORE_MODS[mod_name],
+    )
+    naive, _, _ = formula(
+        q,
+        k,
+        v,
+        allowed,
+        None if dense_bias is None else dense_bias.to(dtype),
+        softcap,
+        None if sinks is None else sinks.detach().to(dtype),
+        score_mod=SCORE_MODS[mod_name],
+    )
     check(out, gold, naive, "out")
     if kernel in ("tiled", "reference", "auto"):
         _, lse = attnkit.attention(q, k, v, mask, kernel=kernel, return_lse=True, **mods)
         finite = torch.isfinite(lse_gold)
         assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
         tol = 1e-9 if dtype == torch.float64 else 2e-2 if dtype == torch.bfloat16 else 1e-4
-        assert (lse.double() - lse_gold)[finite].abs().max().item() <= tol * max(1.0, lse_gold[finite].abs().max()
-                                                                                  .item()) if finite.any() else True
+        assert (
+            (lse.double() - lse_gold)[finite].abs().max().item() <= tol * max(1.0, lse_gold[finite].abs().max().item())
+            if finite.any()
+            else True
+        )
 
 
 @given(sizes(max_len=48), st.data(), st.sampled_from(["auto", "tiled", "reference"]))
@@ -308,8 +337,9 @@ def test_plain_call_gradients(size, data, kernel):
     note(f"{size} {kernel} | {m_what} | {b_what} | softcap={softcap} sinks={sinks} score_mod={mod_name} | {l_what}")
     up = torch.randn(b, hq, lq, dv, dtype=torch.float64)
     wanted = [q, k, v, *params] + ([sinks] if sinks is not None else [])
-    out = attnkit.attention(q, k, v, mask, kernel=kernel, attn_bias=attn_bias, softcap=softcap, sinks=sinks,
-                            score_mod=SCORE_MODS[mod_name])
+    out = attnkit.attention(
+        q, k, v, mask, kernel=kernel, attn_bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=SCORE_MODS[mod_name]
+    )
     ours = torch.autograd.grad(out, wanted, up, allow_unused=True)
     allowed = _allowed(mask, lq, lk)
     dense = None if attn_bias is None else attn_bias.dense(b, hq, lq, lk, "cpu").double()
@@ -349,8 +379,9 @@ def test_module_decoding_from_a_mixed_fill_cache(data, steps, dtype):
     d_model = 8 * hq
     softcap = data.draw(st.one_of(st.none(), st.floats(1.0, 30.0)))
     rotary = RotaryEmbedding(8) if data.draw(st.booleans()) else None
-    mha = attnkit.MultiHeadAttention(d_model, hq, num_kv_heads=hkv, softcap=softcap, sinks=data.draw(st.booleans()),
-                                     rotary=rotary, dtype=dtype).eval()
+    mha = attnkit.MultiHeadAttention(
+        d_model, hq, num_kv_heads=hkv, softcap=softcap, sinks=data.draw(st.booleans()), rotary=rotary, dtype=dtype
+    ).eval()
     if mha.sinks is not None:
         with torch.no_grad():
             mha.sinks.copy_(torch.randn(hq))
@@ -375,8 +406,9 @@ def test_module_decoding_from_a_mixed_fill_cache(data, steps, dtype):
             st_, w_cap = cap.stats[0], cap.weights[0]
             for s, n in enumerate(fills):
                 want, w, lse = _module_oracle(mha, x[s], mask, attn_bias, n + step + 1)
-                assert (out[s, 0].double() - want.double()).abs().max() <= tol * max(1.0, want.abs().max().item()), \
+                assert (out[s, 0].double() - want.double()).abs().max() <= tol * max(1.0, want.abs().max().item()), (
                     f"step {step} sequence {s}: output"
+                )
                 row = w[:, -1]  # (H, n + step + 1): the new token's weights over its own prefix
                 got = w_cap[s, :, 0, : n + step + 1].double()
                 assert (got - row).abs().max() <= tol * 10, f"step {step} sequence {s}: captured weights"
@@ -398,9 +430,14 @@ def test_capture_weights_and_stats(data, dtype):
     from attnkit.nn import RotaryEmbedding
 
     b, hq, length = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([2, 4])), data.draw(st.integers(1, 70))
-    mha = attnkit.MultiHeadAttention(8 * hq, hq, softcap=data.draw(st.one_of(st.none(), st.floats(1.0, 30.0))),
-                                     sinks=data.draw(st.booleans()),
-                                     rotary=RotaryEmbedding(8) if data.draw(st.booleans()) else None, dtype=dtype).eval()
+    mha = attnkit.MultiHeadAttention(
+        8 * hq,
+        hq,
+        softcap=data.draw(st.one_of(st.none(), st.floats(1.0, 30.0))),
+        sinks=data.draw(st.booleans()),
+        rotary=RotaryEmbedding(8) if data.draw(st.booleans()) else None,
+        dtype=dtype,
+    ).eval()
     if mha.sinks is not None:
         with torch.no_grad():
             mha.sinks.copy_(3 * torch.randn(hq))
@@ -419,8 +456,9 @@ def test_capture_weights_and_stats(data, dtype):
             q, k = mha.rotary(q, torch.arange(length)), mha.rotary(k, torch.arange(length))
     allowed = _allowed(mask, length, length)
     sinks = None if mha.sinks is None else mha.sinks.detach().double()
-    _, w, lse = formula(q.double(), k.double(), v.double(), allowed, _dense_bias(attn_bias, b, hq, length, length),
-                        mha.softcap, sinks)
+    _, w, lse = formula(
+        q.double(), k.double(), v.double(), allowed, _dense_bias(attn_bias, b, hq, length, length), mha.softcap, sinks
+    )
     tol = 1e-9 if dtype == torch.float64 else 1e-5
     assert (full.weights[0].double() - w).abs().max() <= tol
     assert (stats.weights[0].double() - w[:, :, [0, length - 1]]).abs().max() <= tol
@@ -432,8 +470,11 @@ def test_capture_weights_and_stats(data, dtype):
     assert (st_.entropy.double() - entropy).abs().max() <= 100 * tol
     assert (st_.received.double() - w.sum(-2)).abs().max() <= 100 * tol * length
     assert (st_.max_weight.double() - w.amax(-1)).abs().max() <= 10 * tol
-    positions = None if mask is None else (mask.mask if isinstance(mask, attnkit.PreparedMask) else mask).positions(
-        length, length)
+    positions = (
+        None
+        if mask is None
+        else (mask.mask if isinstance(mask, attnkit.PreparedMask) else mask).positions(length, length)
+    )
     qp, kp = positions if positions is not None else (torch.arange(length)[None], torch.arange(length)[None])
     distance = (w * (qp[:, None, :, None] - kp[:, None, None, :]).abs().double()).sum(-1)
     assert (st_.mean_distance.double() - distance).abs().max() <= 100 * tol * length
@@ -492,8 +533,15 @@ def ring_worker(rank, world, descs):
     for desc in descs:
         q, k, v, up, mask, attn_bias, params = ring_case(desc)
         parts = [D.shard(t, 2, desc["layout"])[0].clone().requires_grad_() for t in (q, k, v)]
-        out = D.ring_attention(*parts, mask, layout=desc["layout"], attn_bias=attn_bias, softcap=desc["softcap"],
-                               sinks=params.get("sinks"), timeout=60)
+        out = D.ring_attention(
+            *parts,
+            mask,
+            layout=desc["layout"],
+            attn_bias=attn_bias,
+            softcap=desc["softcap"],
+            sinks=params.get("sinks"),
+            timeout=60,
+        )
         (out * D.shard(up, 2, desc["layout"])[0]).sum().backward()
         whole = [D.unshard(t, 2, desc["layout"]) for t in (out.detach(), *(p.grad for p in parts))]
         results.append((whole, {n: p.grad for n, p in params.items()}))
@@ -504,10 +552,16 @@ def ring_worker(rank, world, descs):
 def ring_cases(draw):
     hkv = draw(st.integers(1, 2))
     return {
-        "seed": draw(st.integers(0, 2**31 - 1)), "b": draw(st.integers(1, 2)), "hkv": hkv,
-        "hq": hkv * draw(st.integers(1, 2)), "length": draw(st.integers(3, 40)), "dv": draw(st.sampled_from([8, 6])),
-        "mask": draw(st.sampled_from(RING_MASKS)), "bias": draw(st.sampled_from(RING_BIASES)),
-        "softcap": draw(st.one_of(st.none(), st.floats(1.0, 20.0))), "sinks": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "b": draw(st.integers(1, 2)),
+        "hkv": hkv,
+        "hq": hkv * draw(st.integers(1, 2)),
+        "length": draw(st.integers(3, 40)),
+        "dv": draw(st.sampled_from([8, 6])),
+        "mask": draw(st.sampled_from(RING_MASKS)),
+        "bias": draw(st.sampled_from(RING_BIASES)),
+        "softcap": draw(st.one_of(st.none(), st.floats(1.0, 20.0))),
+        "sinks": draw(st.booleans()),
         "layout": draw(st.sampled_from(["zigzag", "contiguous"])),
     }
 
@@ -544,15 +598,26 @@ def test_ring_attention_on_several_processes(descs, world):
 
 def _tiny(family):
     transformers = pytest.importorskip("transformers")
-    small = dict(vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    small = dict(
+        vocab_size=61,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config = {
         "llama": lambda: transformers.LlamaConfig(**small),
         "mistral": lambda: transformers.MistralConfig(sliding_window=5, **small),
-        "gemma2": lambda: transformers.Gemma2Config(head_dim=8, sliding_window=5, attn_logit_softcapping=5.0,
-                                                    query_pre_attn_scalar=8, **small),
-        "gpt_oss": lambda: transformers.GptOssConfig(head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-                                                     sliding_window=5, **small),
+        "gemma2": lambda: transformers.Gemma2Config(
+            head_dim=8, sliding_window=5, attn_logit_softcapping=5.0, query_pre_attn_scalar=8, **small
+        ),
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=5, **small
+        ),
     }[family]()
     return config
 
@@ -564,8 +629,9 @@ def _pair(family):
     if family not in _MODELS:
         import copy
 
-        import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
         from transformers import AutoModelForCausalLM
+
+        import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
 
         config = _tiny(family)
         torch.manual_seed(0)
@@ -583,8 +649,13 @@ def _pair(family):
 
 
 @settings(max_examples=60 if FUZZ else 8)
-@given(st.sampled_from(["llama", "mistral", "gemma2", "gpt_oss"]), st.integers(1, 3), st.integers(2, 17),
-       st.sampled_from(["left", "right", "none"]), st.integers(0, 2**31 - 1))
+@given(
+    st.sampled_from(["llama", "mistral", "gemma2", "gpt_oss"]),
+    st.integers(1, 3),
+    st.integers(2, 17),
+    st.sampled_from(["left", "right", "none"]),
+    st.integers(0, 2**31 - 1),
+)
 def test_transformers_models_equal_eager(family, batch, length, side, seed):
     eager, ours = _pair(family)
     g = torch.Generator().manual_seed(seed)

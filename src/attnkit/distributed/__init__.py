@@ -11,14 +11,21 @@ See :func:`ring_attention` and ``examples/ring.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attnkit._types import BiasLike, Device, MaskLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int, short
 from attnkit.distributed import layout as _layout
 from attnkit.distributed.layout import pieces, positions
 from attnkit.distributed.ring import DEFAULT_TIMEOUT, RingError, _Group, ring_attention
 from attnkit.nn.attention import MultiHeadAttention
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from attnkit.masks import Mask
 
 __all__ = [
     "RingError",
@@ -37,11 +44,15 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise AttnkitTypeError(f"expected a torch.Tensor, but got {type(x).__name__}.")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise AttnkitValueError(f"dim must be an int in [{-x.dim()}, {x.dim() - 1}] for shape {tuple(x.shape)}, but got {short(dim)}.")
+        raise AttnkitValueError(
+            f"dim must be an int in [{-x.dim()}, {x.dim() - 1}] for shape {tuple(x.shape)}, but got {short(dim)}."
+        )
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, dim: int, layout: str = "zigzag", group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def shard(
+    x: torch.Tensor, dim: int, layout: str = "zigzag", group: ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's part of the whole tensor ``x`` along ``dim``, and its global positions.
 
     Returns ``(local, positions)`` with ``positions: (L_local,)`` int64 on ``x``'s device
@@ -58,8 +69,13 @@ def shard(x: torch.Tensor, dim: int, layout: str = "zigzag", group=None) -> tupl
     return local, torch.cat([torch.arange(a, b, device=x.device) for a, b in parts])
 
 
-def unshard(local: torch.Tensor, dim: int, layout: str = "zigzag", group=None,
-            timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+def unshard(
+    local: torch.Tensor,
+    dim: int,
+    layout: str = "zigzag",
+    group: ProcessGroup | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
     """The whole tensor on every rank, from each rank's part (the inverse of :func:`shard`).
 
     A collective: every rank of ``group`` must call it. Not differentiable (for
@@ -119,8 +135,9 @@ class RingReport:
         low = min(self.work)
         return float("inf") if low == 0 else max(self.work) / low
 
-    def bytes_sent(self, rank: int, batch: int, kv_heads: int, head_dim: int, value_dim: int | None = None,
-                   element_size: int = 4) -> int:
+    def bytes_sent(
+        self, rank: int, batch: int, kv_heads: int, head_dim: int, value_dim: int | None = None, element_size: int = 4
+    ) -> int:
         """Bytes rank ``rank`` sends in the forward pass for these sizes."""
         value_dim = head_dim if value_dim is None else value_dim
         return self.sent[rank] * batch * kv_heads * (head_dim + value_dim) * element_size
@@ -133,13 +150,22 @@ class RingReport:
         ]
         for r in range(self.world_size):
             share = self.work[r] / self.dense_work if self.dense_work else 0.0
-            lines.append(f"{r:>4} {self.work[r]:>14,} {share:>9.1%} {self.rectangles[r]:>6} "
-                         f"{self.received[r]:>9,} {self.sent[r]:>9,}")
+            lines.append(
+                f"{r:>4} {self.work[r]:>14,} {share:>9.1%} {self.rectangles[r]:>6} "
+                f"{self.received[r]:>9,} {self.sent[r]:>9,}"
+            )
         return "\n".join(lines)
 
 
-def explain(mask, q_len: int, kv_len: int | None = None, *, world_size: int | None = None, layout: str = "zigzag",
-            group=None) -> RingReport:
+def explain(
+    mask: Mask | torch.Tensor | None,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    world_size: int | None = None,
+    layout: str = "zigzag",
+    group: ProcessGroup | None = None,
+) -> RingReport:
     """What :func:`ring_attention` would do on each rank: work, calls, keys sent and received.
 
     Needs no process group: pass ``world_size`` (default: the group's size).
@@ -193,7 +219,14 @@ class RingMultiHeadAttention(MultiHeadAttention):
     >>> out, _ = mha(torch.randn(2, 10, 32), mask=masks.causal())
     """
 
-    def __init__(self, *args, group=None, layout: str = "zigzag", timeout: float = DEFAULT_TIMEOUT, **kwargs):
+    def __init__(
+        self,
+        *args: Any,
+        group: ProcessGroup | None = None,
+        layout: str = "zigzag",
+        timeout: float = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self.group = group
         self.layout = _layout.check_layout(layout)
@@ -206,7 +239,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         """Whether this layer runs over several ranks (each holding a part of the sequence)."""
         return _Group(self.group, self.timeout).size > 1
 
-    def local_positions(self, local_length: int, device=None) -> torch.Tensor:
+    def local_positions(self, local_length: int, device: Device = None) -> torch.Tensor:
         """The global positions ``(L_local,)`` of this rank's part of a sequence split under
         ``layout`` (what :func:`shard` returns; the rotary embedding's positions).
 
@@ -224,8 +257,18 @@ class RingMultiHeadAttention(MultiHeadAttention):
             )
         return local.to(device)
 
-    def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *, attn_bias=None,
-                positions=None, **unsupported):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        mask: MaskLike = None,
+        need_weights: bool = False,
+        *,
+        attn_bias: BiasLike = None,
+        positions: torch.Tensor | None = None,
+        **unsupported: Any,
+    ) -> tuple[torch.Tensor, None]:
         if need_weights or unsupported:
             what = "need_weights=True" if need_weights else ", ".join(f"{k}=" for k in unsupported)
             raise AttnkitValueError(
@@ -235,7 +278,9 @@ class RingMultiHeadAttention(MultiHeadAttention):
         if self.training and self._dropout_p() > 0:
             raise AttnkitValueError("RingMultiHeadAttention has no attention dropout: build it with dropout=0.0.")
         if isinstance(query, torch.Tensor) and query.dim() != 3:
-            raise AttnkitValueError(f"query must have shape (B, L_local, {self.d_model}), but got {tuple(query.shape)}.")
+            raise AttnkitValueError(
+                f"query must have shape (B, L_local, {self.d_model}), but got {tuple(query.shape)}."
+            )
         q, k, v = self.project(query, key, value)
         if self.rotary is not None:
             if key is not None and key is not query:
@@ -245,7 +290,17 @@ class RingMultiHeadAttention(MultiHeadAttention):
             q, k = self._rotate(q, positions), self._rotate(k, positions)
         mods = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=0.0)
         self._run_attention_hooks(q, k, v, mask, mods)
-        out = ring_attention(q, k, v, mask, group=self.group, layout=self.layout, attn_bias=attn_bias,
-                             softcap=self.softcap, sinks=self.sinks, timeout=self.timeout)
+        out = ring_attention(
+            q,
+            k,
+            v,
+            mask,
+            group=self.group,
+            layout=self.layout,
+            attn_bias=attn_bias,
+            softcap=self.softcap,
+            sinks=self.sinks,
+            timeout=self.timeout,
+        )
+        assert isinstance(out, torch.Tensor)
         return self.out_proj(self.merge_heads(out)), None
-

@@ -10,6 +10,7 @@ amount of work. A rank's part of the sequence is a list of *pieces*: global
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +18,16 @@ import torch
 from attnkit import masks as _masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 
+#: One contiguous piece of a split sequence: its ``(start, end)`` global indices.
+Span = tuple[int, int]
+
 LAYOUTS = ("contiguous", "zigzag")
 
 #: Block size used to decide whether a (query piece, key piece) pair has any allowed pair.
 PLAN_BLOCK = 256
 
 
-def check_layout(layout) -> str:
+def check_layout(layout: object) -> str:
     if layout not in LAYOUTS:
         raise AttnkitValueError(f"layout must be 'contiguous' or 'zigzag', but got {short(layout)}.")
     return layout
@@ -60,7 +64,7 @@ def positions(length: int, world_size: int, rank: int, layout: str) -> torch.Ten
     return torch.cat([torch.arange(a, b) for a, b in pieces(length, world_size, layout)[rank]])
 
 
-def as_ring_mask(mask):
+def as_ring_mask(mask: object) -> _masks.Mask | None:
     """The mask as a mask object (bool tensors wrapped); refuse what cannot be split."""
     from attnkit.prepare import PreparedMask
 
@@ -83,7 +87,7 @@ def as_ring_mask(mask):
     )
 
 
-def part_of(mask, q_len: int, kv_len: int, q_piece, kv_piece):
+def part_of(mask: _masks.Mask | None, q_len: int, kv_len: int, q_piece: Span, kv_piece: Span) -> _masks.Mask | None:
     """The mask restricted to one (query piece, key piece) rectangle (None stays None)."""
     if mask is None:
         return None
@@ -91,7 +95,9 @@ def part_of(mask, q_len: int, kv_len: int, q_piece, kv_piece):
     return mask.part(q_len, kv_len, q=slice(a, b), kv=slice(c, d))
 
 
-def kept_span(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> tuple[int, int] | None:
+def kept_span(
+    mask: _masks.Mask | None, q_len: int, kv_len: int, q_piece: Span, kv_piece: Span
+) -> tuple[int, int] | None:
     """The global key range ``(lo, hi)`` within ``kv_piece`` that queries of ``q_piece`` may
     attend (to ``PLAN_BLOCK`` keys, never missing one), or None if there is none."""
     (a, b), (c, d) = q_piece, kv_piece
@@ -100,6 +106,7 @@ def kept_span(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> tuple[int, in
     if mask is None:
         return (c, d)
     part = part_of(mask, q_len, kv_len, q_piece, kv_piece)
+    assert part is not None  # a part of a mask is a mask
     codes = part.block_map(b - a, d - c, PLAN_BLOCK, PLAN_BLOCK, device="cpu")
     kept = (codes != _masks.EMPTY).reshape(-1, codes.shape[-1]).any(0).nonzero()
     if kept.numel() == 0:
@@ -107,7 +114,9 @@ def kept_span(mask, q_len: int, kv_len: int, q_piece, kv_piece) -> tuple[int, in
     return c + int(kept[0]) * PLAN_BLOCK, min(d, c + (int(kept[-1]) + 1) * PLAN_BLOCK)
 
 
-def kept_area(mask, q_len: int, kv_len: int, q_piece, kv_piece, block: int = 128) -> int:
+def kept_area(
+    mask: _masks.Mask | None, q_len: int, kv_len: int, q_piece: Span, kv_piece: Span, block: int = 128
+) -> int:
     """Query-key pairs in the kept ``block x block`` tiles of a rectangle (the kernel's work)."""
     (a, b), (c, d) = q_piece, kv_piece
     if b == a or d == c:
@@ -115,6 +124,7 @@ def kept_area(mask, q_len: int, kv_len: int, q_piece, kv_piece, block: int = 128
     if mask is None:
         return (b - a) * (d - c)
     part = part_of(mask, q_len, kv_len, q_piece, kv_piece)
+    assert part is not None  # a part of a mask is a mask
     codes = part.block_map(b - a, d - c, block, block, device="cpu")
     kept = (codes != _masks.EMPTY).any(0).any(0)  # (nq, nk): kept for some sequence or head
     rows = torch.tensor([min(block, b - a - i) for i in range(0, b - a, block)])
@@ -162,7 +172,9 @@ class Schedule:
         return sum(hi - lo for t in range(self.world_size) if t != rank for _, lo, hi in self.needs[t][rank])
 
 
-def schedule(mask, q_len: int, kv_len: int, world_size: int, layout: str, ranks=None) -> Schedule:
+def schedule(
+    mask: _masks.Mask | None, q_len: int, kv_len: int, world_size: int, layout: str, ranks: Iterable[int] | None = None
+) -> Schedule:
     """The ring's plan. ``ranks``: plan only the rectangles these ranks compute or whose
     keys they hold (what one rank needs to know); default all."""
     q_pieces = pieces(q_len, world_size, layout)
@@ -171,7 +183,8 @@ def schedule(mask, q_len: int, kv_len: int, world_size: int, layout: str, ranks=
     for r in range(world_size):
         pair_row, need_row = [], []
         for c in range(world_size):
-            found, spans = [], {}
+            found: list = []
+            spans: dict = {}
             if ranks is None or r in ranks or c in ranks:
                 for i, qp in enumerate(q_pieces[r]):
                     for j, kp in enumerate(kv_pieces[c]):
@@ -184,5 +197,6 @@ def schedule(mask, q_len: int, kv_len: int, world_size: int, layout: str, ranks=
             need_row.append(tuple((j, lo, hi) for j, (lo, hi) in sorted(spans.items())))
         pairs.append(tuple(pair_row))
         needs.append(tuple(need_row))
-    return Schedule(world_size, q_len, kv_len, tuple(map(tuple, q_pieces)), tuple(map(tuple, kv_pieces)),
-                    tuple(pairs), tuple(needs))
+    return Schedule(
+        world_size, q_len, kv_len, tuple(map(tuple, q_pieces)), tuple(map(tuple, kv_pieces)), tuple(pairs), tuple(needs)
+    )

@@ -12,6 +12,8 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,10 @@ def _worker(rank, world_size, port, threads, timeout, fn, args, results):
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)
@@ -55,8 +60,15 @@ def _worker(rank, world_size, port, threads, timeout, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_local(fn, world_size: int, args: tuple = (), *, threads: int = 1, timeout: float = 120.0,
-              return_exceptions: bool = False) -> list:
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    threads: int = 1,
+    timeout: float = 120.0,
+    return_exceptions: bool = False,
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes (gloo on 127.0.0.1).
 
     ``fn`` must be importable (defined at a module's top level). Returns the ranks'
@@ -70,8 +82,10 @@ def run_local(fn, world_size: int, args: tuple = (), *, threads: int = 1, timeou
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, timeout, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, threads, timeout, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     found: dict[int, object] = {}
@@ -102,6 +116,8 @@ def run_local(fn, world_size: int, args: tuple = (), *, threads: int = 1, timeou
     failures = [r for r in out if isinstance(r, RankFailure)]
     if failures and not return_exceptions:
         first = failures[0]
-        raise RuntimeError(f"{len(failures)} of {world_size} ranks failed; rank {first.rank}: {first.kind}: "
-                           f"{first.message}\n{first.text}")
+        raise RuntimeError(
+            f"{len(failures)} of {world_size} ranks failed; rank {first.rank}: {first.kind}: "
+            f"{first.message}\n{first.text}"
+        )
     return out

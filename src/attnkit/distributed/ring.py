@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from attnkit import bias as _bias
+from attnkit._types import BiasLike, MaskLike
 from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError, check_qkv, short
 from attnkit.distributed import layout as _layout
 from attnkit.functional import attention
@@ -104,7 +105,8 @@ class _Group:
             return [t]
         out = [t if r == self.rank else torch.empty_like(t) for r in range(self.size)]
         failed: dict[int, Exception] = {}
-        sends, recvs = [], []
+        sends: list = []
+        recvs: list = []
         for r in range(self.size):
             if r == self.rank:
                 continue
@@ -140,8 +142,9 @@ class _Group:
             works = dist.batch_isend_irecv(ops)
         except Exception as e:  # a peer that is gone can fail the posting itself
             named = sorted({p for p, _ in peers})
-            raise self.error(named[0] if len(named) == 1 else None,
-                             f"{' and '.join(f'{verb} rank {p}' for p, verb in peers)}", e) from e
+            raise self.error(
+                named[0] if len(named) == 1 else None, f"{' and '.join(f'{verb} rank {p}' for p, verb in peers)}", e
+            ) from e
         return [(w, p, f"{verb} rank {p}") for w, (p, verb) in zip(works, peers)]
 
     def finish(self, pending) -> None:
@@ -165,17 +168,40 @@ def _fingerprint(obj) -> int:
     return crc
 
 
-_FIELDS = ("batch", "query heads", "key heads", "head size", "value size", "query dtype", "local query length",
-           "local key length", "layout", "mask", "bias", "softcap", "scale", "sinks")
+_FIELDS = (
+    "batch",
+    "query heads",
+    "key heads",
+    "head size",
+    "value size",
+    "query dtype",
+    "local query length",
+    "local key length",
+    "layout",
+    "mask",
+    "bias",
+    "softcap",
+    "scale",
+    "sinks",
+)
 
 
 def _describe(q, k, v, mask, attn_bias, softcap, scale, sinks, layout) -> torch.Tensor:
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     values = [
-        math.prod(q.shape[:-3]), q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1],
-        dtypes.index(q.dtype) if q.dtype in dtypes else -1, q.shape[-2], k.shape[-2],
-        _layout.LAYOUTS.index(layout), _fingerprint(mask), _fingerprint(attn_bias),
-        zlib.crc32(repr(softcap).encode()), zlib.crc32(repr(scale).encode()),
+        math.prod(q.shape[:-3]),
+        q.shape[-3],
+        k.shape[-3],
+        q.shape[-1],
+        v.shape[-1],
+        dtypes.index(q.dtype) if q.dtype in dtypes else -1,
+        q.shape[-2],
+        k.shape[-2],
+        _layout.LAYOUTS.index(layout),
+        _fingerprint(mask),
+        _fingerprint(attn_bias),
+        zlib.crc32(repr(softcap).encode()),
+        zlib.crc32(repr(scale).encode()),
         0 if sinks is None else zlib.crc32(sinks.detach().cpu().float().numpy().tobytes()),
     ]
     return torch.tensor(values, dtype=torch.int64)
@@ -243,13 +269,12 @@ class _Ring:
         if attn_bias is not None:
             (a, b), (c, d) = q_piece, kv_piece
             part_bias = attn_bias.part(s.q_len, s.kv_len, q=slice(a, b), kv=slice(c, d))
-        return attention(q, k, v, mask, attn_bias=part_bias, softcap=self.softcap, scale=self.scale,
-                         return_lse=True)
+        return attention(q, k, v, mask, attn_bias=part_bias, softcap=self.softcap, scale=self.scale, return_lse=True)
 
     def _own(self, pieces, j, lo, hi):
         """Rows ``[lo, hi)`` (global) of this rank's piece ``j``."""
         a = self.sched.kv_pieces[self.comm.rank][j][0]
-        return pieces[j][..., lo - a:hi - a, :]
+        return pieces[j][..., lo - a : hi - a, :]
 
     def _post(self, step, tag, sends, recv_spans, k_like, v_like, dtype):
         """Post one step's transfers of (K, V)-shaped pairs.
@@ -259,7 +284,7 @@ class _Ring:
         """
         out = [(peer, packed, tag + step * 8 + j) for peer, j, packed in sends]
         bufs = {}
-        for peer, j, lo, hi in recv_spans:
+        for _peer, j, lo, hi in recv_spans:
             ks, vs = (*k_like.shape[:-2], hi - lo, k_like.shape[-1]), (*v_like.shape[:-2], hi - lo, v_like.shape[-1])
             bufs[j] = (torch.empty(math.prod(ks) + math.prod(vs), dtype=dtype, device=k_like.device), ks, vs, lo, hi)
         recvs = [(peer, bufs[j][0], tag + step * 8 + j) for peer, j, _, _ in recv_spans]
@@ -270,8 +295,10 @@ class _Ring:
         receive what we read of rank ``me - step``'s."""
         me, s = self.comm.rank, self.sched
         src, dst = s.source(me, step), s.target(me, step)
-        sends = [(dst, j, _pack(self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi)))
-                 for j, lo, hi in s.needs[dst][me]]
+        sends = [
+            (dst, j, _pack(self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi)))
+            for j, lo, hi in s.needs[dst][me]
+        ]
         recvs = [(src, j, lo, hi) for j, lo, hi in s.needs[me][src]]
         return self._post(step, 0, sends, recvs, k, v, k.dtype)
 
@@ -279,8 +306,10 @@ class _Ring:
         """This step's keys ``{j: (k rows, v rows, (lo, hi))}`` and the next step's transfers."""
         me, s = self.comm.rank, self.sched
         if step == 0:
-            kv = {j: (self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi), (lo, hi))
-                  for j, lo, hi in s.needs[me][me]}
+            kv = {
+                j: (self._own(k_pieces, j, lo, hi), self._own(v_pieces, j, lo, hi), (lo, hi))
+                for j, lo, hi in s.needs[me][me]
+            }
         else:
             pending, bufs = nxt
             self.comm.finish(pending)
@@ -334,16 +363,31 @@ class _Ring:
             kv, nxt = self._keys(step, nxt, k_pieces, v_pieces, k, v)
             if step == 0:  # our own keys: straight into our gradients
                 flat = {}
-                dkv = {j: (self._own(dk_own, j, lo, hi), self._own(dv_own, j, lo, hi)) for j, (_, _, (lo, hi)) in kv.items()}
+                dkv = {
+                    j: (self._own(dk_own, j, lo, hi), self._own(dv_own, j, lo, hi))
+                    for j, (_, _, (lo, hi)) in kv.items()
+                }
             else:  # each received piece's dK/dV live in one buffer, sent back as it is (no packing copy)
-                flat = {j: torch.zeros(kk.numel() + vv.numel(), dtype=acc, device=kk.device) for j, (kk, vv, _) in kv.items()}
+                flat = {
+                    j: torch.zeros(kk.numel() + vv.numel(), dtype=acc, device=kk.device)
+                    for j, (kk, vv, _) in kv.items()
+                }
                 dkv = {j: _unpack(flat[j], kk.shape, vv.shape) for j, (kk, vv, _) in kv.items()}
             for i, j in s.pairs[me][src]:
                 kk, vv, span = kv[j]
                 grad = self._rectangle_grad if learned else self._rectangle_backward
                 grads = grad(
-                    q_pieces[i], kk, vv, s.q_pieces[me][i], span, attn_bias, params,
-                    out_pieces[i], lse_pieces[i], dout_pieces[i], dlse_pieces[i],
+                    q_pieces[i],
+                    kk,
+                    vv,
+                    s.q_pieces[me][i],
+                    span,
+                    attn_bias,
+                    params,
+                    out_pieces[i],
+                    lse_pieces[i],
+                    dout_pieces[i],
+                    dlse_pieces[i],
                 )
                 dq[i].add_(grads[0])
                 dkv[j][0].add_(grads[1])
@@ -383,8 +427,9 @@ class _Ring:
         prepared = prepare(mask, b - a, d - c, device=q.device)
         part_bias = None if attn_bias is None else attn_bias.part(s.q_len, s.kv_len, q=slice(a, b), kv=slice(c, d))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        dq, dk, dv = tiled.backward_part(q, k, v, prepared, out, lse, dout, dlse, scale=scale,
-                                          bias=part_bias, softcap=self.softcap)
+        dq, dk, dv = tiled.backward_part(
+            q, k, v, prepared, out, lse, dout, dlse, scale=scale, bias=part_bias, softcap=self.softcap
+        )
         return [dq, dk, dv, *([None] * len(params))]
 
     def _rectangle_grad(self, q, k, v, q_piece, kv_piece, attn_bias, params, out, lse, dout, dlse):
@@ -431,8 +476,21 @@ class _RingFunction(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def ring_attention(q, k, v, mask=None, *, group=None, layout: str = "zigzag", scale=None, attn_bias=None,
-                   softcap=None, sinks=None, return_lse: bool = False, timeout: float = DEFAULT_TIMEOUT):
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence whose queries and keys are split across the ranks of ``group``.
 
     Each rank passes its own part, ``q: (B, Hq, Lq_local, D)``, ``k: (B, Hkv, Lk_local, D)``,
@@ -461,7 +519,9 @@ def ring_attention(q, k, v, mask=None, *, group=None, layout: str = "zigzag", sc
         if not isinstance(t, torch.Tensor):
             raise AttnkitTypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}.")
         if t.dim() != 4:
-            raise AttnkitValueError(f"{name} must have shape (B, H, L_local, D) on each rank, but got {tuple(t.shape)}.")
+            raise AttnkitValueError(
+                f"{name} must have shape (B, H, L_local, D) on each rank, but got {tuple(t.shape)}."
+            )
     check_qkv(q, k, v)
     mask = _layout.as_ring_mask(mask)
     if attn_bias is not None and not isinstance(attn_bias, _bias.Bias):
@@ -471,11 +531,13 @@ def ring_attention(q, k, v, mask=None, *, group=None, layout: str = "zigzag", sc
             raise AttnkitTypeError(
                 f"attn_bias must be an attnkit.bias object or a float tensor, but got {type(attn_bias).__name__}."
             )
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point()
-                              or tuple(sinks.shape) != (q.shape[1],)):
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (q.shape[1],)
+    ):
         raise AttnkitTypeError(
             f"sinks must be a float tensor of shape (Hq,) = ({q.shape[1]},), one logit per query head, but got "
-            f"{short(sinks) if not isinstance(sinks, torch.Tensor) else f'{sinks.dtype} of shape {tuple(sinks.shape)}'}."
+            + (short(sinks) if not isinstance(sinks, torch.Tensor) else f"{sinks.dtype} of shape {tuple(sinks.shape)}")
+            + "."
         )
     rows = _agree(comm, _describe(q, k, v, mask, attn_bias, softcap, scale, sinks, layout))
     q_len = _lengths(comm, rows, layout, _FIELDS.index("local query length"), "queries")

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from attnkit import functional
+from attnkit._types import Index
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
 from attnkit.nn import MultiHeadAttention
-
 
 #: Elements of ``(B, H, Lq, Lk)`` above which ``mode="weights"`` refuses to record a layer
 #: whole (256 MB of float32); ``mode="stats"`` and ``rows=`` have no such limit.
@@ -37,8 +37,16 @@ class Capture:
     (['0'], torch.Size([1, 4, 5, 5]))
     """
 
-    def __init__(self, model: nn.Module, mode: str = "weights", *, rows=None, heads=None, topk: int = 0,
-                 sink_tokens: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str = "weights",
+        *,
+        rows: Index = None,
+        heads: Index = None,
+        topk: int = 0,
+        sink_tokens: int = 1,
+    ):
         if mode not in MODES:
             raise AttnkitValueError(f"mode must be 'weights' or 'stats', but got {mode!r}.")
         self.mode, self.rows, self.heads, self.topk, self.sink_tokens = mode, rows, heads, topk, sink_tokens
@@ -113,7 +121,9 @@ class Capture:
             self._handles.append(register_attention_hook(self._hf_hook))
             return self
         for name, layer in self.layers:
-            self._handles.append(layer.register_attention_hook(self._hook(name or type(layer).__name__), with_kwargs=True))
+            self._handles.append(
+                layer.register_attention_hook(self._hook(name or type(layer).__name__), with_kwargs=True)
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -141,8 +151,15 @@ class Capture:
         return torch.stack([w[batch] for w in self.weights])
 
 
-def capture(model: nn.Module, mode: str = "weights", *, rows=None, heads=None, topk: int = 0,
-            sink_tokens: int = 1) -> Capture:
+def capture(
+    model: nn.Module,
+    mode: str = "weights",
+    *,
+    rows: Index = None,
+    heads: Index = None,
+    topk: int = 0,
+    sink_tokens: int = 1,
+) -> Capture:
     """Record attention from every attnkit attention layer inside ``model``.
 
     ``with attnkit.capture(model) as cap: model(...)``; then ``cap.weights`` (or

@@ -9,13 +9,14 @@ in O(L) memory. This is how :func:`attnkit.capture` records long inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
+from attnkit._types import BiasLike, MaskLike, ScoreModLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.functional import _call
-from attnkit.kernels import registry
-from attnkit.kernels import tiles
+from attnkit.kernels import registry, tiles
 from attnkit.prepare import Run
 
 __all__ = ["AttentionStats", "attention_stats"]
@@ -70,12 +71,14 @@ class AttentionStats:
         """
         valid = self.valid.to(self.entropy.dtype)
         count = valid.sum(dim=(0, 2)).clamp_min(1)
-        return {name: (getattr(self, name) * valid).sum(dim=(0, 2)) / count
-                for name in ("entropy", "max_weight", "sink_mass", "mean_distance")}
+        return {
+            name: (getattr(self, name) * valid).sum(dim=(0, 2)) / count
+            for name in ("entropy", "max_weight", "sink_mass", "mean_distance")
+        }
 
-    def to(self, *args, **kwargs) -> AttentionStats:
+    def to(self, *args: Any, **kwargs: Any) -> AttentionStats:
         """Every tensor moved/cast with ``Tensor.to`` (``argmax`` and ``topk_keys`` keep int64)."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             t = getattr(self, f.name)
             if t is None:
@@ -185,8 +188,20 @@ def _row_topk(w: torch.Tensor, k: int):
     return vals, keys.flatten(-2).gather(-1, pick)
 
 
-def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=None, sinks=None, score_mod=None,
-                    sink_tokens: int = 1, topk: int = 0) -> AttentionStats:
+def attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: float | None = None,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
+    sink_tokens: int = 1,
+    topk: int = 0,
+) -> AttentionStats:
     """Exact statistics of the attention weights, in O(L) memory (see :class:`AttentionStats`).
 
     The arguments are :func:`attnkit.attention`'s (inputs of rank 2 to 4). One forward
@@ -219,11 +234,14 @@ def attention_stats(q, k, v, mask=None, *, scale=None, attn_bias=None, softcap=N
     with torch.no_grad():
         plan = registry.choose(call)
         _, lse = registry.run(call, plan)  # includes the sinks' mass
+        assert lse is not None, "return_lse was asked for"
         stats = _reduce(call, lse, sink_tokens, topk)
     if q.dim() < 4:
-        stats = AttentionStats(**{f.name: None if getattr(stats, f.name) is None else
-                                  getattr(stats, f.name).reshape(getattr(stats, f.name).shape[4 - q.dim():])
-                                  for f in fields(stats)})
+        lifted: dict[str, Any] = {}
+        for f in fields(stats):
+            t = getattr(stats, f.name)
+            lifted[f.name] = None if t is None else t.reshape(t.shape[4 - q.dim() :])
+        stats = AttentionStats(**lifted)
     return stats
 
 
@@ -242,8 +260,17 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
     lse = lse.to(ct)
     prepared = call.get_prepared()
     qpos, kpos = _positions(call.mask_object(), lq, lk, q.device, ct)
-    tcall = tiles.TileCall(prepared, call.scale, 0.0, 0, False, call.bias, call.softcap,
-                           tuple(call.bias.params()) if call.bias is not None else (), score_mod=call.score_mod)
+    tcall = tiles.TileCall(
+        prepared,
+        call.scale,
+        0.0,
+        0,
+        False,
+        call.bias,
+        call.softcap,
+        tuple(call.bias.params()) if call.bias is not None else (),
+        score_mod=call.score_mod,
+    )
     out = {
         "entropy": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
         "max_weight": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
@@ -257,7 +284,9 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
         out["topk_keys"] = torch.full((b, hq, lq, topk), -1, dtype=torch.int64, device=q.device)
     if lq and lk:
         for gi, group in enumerate(prepared.groups):
-            sel = tiles.select(group, prepared, b, hq, hkv, q.device, call.bias is not None or call.score_mod is not None)
+            sel = tiles.select(
+                group, prepared, b, hq, hkv, q.device, call.bias is not None or call.score_mod is not None
+            )
             qg, kg, vg = tiles.group_inputs(sel, q, k, v)
             lse_g = tiles.take(tiles.take(lse, 0, sel.batch), 1, sel.q_heads)
             qpos_g, kpos_g = (pos if pos.shape[0] == 1 else tiles.take(pos, 0, sel.batch) for pos in (qpos, kpos))
@@ -291,4 +320,3 @@ def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:
                 d = d.clamp_(min=tiles.EXP_FLOOR, max=0.0)
                 w = torch.exp(d).mul_(counted)
                 acc.add(tiles.unfold(w, hq), tiles.unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
-

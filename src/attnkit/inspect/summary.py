@@ -11,19 +11,21 @@ def layer_statistics(weights: torch.Tensor, tokens: list[str], special: tuple[st
     previous token and on the token itself, and the mean entropy of a row in bits."""
     weights = weights.double()
     length = weights.shape[-1]
-    special = torch.tensor([t in special for t in tokens], dtype=torch.bool)
+    is_special = torch.tensor([t in special for t in tokens], dtype=torch.bool)
     rows = []
     for layer, w in enumerate(weights):  # (heads, L, L)
         entropy = -(w * torch.log2(w.clamp_min(1e-30))).sum(-1)  # (heads, L)
         previous = w.diagonal(offset=-1, dim1=-2, dim2=-1).mean().item() if length > 1 else 0.0
-        rows.append({
-            "layer": layer,
-            "special": w[..., special].sum(-1).mean().item(),
-            "previous": previous,
-            "self": w.diagonal(dim1=-2, dim2=-1).mean().item(),
-            "entropy_bits": entropy.mean().item(),
-            "max_entropy_bits": float(torch.log2(torch.tensor(float(length)))),
-        })
+        rows.append(
+            {
+                "layer": layer,
+                "special": w[..., is_special].sum(-1).mean().item(),
+                "previous": previous,
+                "self": w.diagonal(dim1=-2, dim2=-1).mean().item(),
+                "entropy_bits": entropy.mean().item(),
+                "max_entropy_bits": float(torch.log2(torch.tensor(float(length)))),
+            }
+        )
     return rows
 
 

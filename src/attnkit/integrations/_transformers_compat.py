@@ -29,8 +29,19 @@ except ModuleNotFoundError as err:  # pragma: no cover - depends on the environm
     ) from err
 
 __all__ = [
-    "TESTED", "active_collector", "bidirectional_mask_function", "causal_mask_function", "cells", "check_version",
-    "dense_mask", "ignore_causal_mask", "kind", "padding_mask", "register", "unregister", "uses_attention_interface",
+    "TESTED",
+    "active_collector",
+    "bidirectional_mask_function",
+    "causal_mask_function",
+    "cells",
+    "check_version",
+    "dense_mask",
+    "ignore_causal_mask",
+    "kind",
+    "padding_mask",
+    "register",
+    "unregister",
+    "uses_attention_interface",
 ]
 
 #: transformers versions (major.minor) the integration is tested with.
@@ -132,7 +143,9 @@ def uses_attention_interface(model_class) -> bool:
             source = ""
         calls = "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
         composite = bool(getattr(getattr(model_class, "config_class", None), "sub_configs", None))
-        _USES_INTERFACE[module.__name__] = calls or (composite and not re.search(r"^class \w*Attention\w*\(", source, re.M))
+        _USES_INTERFACE[module.__name__] = calls or (
+            composite and not re.search(r"^class \w*Attention\w*\(", source, re.M)
+        )
     return _USES_INTERFACE[module.__name__]
 
 

@@ -35,19 +35,31 @@ in :mod:`attnkit.integrations._transformers_compat` only.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from attnkit import bias as _bias
 from attnkit import masks
+from attnkit._types import Offset
 from attnkit._validate import AttnkitValueError
 from attnkit.functional import attention, attention_with_weights
 from attnkit.integrations import _transformers_compat as compat
-from attnkit.prepare import prepare
+from attnkit.prepare import PreparedMask, prepare
 
-__all__ = ["NAME", "attention_forward", "check_model", "mask_function", "register", "register_attention_hook",
-           "translate", "unregister", "uses_attention_interface"]
+__all__ = [
+    "NAME",
+    "attention_forward",
+    "check_model",
+    "mask_function",
+    "register",
+    "register_attention_hook",
+    "translate",
+    "unregister",
+    "uses_attention_interface",
+]
 
 #: The name to pass as ``attn_implementation``.
 NAME = "attnkit"
@@ -63,7 +75,11 @@ class Untranslatable(Exception):
     """A transformers mask function with no attnkit equivalent here."""
 
 
-_ALL = object()  # every pair may attend
+class _All:
+    """The mask that lets every pair attend (a transformers mask function that hides nothing)."""
+
+
+_ALL = _All()
 
 
 def _and(a, b):
@@ -80,15 +96,22 @@ def _or(a, b):
     return a | b
 
 
-def translate(fn, kv_length: int, *, q_offset=0, kv_offset=0, unknown=None):
+def translate(
+    fn: Callable[..., Any],
+    kv_length: int,
+    *,
+    q_offset: Offset = 0,
+    kv_offset: Offset = 0,
+    unknown: Callable[[Callable[..., Any]], masks.Mask] | None = None,
+) -> masks.Mask | _All:
     """An attnkit mask for a transformers mask function (``_ALL`` when it allows everything).
 
     Positions follow transformers: query ``i`` is at ``i + q_offset``, key ``j`` at
     ``j + kv_offset``. A part it has no formula for goes to ``unknown(fn)`` (e.g.
     :func:`_as_from_fn`), or raises :class:`Untranslatable` when that is None.
     """
-    sub = {"q_offset": q_offset, "kv_offset": kv_offset, "unknown": unknown}
-    pos = {"align": "top_left", "q_offset": q_offset, "kv_offset": kv_offset}
+    sub: dict[str, Any] = {"q_offset": q_offset, "kv_offset": kv_offset, "unknown": unknown}
+    pos: dict[str, Any] = {"align": "top_left", "q_offset": q_offset, "kv_offset": kv_offset}
     if fn is compat.causal_mask_function:
         return masks.causal(**pos)
     if fn is compat.bidirectional_mask_function:
@@ -100,7 +123,7 @@ def translate(fn, kv_length: int, *, q_offset=0, kv_offset=0, unknown=None):
         if kind == "and_masks" and overlay and compat.causal_mask_function in parts:
             window = compat.cells(overlay[0])["sliding_window"]  # kv > q - window, and kv <= q
             parts = [p for p in parts if p is not overlay[0] and p is not compat.causal_mask_function]
-            result = masks.sliding_window(window - 1, 0, **pos)
+            result: masks.Mask | _All | None = masks.sliding_window(window - 1, 0, **pos)
         else:
             result = _ALL if kind == "and_masks" else None
         for part in parts:
@@ -145,8 +168,16 @@ def _key_mask(padding, kv_offset, kv_length):
     return masks.dense(keys[:, None, None, :])
 
 
-def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
-                  mask_function=compat.causal_mask_function, attention_mask=None, **kwargs):
+def mask_function(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Offset = 0,
+    kv_offset: Offset = 0,
+    mask_function: Callable[..., Any] = compat.causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
     """transformers' mask interface for ``"attnkit"``: a :class:`~attnkit.PreparedMask` or None.
 
     None means "no mask" (bidirectional attention without padding). A pattern with no
@@ -162,19 +193,30 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     q_off = _offset(q_offset)
     kv_off = _offset(kv_offset)
     try:
-        pattern = translate(mask_function, kv_length, q_offset=q_off, kv_offset=kv_off,
-                            unknown=lambda fn: _as_from_fn(fn, batch_size, q_off, kv_off))
+        pattern = translate(
+            mask_function,
+            kv_length,
+            q_offset=q_off,
+            kv_offset=kv_off,
+            unknown=lambda fn: _as_from_fn(fn, batch_size, q_off, kv_off),
+        )
         if padding is not None:
             pattern = _and(pattern, _key_mask(padding, kv_off, kv_length))
-        if pattern is _ALL:
+        if isinstance(pattern, _All):
             return None
         # Prepared once here, shared by every layer of this forward.
         prepared = prepare(pattern, q_length, kv_length, device=device)
     except (Untranslatable, ValueError, TypeError, IndexError, RuntimeError):  # not evaluable on index tensors
         return compat.dense_mask(  # transformers' own bool mask (B, 1, Lq, Lk): exact, but dense
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-            use_vmap=kwargs.get("use_vmap", False), device=device,
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            use_vmap=kwargs.get("use_vmap", False),
+            device=device,
         )
     return _carrier(prepared, batch_size)
 
@@ -189,7 +231,7 @@ def _carrier(prepared, batch_size: int) -> torch.Tensor:
     loudly instead of silently meaning "attend everywhere".
     """
     carrier = torch.empty(batch_size, 1, prepared.q_len, prepared.kv_len, dtype=torch.bool, device="meta")
-    carrier.attnkit_mask = prepared
+    carrier.attnkit_mask = prepared  # type: ignore[attr-defined]
     return carrier
 
 
@@ -216,8 +258,20 @@ def _offset(x):
 # --- attention -------------------------------------------------------------------------
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      is_causal=None, position_bias=None, softcap=None, s_aux=None, **kwargs):
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: PreparedMask | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention interface for ``"attnkit"``.
 
     ``query: (B, Hq, Lq, D)``, ``key``/``value: (B, Hkv, Lk, D)``; returns
@@ -231,7 +285,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             mask = masks.causal()
     elif isinstance(mask, torch.Tensor) and mask.is_floating_point():
         mask = mask.to(query.dtype)  # eager-style additive mask (0 / large negative)
-    mods = {
+    mods: dict[str, Any] = {
         "attn_bias": None if position_bias is None else _bias.dense(position_bias),
         "softcap": softcap,
         "sinks": s_aux,
@@ -250,7 +304,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 _attention_hooks: collections.OrderedDict = collections.OrderedDict()
 
 
-def register_attention_hook(hook) -> RemovableHandle:
+def register_attention_hook(hook: Callable[..., None]) -> RemovableHandle:
     """Call ``hook(module, q, k, v, mask, mods)`` before every attention this integration runs.
 
     ``q: (B, Hq, Lq, D)``, ``k``/``v: (B, Hkv, Lk, D)``; ``mask`` is what
@@ -272,7 +326,7 @@ def _capturing_attentions() -> bool:
 uses_attention_interface = compat.uses_attention_interface
 
 
-def check_model(model) -> None:
+def check_model(model: torch.nn.Module) -> None:
     """Raise a clear error if ``model`` would not run its attention through attnkit.
 
     Checks that the model (and each of its sub-models: the vision tower and language model of

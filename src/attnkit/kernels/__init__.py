@@ -36,6 +36,18 @@ TILED = register_kernel(TiledKernel())
 TRITON = register_kernel(TritonKernel())
 
 __all__ = [
-    "KERNELS", "PRIORITY", "REFERENCE", "SDPA", "TILED", "TRITON", "Call", "Kernel", "Plan", "choose",
-    "register_kernel", "run", "unregister_kernel", "use_kernels",
+    "KERNELS",
+    "PRIORITY",
+    "REFERENCE",
+    "SDPA",
+    "TILED",
+    "TRITON",
+    "Call",
+    "Kernel",
+    "Plan",
+    "choose",
+    "register_kernel",
+    "run",
+    "unregister_kernel",
+    "use_kernels",
 ]

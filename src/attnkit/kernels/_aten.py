@@ -1,8 +1,9 @@
 """PyTorch's fused CPU flash-attention kernel, called by keyword behind one wrapper.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward are private
-ops: :data:`AVAILABLE` says whether this build of PyTorch has both, and kernels that
-use them declare so (the tiled kernel falls back to its math engine without them).
+ops: :data:`AVAILABLE` says whether this build of PyTorch has both *and* they answer a
+tiny call with the keyword interface attnkit uses (probed once, at import); kernels that
+use them declare so, and the tiled kernel falls back to its math engine without them.
 """
 
 from __future__ import annotations
@@ -10,9 +11,22 @@ from __future__ import annotations
 import torch
 
 _ops = torch.ops.aten
-AVAILABLE = hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
-    _ops, "_scaled_dot_product_flash_attention_for_cpu_backward"
-)
+
+
+def _probe() -> bool:
+    """Whether both ops exist and run a 1 x 1 x 2 x 4 call, forward and backward, as called here."""
+    if not (
+        hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu")
+        and hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    ):
+        return False
+    try:
+        x = torch.ones(1, 1, 2, 4)
+        out, lse = flash_forward(x, x, x, scale=0.5)
+        grads = flash_backward(torch.ones_like(out), x, x, x, out, lse, scale=0.5)
+        return out.shape == x.shape and lse.shape == (1, 1, 2) and len(grads) == 3
+    except (RuntimeError, TypeError):  # another signature in this PyTorch build
+        return False
 
 
 def rows_contiguous(t):
@@ -37,6 +51,18 @@ def flash_backward(grad_out, q, k, v, out, lse, *, attn_mask=None, scale: float,
     """``(dq, dk, dv)`` of :func:`flash_forward`, recomputed from its saved ``lse``. Any strides."""
     grad_out, q, k, v, out, attn_mask = (rows_contiguous(t) for t in (grad_out, q, k, v, out, attn_mask))
     return _ops._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out=grad_out, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
-        is_causal=is_causal, attn_mask=attn_mask, scale=scale,
+        grad_out=grad_out,
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        logsumexp=lse,
+        dropout_p=0.0,
+        is_causal=is_causal,
+        attn_mask=attn_mask,
+        scale=scale,
     )
+
+
+#: Whether the fused CPU ops can be used (see the module docstring).
+AVAILABLE = _probe()

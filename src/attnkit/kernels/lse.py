@@ -9,6 +9,8 @@ has ``out = 0`` and ``lse = -inf`` and stays so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["NEG_INF", "accumulator_dtype", "add_sinks", "merge", "merge_into", "sink_factor"]
@@ -21,7 +23,7 @@ def accumulator_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def merge(parts):
+def merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of attention over disjoint key sets by their log-sum-exp.
 
     Each part's output is 0 on the rows it hides entirely, and its lse -inf.
@@ -30,13 +32,15 @@ def merge(parts):
         return parts[0]
     total = torch.logsumexp(torch.stack([lse_r for _, lse_r in parts]), dim=0)
     safe = torch.where(total == NEG_INF, 0.0, total)
-    out = sum(torch.exp(lse_r - safe)[..., None] * o.to(lse_r.dtype) for o, lse_r in parts)
+    out = torch.exp(parts[0][1] - safe)[..., None] * parts[0][0].to(parts[0][1].dtype)
+    for o, lse_r in parts[1:]:
+        out = out + torch.exp(lse_r - safe)[..., None] * o.to(lse_r.dtype)
     return out, total
 
 
-
-
-def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+def merge_into(
+    acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge a partial ``(out, lse)`` into the accumulators ``(acc_out, acc_lse)``; returns them
     (``acc_out`` updated in place; ``acc_lse`` is a new tensor)."""
     lse = lse.to(acc_lse.dtype)
@@ -65,7 +69,7 @@ def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, t
     return factor, torch.where(dead, sink.expand_as(lse), torch.logaddexp(live, sink))
 
 
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` with each head's sink in the softmax denominator (see :func:`sink_factor`)."""
     factor, lse = sink_factor(lse, sinks)
     return (out.to(factor.dtype) * factor[..., None]).to(out.dtype), lse

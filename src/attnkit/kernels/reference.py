@@ -14,10 +14,12 @@ come in; call it on float64 tensors to get the oracle.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from attnkit.kernels.lse import sink_factor
-from attnkit.kernels.registry import Kernel
+from attnkit.kernels.registry import Call, Kernel, Reason
 
 
 def expand_kv_heads(t: torch.Tensor, hq: int) -> torch.Tensor:
@@ -86,7 +88,16 @@ def zero_unused_keys(
     return torch.where(used, k, zero), torch.where(used, v, zero)
 
 
-def scores(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=None, score_mod=None) -> torch.Tensor:
+def scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    score_mod: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The masked scores ``(..., Hq, Lq, Lk)``: ``q k^T * scale``, soft-capped, plus bias, modified, masked.
 
     ``bias`` is a float tensor broadcastable to the scores (a bias object's
@@ -170,12 +181,20 @@ def _weighted(weights: torch.Tensor, v: torch.Tensor, dropout_p: float, dropout_
     return dropped @ v  # (..., Hq, Lq, Lk) x (..., Hq, Lk, Dv) -> (..., Hq, Lq, Dv)
 
 
-def draw_dropout_mask(shape, p: float, device) -> torch.Tensor:
+def draw_dropout_mask(shape: Sequence[int], p: float, device: torch.device) -> torch.Tensor:
     """Bool keep-mask of ``shape``, each entry True with probability ``1 - p``."""
     return torch.rand(shape, device=device) >= p
 
 
-def log_sum_exp(q, k, mask=None, *, scale: float, softcap: float | None = None, bias=None) -> torch.Tensor:
+def log_sum_exp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Row log-sum-exp of the masked scores, ``(..., Hq, Lq)``; -inf for fully masked rows.
 
     Equivalent pytorch code: ``torch.logsumexp(q @ k.transpose(-2, -1) * scale + bias, dim=-1)``.
@@ -187,7 +206,7 @@ def log_sum_exp(q, k, mask=None, *, scale: float, softcap: float | None = None, 
 # --- as a kernel of the registry -------------------------------------------------------
 
 
-def dense_mask(call) -> torch.Tensor | None:
+def dense_mask(call: Call) -> torch.Tensor | None:
     """The call's mask as a bool or float tensor of at most the attention matrix's rank."""
     from attnkit.masks import Mask
     from attnkit.prepare import PreparedMask
@@ -205,7 +224,7 @@ def dense_mask(call) -> torch.Tensor | None:
     return dense
 
 
-def run_with_weights(call, *, out_from_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_with_weights(call: Call, *, out_from_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, weights, lse)`` of the plain formula on a validated call.
 
     Half-precision inputs are computed in float32; ``out`` and ``weights`` come back
@@ -224,8 +243,15 @@ def run_with_weights(call, *, out_from_weights: bool = True) -> tuple[torch.Tens
         q, k, v = q.float(), k.float(), v.float()
         if dense is not None and dense.is_floating_point():
             dense = dense.float()
-    s = scores(q, k, dense, scale=call.scale, softcap=call.softcap, bias=dense_bias(call),
-               score_mod=None if call.score_mod is None else _whole(call))
+    s = scores(
+        q,
+        k,
+        dense,
+        scale=call.scale,
+        softcap=call.softcap,
+        bias=dense_bias(call),
+        score_mod=None if call.score_mod is None else _whole(call),
+    )
     weights, lse = _normalise(s)
     if call.sinks is not None:  # the sink's share of each row: weights * sigmoid(lse - sink)
         factor, lse = sink_factor(lse, call.sinks)
@@ -254,7 +280,7 @@ def _whole(call):
     return modify
 
 
-def dense_bias(call) -> torch.Tensor | None:
+def dense_bias(call: Call) -> torch.Tensor | None:
     """The call's bias as one tensor broadcastable to the scores (differentiable)."""
     if call.bias is None:
         return None
@@ -277,9 +303,9 @@ class ReferenceKernel(Kernel):
     supports_lse = True
     supports_score_mods = ("bias", "softcap", "sinks", "score_mod")
 
-    def prefers(self, call):
+    def prefers(self, call: Call) -> tuple[bool, Reason]:
         return True, "under torch.compile" if call.compiling else "the plain formula"
 
-    def run(self, call):
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, _, lse = run_with_weights(call, out_from_weights=False)
         return out, lse

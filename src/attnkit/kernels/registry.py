@@ -32,14 +32,27 @@ of code (like ``torch.nn.attention.sdpa_kernel``). Adding a kernel is one file w
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from attnkit import masks as _masks
+from attnkit._types import MaskLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, Shapes, short
 from attnkit.kernels.lse import add_sinks
 from attnkit.prepare import DEFAULT_BLOCK_SIZE, PreparedMask, prepare, prepared_for
+
+if TYPE_CHECKING:
+    from attnkit.bias import Bias
+    from attnkit.score_mods import ScoreMod
+
+#: Why a kernel was (not) chosen: the words, or a function giving them (formatted only when read).
+Reason = Union[str, Callable[[], str]]
+
+#: A function that runs later calls of one signature: ``(q, k, v) -> out`` (see :meth:`Kernel.runner`).
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 __all__ = ["KERNELS", "PRIORITY", "Call", "Kernel", "Plan", "choose", "register_kernel", "run", "use_kernels"]
 
@@ -56,7 +69,7 @@ class Call:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    mask: object
+    mask: MaskLike
     shapes: Shapes
     scale: float
     dropout_p: float
@@ -66,10 +79,10 @@ class Call:
     prepared: PreparedMask | None = None
     #: Score modifications: an :class:`attnkit.bias.Bias`, a soft-cap, ``(Hq,)`` sink logits,
     #: a general ``score_mod(score, b, h, q_idx, kv_idx)``.
-    bias: object = None
+    bias: Bias | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
-    score_mod: object = None
+    score_mod: ScoreMod | None = None
     _by_block: dict = field(default_factory=dict, repr=False)
     _memo: dict = field(default_factory=dict, repr=False)  # per-call answers asked several times (band, mods)
 
@@ -78,8 +91,15 @@ class Call:
         found = self._memo.get("mods")
         if found is None:
             found = self._memo["mods"] = tuple(
-                name for name, v in (("bias", self.bias), ("softcap", self.softcap), ("sinks", self.sinks),
-                                     ("score_mod", self.score_mod)) if v is not None)
+                name
+                for name, v in (
+                    ("bias", self.bias),
+                    ("softcap", self.softcap),
+                    ("sinks", self.sinks),
+                    ("score_mod", self.score_mod),
+                )
+                if v is not None
+            )
         return found
 
     def describe_mods(self) -> str:
@@ -159,7 +179,7 @@ class Call:
         """The call's mask prepared at ``block_size``: through the implicit cache (mask
         objects), the user's own PreparedMask (at another size: re-prepared once), or for
         a bool tensor once per call."""
-        block_size = tuple(block_size)
+        block_size = (block_size[0], block_size[1])
         found = self._by_block.get(block_size)
         if found is None:
             s = self.shapes
@@ -226,8 +246,12 @@ class Kernel:
             reasons.append("no backward pass")
         if call.compiling and not self.supports_compile:
             reasons.append("cannot run inside torch.compile")
-        what = {"bias": "attn_bias", "softcap": "softcap", "sinks": "attention sinks (needs the log-sum-exp)",
-                "score_mod": "score_mod (a general score modification)"}
+        what = {
+            "bias": "attn_bias",
+            "softcap": "softcap",
+            "sinks": "attention sinks (needs the log-sum-exp)",
+            "score_mod": "score_mod (a general score modification)",
+        }
         for mod in call.score_mods():
             if mod == "sinks" and self.supports_lse:
                 continue
@@ -240,7 +264,7 @@ class Kernel:
     def _reasons(self, call: Call) -> list[str]:
         return []
 
-    def prefers(self, call: Call) -> tuple[bool, str]:
+    def prefers(self, call: Call) -> tuple[bool, Reason]:
         """``(True, why)`` if this kernel is the right choice for a call it can run, else
         ``(False, why not)``: the next kernel in the priority list is asked. The kernel owns
         its thresholds here."""
@@ -249,7 +273,7 @@ class Kernel:
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def runner(self, call: Call):
+    def runner(self, call: Call) -> Runner | None:
         """Optionally, a function ``(q, k, v) -> out`` that runs every later call of this call's
         signature (same shapes, dtypes, devices, mask value, scale, autograd; no modifications,
         dropout or lse) without validating or choosing again. None: no such shortcut."""
@@ -272,12 +296,12 @@ def registry_state() -> tuple:
     return (_GENERATION[0], _ACTIVE[-1] if _ACTIVE else None)
 
 
-def first_derivative_only(fn, kernel: Kernel):
+def first_derivative_only(fn: Runner, kernel: Kernel) -> Runner:
     """``fn`` with outputs that refuse a second derivative clearly, unless the kernel has one."""
     if kernel.supports_double_backward:
         return fn
 
-    def guarded(q, k, v):
+    def guarded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = fn(q, k, v)
         _first_derivative_only(out, kernel.name)
         return out
@@ -296,7 +320,7 @@ def _named(kernel) -> Kernel:
     )
 
 
-def register_kernel(kernel: Kernel, *, before=None, after=None) -> Kernel:
+def register_kernel(kernel: Kernel, *, before: Kernel | str | None = None, after: Kernel | str | None = None) -> Kernel:
     """Add ``kernel`` to the registry; returns it.
 
     A kernel of a name already registered is replaced in its place. A new kernel goes
@@ -326,7 +350,7 @@ def register_kernel(kernel: Kernel, *, before=None, after=None) -> Kernel:
     return kernel
 
 
-def unregister_kernel(kernel) -> None:
+def unregister_kernel(kernel: Kernel | str) -> None:
     """Remove a registered kernel (by name or object)."""
     kernel = _named(kernel)
     _GENERATION[0] += 1
@@ -341,7 +365,7 @@ _ACTIVE: list[tuple[Kernel, ...]] = []
 
 
 @contextlib.contextmanager
-def use_kernels(*kernels):
+def use_kernels(*kernels: Kernel | str) -> Iterator[None]:
     """Within the block, ``kernel="auto"`` takes the first of these kernels that can run a call.
 
     Like ``torch.nn.attention.sdpa_kernel``: the order given is the preference (the
@@ -375,7 +399,9 @@ class Plan:
     preferred); it is worked out when first read.
     """
 
-    def __init__(self, kernel: Kernel, reason, call: Call | None = None, refusals: dict | None = None):
+    def __init__(
+        self, kernel: Kernel, reason: str | tuple[str, Reason], call: Call | None = None, refusals: dict | None = None
+    ):
         self.chosen, self.kernel, self._reason = kernel, kernel.name, reason
         self._call, self._refusals = call, dict(refusals or {})
 
@@ -383,7 +409,7 @@ class Plan:
     def reason(self) -> str:
         """``"<kernel>: <modifications>; <why>"`` (made when read: the hot path formats nothing)."""
         if not isinstance(self._reason, str):
-            why = self._reason[1] if isinstance(self._reason[1], str) else self._reason[1]()
+            why = self._reason[1] if isinstance(self._reason[1], str) else self._reason[1]()  # a Reason
             mods = self._call.describe_mods() if self._call is not None else ""
             self._reason = f"{self.kernel}: {mods + '; ' if mods else ''}{why}"
         return self._reason
@@ -400,16 +426,7 @@ class Plan:
         for name, k in KERNELS.items():
             if self._call is not None and (name not in self._refusals or self._refusals[name] is _LATER):
                 self._refusals[name] = k.not_supported_reasons(self._call)
-        out = {}
-        for name, why in self._refusals.items():
-            if name == self.kernel:
-                continue
-            if isinstance(why, tuple) and why and why[0] is _DECLINED:
-                text = why[1] if isinstance(why[1], str) else why[1]()
-                out[name] = (f"not preferred: {text}",)
-            else:
-                out[name] = tuple(why) if why else ("not preferred here",)
-        return out
+        return {name: _refusal_words(why) for name, why in self._refusals.items() if name != self.kernel}
 
     def __str__(self) -> str:
         return self.reason
@@ -430,12 +447,19 @@ _LATER: list = []
 _DECLINED = object()
 
 
-def _plan(kernel: Kernel, why, call: Call, refusals: dict) -> Plan:
+def _refusal_words(why: object) -> tuple[str, ...]:
+    """A refusal as words: the kernel's reasons, or why it declined (see :meth:`Kernel.prefers`)."""
+    if isinstance(why, tuple) and why and why[0] is _DECLINED:
+        return (f"not preferred: {why[1] if isinstance(why[1], str) else why[1]()}",)
+    return tuple(why) if isinstance(why, (list, tuple)) and why else ("not preferred here",)
+
+
+def _plan(kernel: Kernel, why: Reason, call: Call, refusals: dict) -> Plan:
     """``why`` is a str or a function giving one (formatted only if the plan is read)."""
     return Plan(kernel, (kernel.name, why), call, refusals)
 
 
-def choose(call: Call, kernel="auto") -> Plan:
+def choose(call: Call, kernel: Kernel | str = "auto") -> Plan:
     """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
     if isinstance(kernel, str) and kernel == "auto":
         return _auto(call)
@@ -453,18 +477,26 @@ def choose(call: Call, kernel="auto") -> Plan:
 
 
 def _auto(call: Call) -> Plan:
-    refusals: dict[str, list[str]] = {}
+    refusals: dict[str, object] = {}
     if call.empty:  # the contract's own answer: zeros (and lse -inf), any kernel would give it
-        return Plan(KERNELS["reference"], f"reference: empty attention matrix (Lq={call.shapes.lq}, Lk={call.shapes.lk})",
-                    call, refusals)
+        return Plan(
+            KERNELS["reference"],
+            f"reference: empty attention matrix (Lq={call.shapes.lq}, Lk={call.shapes.lk})",
+            call,
+            refusals,
+        )
     if _ACTIVE:  # use_kernels: the user's order is the preference; the first that can run it runs it
         for k in _ACTIVE[-1]:
             reasons = k.not_supported_reasons(call)
             if not reasons:
-                return _plan(k, f"the first of use_kernels({', '.join(x.name for x in _ACTIVE[-1])}) that runs this call",
-                             call, refusals)
+                return _plan(
+                    k,
+                    f"the first of use_kernels({', '.join(x.name for x in _ACTIVE[-1])}) that runs this call",
+                    call,
+                    refusals,
+                )
             refusals[k.name] = reasons
-        detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
+        detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
         raise AttnkitValueError(f"no kernel allowed here can run this call ({detail}).")
     device = call.q.device.type
     for k in PRIORITY:
@@ -479,7 +511,19 @@ def _auto(call: Call) -> Plan:
         if yes:
             return _plan(k, why, call, refusals)
         refusals[k.name] = (_DECLINED, why)
-    detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
+    declined = [KERNELS[name] for name, why in refusals.items() if isinstance(why, tuple) and why[0] is _DECLINED]
+    if declined:  # every kernel that can run it would rather not: the first of them runs it
+        first = declined[0]
+        return _plan(
+            first,
+            f"the only registered kernel that runs this call ({_refusal_words(refusals[first.name])[0]})",
+            call,
+            refusals,
+        )
+    for k in PRIORITY:
+        if refusals.get(k.name) is _LATER:
+            refusals[k.name] = k.not_supported_reasons(call) or [f"does not run on {device}"]
+    detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
     raise AttnkitValueError(f"no registered kernel can run this call ({detail}).")
 
 
@@ -514,6 +558,7 @@ def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, lse = kernel.run(call)
     else:
         out, lse = kernel.run(replace(call, sinks=None, return_lse=True, _by_block=call._by_block))
+        assert lse is not None, f"{kernel.name} was asked for the lse"
         out, lse = add_sinks(out, lse, call.sinks)
         lse = lse if call.return_lse else None
     if call.backward and not kernel.supports_double_backward and not call.compiling:

@@ -8,23 +8,41 @@ may attend to are zeroed first, so NaN or Inf stored there cannot leak.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from attnkit._validate import Shapes
 from attnkit.kernels import reference
-from attnkit.kernels.registry import Call, Kernel, first_derivative_only
+from attnkit.kernels.registry import Call, Kernel, Reason, Runner, first_derivative_only
 from attnkit.prepare import DEFAULT_BLOCK_SIZE
 
 #: Problems with fewer (query, key) pairs are cheap as one dense masked call (for explain's words).
 SMALL_PAIRS = 256 * 256
 
 
-def sdpa(q, k, v, mask, *, scale, dropout_p, shapes, causal: bool = False):
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float,
+    dropout_p: float,
+    shapes: Shapes,
+    causal: bool = False,
+) -> torch.Tensor:
     """PyTorch's fused kernel on 4-D views of ``(..., H, L, D)`` inputs."""
     if shapes.rank == 4 and (mask is None or mask.dim() <= 4):
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=scale,
             enable_gqa=shapes.hq != shapes.hkv,
         )
     batch = shapes.batch
@@ -40,7 +58,13 @@ def sdpa(q, k, v, mask, *, scale, dropout_p, shapes, causal: bool = False):
             m = m.expand(*batch, *m.shape[-3:]).reshape(-1, *m.shape[-3:])
         m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (B* or 1, H or 1, Lq or 1, Lk)
     out = F.scaled_dot_product_attention(
-        q4, k4, v4, attn_mask=m4, dropout_p=dropout_p, is_causal=causal, scale=scale,
+        q4,
+        k4,
+        v4,
+        attn_mask=m4,
+        dropout_p=dropout_p,
+        is_causal=causal,
+        scale=scale,
         enable_gqa=shapes.hq != shapes.hkv,
     )
     return out.reshape(shapes.out)
@@ -54,7 +78,7 @@ class SDPAKernel(Kernel):
     supports_float_mask = True
     supports_score_mods = ("bias",)  # as a dense float mask
 
-    def prefers(self, call: Call) -> tuple[bool, str]:
+    def prefers(self, call: Call) -> tuple[bool, Reason]:
         cuda = call.q.device.type == "cuda"
         if call.compiling:
             return True, "under torch.compile (mask objects become dense masks in the graph)"
@@ -81,7 +105,7 @@ class SDPAKernel(Kernel):
             return True, f"dense mask: {prepared.kept:.0%} of blocks kept"
         return True, "dense mask"
 
-    def runner(self, call: Call):
+    def runner(self, call: Call) -> Runner | None:
         if call.bias is not None or call.dropout_p > 0.0:
             return None
         prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
@@ -93,15 +117,18 @@ class SDPAKernel(Kernel):
             return None  # a dense mask: made from the mask's values on every call
         scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
         if shapes.rank == 4:
-            def run(q, k, v):
+
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa)
         else:
-            def run(q, k, v):
+
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return sdpa(q, k, v, None, scale=scale, dropout_p=0.0, shapes=shapes, causal=causal)
+
         return first_derivative_only(run, self) if call.backward else run
 
-    def run(self, call: Call):
-        kw = dict(scale=call.scale, dropout_p=call.dropout_p, shapes=call.shapes)
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kw: dict[str, Any] = dict(scale=call.scale, dropout_p=call.dropout_p, shapes=call.shapes)
         if call.bias is not None:
             dense = reference.dense_mask(call)
             k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
@@ -109,7 +136,9 @@ class SDPAKernel(Kernel):
             # A bias grows with distance (ALiBi: -slope * 256 at L=257): in bfloat16 it would lose
             # whole units, so a biased call runs in float32 and only the output is cast back.
             work = torch.float32 if call.half else call.q.dtype
-            bias = reference.dense_bias(call).to(work)  # (B or 1, Hq or 1, Lq, Lk)
+            found = reference.dense_bias(call)
+            assert found is not None
+            bias = found.to(work)  # (B or 1, Hq or 1, Lq, Lk)
             if dense is not None:
                 bias = bias.masked_fill(~dense, float("-inf")) if dense.dtype == torch.bool else bias + dense.to(work)
             out = sdpa(q.to(work), k.to(work), v.to(work), bias, **kw)

@@ -26,15 +26,19 @@ Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
-from attnkit._validate import AttnkitValueError
-from attnkit.kernels import _aten
+from attnkit.kernels import _aten, tiles
 from attnkit.kernels.lse import merge
-from attnkit.kernels import tiles
-from attnkit.kernels.registry import Call, Kernel, double_backward_error, first_derivative_only
+from attnkit.kernels.registry import Call, Kernel, Reason, Runner, double_backward_error, first_derivative_only
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run, from_handle
 
+if TYPE_CHECKING:
+    from attnkit.bias import Bias
+    from attnkit.score_mods import ScoreMod
 
 
 def fused_available(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -42,7 +46,9 @@ def fused_available(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and _aten.AVAILABLE
 
 
-def dropout_keep_mask(call: tiles.TileCall, gi: int, row: RowBlock, run: Run, shape, device) -> torch.Tensor:
+def dropout_keep_mask(
+    call: tiles.TileCall, gi: int, row: RowBlock, run: Run, shape: Sequence[int], device: torch.device
+) -> torch.Tensor:
     """Dropout keep-mask of one run (folded rows, ``shape = (B, Hkv, g*n, S)``): the same on every
     call with the same seed; tests rebuild a call's whole keep-mask from it."""
     g = torch.Generator(device=device)
@@ -55,7 +61,7 @@ def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Selec
     b, hq, lq, _ = q.shape
     rows = list(group.rows if call.fused else tiles.math_rows(group.rows))
     single = len(rows) == 1 and rows[0].q0 == 0 and rows[0].q1 == lq and rows[0].runs
-    out = lse = None
+    out = lse = torch.empty(0)
     if not single:
         out = q.new_zeros(b, hq, lq, v.shape[-1])
         lse = torch.full((b, hq, lq), tiles.NEG_INF, dtype=tiles.compute_dtype(q.dtype), device=q.device)
@@ -130,7 +136,9 @@ def _forward(call: tiles.TileCall, q, k, v):
     return out, lse
 
 
-def _backward_group(call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads):
+def _backward_group(
+    call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads
+):
     """``(dq, dk, dv)`` of one group; bias gradients are added to ``grads`` (by tensor id)."""
     hq, hkv = q.shape[1], k.shape[1]
     ct = tiles.compute_dtype(q.dtype)
@@ -139,7 +147,7 @@ def _backward_group(call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
     fused = call.fused and grad_lse is None and not call.bias_grad
-    for row in (group.rows if fused else tiles.math_rows(group.rows)):
+    for row in group.rows if fused else tiles.math_rows(group.rows):
         if not row.runs:
             continue
         rows = slice(row.q0, row.q1)
@@ -147,12 +155,18 @@ def _backward_group(call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q
         lf = tiles.fold(lse_safe[:, :, rows, None], hkv)[..., 0]  # (B, Hkv, g*n)
         if fused:
             of = tiles.fold(out[:, :, rows], hkv)
-            dqf = 0
+            dqf = torch.zeros((), dtype=ct, device=q.device)  # grows to (B, Hkv, g*n, D)
             for run in row.runs:
                 qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
                 g_q, g_k, g_v = _aten.flash_backward(
-                    go.contiguous(), qf, kr, vr, of, lf,
-                    attn_mask=None if tile is None else tile.additive, scale=call.scale,
+                    go.contiguous(),
+                    qf,
+                    kr,
+                    vr,
+                    of,
+                    lf,
+                    attn_mask=None if tile is None else tile.additive,
+                    scale=call.scale,
                 )
                 dqf = dqf + g_q.to(ct)
                 dk[:, :, run.k0 : run.k1] += g_k.to(ct)
@@ -160,14 +174,17 @@ def _backward_group(call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q
         else:
             gl = None if grad_lse is None else tiles.fold(grad_lse[:, :, rows, None].to(ct), hkv)
             # the row's delta from its own weights, or (the keys being a part) from the merged output
-            delta = None if call.own_lse else (go.to(ct) * tiles.fold(out[:, :, rows], hkv).to(ct)).sum(-1, keepdim=True)
+            delta = (
+                None if call.own_lse else (go.to(ct) * tiles.fold(out[:, :, rows], hkv).to(ct)).sum(-1, keepdim=True)
+            )
             dqf = _math_backward_row(call, gi, sel, q, k, v, row, go.to(ct), lf, gl, delta, dk, dv, grads)
         dq[:, :, rows] = tiles.unfold(dqf, hq)
     return dq, dk, dv
 
 
-def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row: RowBlock, go, lf, grad_lse, delta, dk, dv,
-                       grads):
+def _math_backward_row(
+    call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row: RowBlock, go, lf, grad_lse, delta, dk, dv, grads
+):
     """The math engine's backward pass for one row block: returns its folded dQ, adds to dK/dV.
 
     ``dS = P (dP - delta)`` with ``delta = rowsum(P dP)`` summed over the row's runs (the
@@ -184,8 +201,9 @@ def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row
     scored = []
     for run in row.runs:
         qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
-        s, capped, before = tiles.scores(call, qf, kr, tile, tiles.bias_tile(call, sel, row, run, hq, hkv),
-                                         keep_capped=True, where=(sel, row, run))
+        s, capped, before = tiles.scores(
+            call, qf, kr, tile, tiles.bias_tile(call, sel, row, run, hq, hkv), keep_capped=True, where=(sel, row, run)
+        )
         scored.append((run, qf, kr, vr, tile, s, capped, before))
     if call.own_lse:
         m = torch.stack([s.amax(dim=-1) for *_, s, _, _ in scored]).amax(dim=0)[..., None]  # (B, Hkv, g*n, 1)
@@ -193,8 +211,9 @@ def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row
     else:
         shift = lf[..., None]
     own_delta = delta is None
-    pieces, total = [], 0
-    delta = 0 if own_delta else delta
+    pieces = []
+    total: torch.Tensor | float = 0.0
+    delta = 0.0 if own_delta else delta
     for run, qf, kr, vr, tile, s, capped, before in scored:
         p = tiles.weights(s, shift, tile)  # (B, Hkv, g*n, S)
         if tile is not None and tile.hidden_rows is not None:
@@ -203,7 +222,7 @@ def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row
             total = total + p.sum(dim=-1, keepdim=True)
         pieces.append((run, qf, kr, vr, p, capped, before))
     if call.own_lse:
-        inv = 1.0 / torch.where(total == 0, 1.0, total)
+        inv = 1.0 / torch.where(torch.as_tensor(total) == 0, 1.0, torch.as_tensor(total))
     done = []
     for run, qf, kr, vr, p, capped, before in pieces:
         if call.own_lse:
@@ -218,7 +237,7 @@ def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row
         done.append((run, qf, kr, p, pd, dp, capped, before))
     if grad_lse is not None:
         delta = delta - grad_lse
-    dqf = 0
+    dqf = torch.zeros((), dtype=ct, device=q.device)  # grows to (B, Hkv, g*n, D)
     for run, qf, kr, p, pd, dp, capped, before in done:
         keys = slice(run.k0, run.k1)
         dv[:, :, keys] += pd.transpose(-2, -1) @ go
@@ -226,9 +245,16 @@ def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row
         if before is not None:  # through the score_mod: d loss / d (scores before it), and its params
             ds = _score_mod_backward(call, sel, row, run, before, ds, grads)
         if call.bias_grad:
-            index = (sel.b_idx, sel.h_idx, torch.arange(row.q0, row.q1, device=q.device).view(1, 1, -1, 1),
-                     torch.arange(run.k0, run.k1, device=q.device).view(1, 1, 1, -1))
-            call.bias.add_grad(grads, tiles.unfold(ds, hq), *index, call.prepared.q_len, call.prepared.kv_len)
+            index = (
+                sel.b_idx,
+                sel.h_idx,
+                torch.arange(row.q0, row.q1, device=q.device).view(1, 1, -1, 1),
+                torch.arange(run.k0, run.k1, device=q.device).view(1, 1, 1, -1),
+            )
+            assert call.bias is not None and sel.b_idx is not None and sel.h_idx is not None
+            call.bias.add_grad(
+                grads, tiles.unfold(ds, hq), sel.b_idx, sel.h_idx, *index[2:], call.prepared.q_len, call.prepared.kv_len
+            )
         if capped is not None:
             ds = ds * (1.0 - capped * capped)  # d (c tanh(s / c)) / ds
         ds = ds * call.scale
@@ -240,6 +266,7 @@ def _math_backward_row(call: tiles.TileCall, gi, sel: tiles.Select, q, k, v, row
 def _score_mod_backward(call: tiles.TileCall, sel, row: RowBlock, run: Run, before, ds, grads):
     """The vector-Jacobian product of the score_mod on one tile (autograd on the tile alone); the
     gradients of its params are added to ``grads`` (by tensor id)."""
+    assert call.score_mod is not None
     wanted = [t for t in call.score_mod.params if t.requires_grad]
     with torch.enable_grad():
         x = before.detach().requires_grad_()
@@ -260,8 +287,16 @@ def _backward(call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse, grads
         grad_lse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
     causal = _one_fused_call(call, q, k) if grad_lse is None else None
     if causal is not None:  # as in _forward: the fused kernel's own loop, one call
-        dq, dk, dv = _aten.flash_backward(grad_out.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype),
-                                          lse.to(tiles.compute_dtype(q.dtype)), scale=call.scale, is_causal=causal)
+        dq, dk, dv = _aten.flash_backward(
+            grad_out.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype),
+            lse.to(tiles.compute_dtype(q.dtype)),
+            scale=call.scale,
+            is_causal=causal,
+        )
         return dq, dk, dv
     b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
     groups = call.prepared.groups
@@ -322,8 +357,19 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float = 0.0, seed: int | None = None,
-              bias=None, softcap: float | None = None, score_mod=None):
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedMask,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    bias: Bias | None = None,
+    softcap: float | None = None,
+    score_mod: ScoreMod | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention on 4-D inputs; returns ``(out, lse)``.
 
     q: (B, Hq, Lq, D), k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv); ``prepared`` from
@@ -349,8 +395,20 @@ def attention(q, k, v, prepared: PreparedMask, *, scale: float, dropout_p: float
     return _forward(call, q, k, v)
 
 
-def backward_part(q, k, v, prepared: PreparedMask, out, lse, grad_out, grad_lse=None, *, scale: float,
-                  bias=None, softcap: float | None = None):
+def backward_part(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prepared: PreparedMask,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None = None,
+    *,
+    scale: float,
+    bias: Bias | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of attention over some of the keys, from the final ``out`` and ``lse``.
 
     When a softmax spans several key sets (ring attention's ranks), each set's share of
@@ -382,8 +440,9 @@ def _compiled_call(handle, q, v, scale: float, softcap: float) -> tiles.TileCall
 
 
 @torch.library.custom_op("attnkit::tiled_forward", mutates_args=())
-def compiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, scale: float,
-                     softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compiled_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: torch.Tensor, scale: float, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the block-sparse kernel for compiled code (``softcap`` 0: none)."""
     q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
     with torch.no_grad():
@@ -398,9 +457,18 @@ def _(q, k, v, handle, scale, softcap):
 
 
 @torch.library.custom_op("attnkit::tiled_backward", mutates_args=())
-def compiled_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, handle: torch.Tensor, scale: float,
-                      softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compiled_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    handle: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`compiled_forward`, recomputed from its saved lse."""
     q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
     if grad_lse is not None and not bool(grad_lse.any()):  # compiled autograd hands an unused lse zeros:
@@ -460,19 +528,26 @@ class TiledKernel(Kernel):
         reasons = []
         if call.compiling:
             if not isinstance(call.mask, PreparedMask):
-                reasons.append("under torch.compile it reads a PreparedMask made outside the compiled function "
-                               "(attnkit.prepare); mask objects become dense masks in the graph")
+                reasons.append(
+                    "under torch.compile it reads a PreparedMask made outside the compiled function "
+                    "(attnkit.prepare); mask objects become dense masks in the graph"
+                )
             if call.bias is not None or call.score_mod is not None or call.dropout_p > 0.0:
                 reasons.append("under torch.compile: no attn_bias, score_mod or dropout (they run eagerly only)")
         return reasons
 
-    def prefers(self, call: Call) -> tuple[bool, object]:
+    def prefers(self, call: Call) -> tuple[bool, Reason]:
         s = call.shapes
         if call.compiling:  # the user prepared the mask for this: no host reads while tracing
             return True, "under torch.compile: block-sparse through a custom op over the PreparedMask"
         if call.q.device.type != "cpu":
-            return False, lambda: (f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
-                                   "(kernel='tiled' forces it)")
+            return (
+                False,
+                lambda: (
+                    f"on {call.q.device.type} its math engine is a Python loop of small matmuls "
+                    "(kernel='tiled' forces it)"
+                ),
+            )
 
         def prepared():
             return call.prepared_at(self.block_size)
@@ -509,25 +584,35 @@ class TiledKernel(Kernel):
             return True, lambda: f"{p.kept:.0%} of blocks kept"
         return False, lambda: f"{p.kept:.0%} of blocks kept: the dense mask is faster"
 
-    def runner(self, call: Call):
+    def runner(self, call: Call) -> Runner | None:
         if call.score_mods() or call.dropout_p > 0.0 or call.compiling:
             return None
         s, prepared, scale = call.shapes, call.prepared_at(self.block_size), call.scale
         lead = (1,) * (4 - s.rank)
 
-        def run(q, k, v):
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (q, k, v))  # (B, H, L, D)
             return attention(q4, k4, v4, prepared, scale=scale)[0].reshape(s.out)
 
         return first_derivative_only(run, self) if call.backward else run
 
-    def run(self, call: Call):
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = call.shapes
         lead = (1,) * (4 - s.rank)
         q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))  # (B, H, L, D)
         if call.compiling:
+            assert isinstance(call.mask, PreparedMask), "compiled calls carry a PreparedMask"
             out, lse = compiled_forward(q4, k4, v4, call.mask.handle, call.scale, call.softcap or 0.0)
             return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
-        out, lse = attention(q4, k4, v4, call.prepared_at(self.block_size), scale=call.scale,
-                             dropout_p=call.dropout_p, bias=call.bias, softcap=call.softcap, score_mod=call.score_mod)
+        out, lse = attention(
+            q4,
+            k4,
+            v4,
+            call.prepared_at(self.block_size),
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            bias=call.bias,
+            softcap=call.softcap,
+            score_mod=call.score_mod,
+        )
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None

@@ -13,7 +13,9 @@ with ``g = Hq / Hkv`` and ``n`` rows, ``S`` keys.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import torch
 
@@ -21,10 +23,36 @@ from attnkit._indexing import as4d
 from attnkit.kernels.reference import used_keys
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run
 
+if TYPE_CHECKING:
+    from attnkit.bias import Bias
+    from attnkit.score_mods import ScoreMod
+
+#: Which rows or heads :func:`take` keeps: all (None), a contiguous ``(start, length)``, or an index tensor.
+TakeIndex = Union[tuple[int, int], torch.Tensor, None]
+
 __all__ = [
-    "EXP_FLOOR", "MATH_ROWS", "NEG_INF", "Select", "Tile", "TileCall", "bias_tile", "compute_dtype", "fold",
-    "fold_tile", "group_inputs", "index_of", "mask_tile", "math_rows", "put", "put_rows", "run_inputs", "scores",
-    "select", "take", "unfold", "weights",
+    "EXP_FLOOR",
+    "MATH_ROWS",
+    "NEG_INF",
+    "Select",
+    "Tile",
+    "TileCall",
+    "bias_tile",
+    "compute_dtype",
+    "fold",
+    "fold_tile",
+    "group_inputs",
+    "index_of",
+    "mask_tile",
+    "math_rows",
+    "put",
+    "put_rows",
+    "run_inputs",
+    "scores",
+    "select",
+    "take",
+    "unfold",
+    "weights",
 ]
 
 NEG_INF = float("-inf")
@@ -58,14 +86,15 @@ def fold_tile(tile: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
 # --- selecting the rows and heads of a group ---------------------------------------------
 
 
-def index_of(idx, device):
+def index_of(idx: Sequence[int], device: torch.device) -> TakeIndex:
     """``(start, length)`` for a contiguous run of indices, else an index tensor."""
     if idx[-1] - idx[0] + 1 == len(idx):
         return (idx[0], len(idx))
     return torch.tensor(idx, device=device)
 
 
-def take(t: torch.Tensor, dim: int, idx) -> torch.Tensor:
+def take(t: torch.Tensor, dim: int, idx: TakeIndex) -> torch.Tensor:
+    """``t`` at ``idx`` along ``dim``: everything (None), a narrow ``(start, length)`` or an index tensor."""
     if idx is None:
         return t
     if isinstance(idx, tuple):
@@ -73,7 +102,8 @@ def take(t: torch.Tensor, dim: int, idx) -> torch.Tensor:
     return t.index_select(dim, idx)
 
 
-def put(dst: torch.Tensor, dim: int, idx, src: torch.Tensor, add: bool = False) -> None:
+def put(dst: torch.Tensor, dim: int, idx: TakeIndex, src: torch.Tensor, add: bool = False) -> None:
+    """Write (or add) ``src`` into ``dst`` at ``idx`` along ``dim`` (the inverse of :func:`take`)."""
     if idx is None:
         dst.add_(src) if add else dst.copy_(src)
     elif isinstance(idx, tuple):
@@ -87,16 +117,18 @@ def put(dst: torch.Tensor, dim: int, idx, src: torch.Tensor, add: bool = False) 
 class Select:
     """Which rows of the inputs (and of mask tiles) and which heads a group covers."""
 
-    batch: object  # None, (start, length) or an index tensor, on the inputs' batch axis
-    tile_batch: object  # the same on the mask's batch axis (None when the mask has 1 row)
-    q_heads: object  # None or (start, length) / index tensor of query heads
-    kv_heads: object  # the K/V heads they read
-    tile_heads: object
+    batch: TakeIndex  # None, (start, length) or an index tensor, on the inputs' batch axis
+    tile_batch: TakeIndex  # the same on the mask's batch axis (None when the mask has 1 row)
+    q_heads: TakeIndex  # None or (start, length) / index tensor of query heads
+    kv_heads: TakeIndex  # the K/V heads they read
+    tile_heads: TakeIndex
     b_idx: torch.Tensor | None = None  # (Bs, 1, 1, 1) batch rows and (1, Hs, 1, 1) query heads,
     h_idx: torch.Tensor | None = None  # the bias's index tensors (only when there is a bias)
 
 
-def select(group: Group, prepared: PreparedMask, b: int, hq: int, hkv: int, device, indexed: bool = False) -> Select:
+def select(
+    group: Group, prepared: PreparedMask, b: int, hq: int, hkv: int, device: torch.device, indexed: bool = False
+) -> Select:
     """The rows and heads of a group; ``indexed``: also the index tensors a bias or score_mod is evaluated on."""
     batch = None if group.batch is None else index_of(group.batch, device)
     tile_batch = batch if prepared.codes.shape[0] > 1 else None
@@ -126,11 +158,11 @@ class TileCall:
     dropout_p: float
     seed: int
     fused: bool  # the fused engine runs the forward (and the backward unless bias_grad)
-    bias: object = None  # an attnkit.bias.Bias, evaluated per tile
+    bias: Bias | None = None  # evaluated per tile
     softcap: float | None = None
     params: tuple = ()  # the bias's and score_mod's tensors, inputs of the autograd function
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
-    score_mod: object = None  # an attnkit.score_mods.ScoreMod, evaluated per tile
+    score_mod: ScoreMod | None = None  # evaluated per tile
 
     @property
     def indexed(self) -> bool:
@@ -159,7 +191,17 @@ class Tile:
     used_keys: torch.Tensor | None  # (Bm, Hkv or 1, S, 1): keys some row uses; None if all
 
 
-def mask_tile(call: TileCall, gi: int, sel: Select, row: RowBlock, run: Run, hq: int, hkv: int, dtype, device):
+def mask_tile(
+    call: TileCall,
+    gi: int,
+    sel: Select,
+    row: RowBlock,
+    run: Run,
+    hq: int,
+    hkv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tile | None:
     """The evaluated mask of a partial run (None for a full one), from the prepared mask's cache."""
     if run.full:
         return None
@@ -168,6 +210,7 @@ def mask_tile(call: TileCall, gi: int, sel: Select, row: RowBlock, run: Run, hq:
     if cached is not None:
         return cached
     p = call.prepared
+    assert p.mask is not None, "partial runs come from a mask"
     q_idx = torch.arange(row.q0, row.q1, device=device)[:, None]
     kv_idx = torch.arange(run.k0, run.k1, device=device)[None, :]
     tile = as4d(p.mask.elements(q_idx, kv_idx, p.q_len, p.kv_len))
@@ -184,12 +227,13 @@ def mask_tile(call: TileCall, gi: int, sel: Select, row: RowBlock, run: Run, hq:
     return result
 
 
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def run_inputs(call: TileCall, gi, sel, q, k, v, row: RowBlock, run: Run):
+def run_inputs(
+    call: TileCall, gi: int, sel: Select, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: RowBlock, run: Run
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tile | None]:
     """Folded queries, K/V slices (keys no row uses zeroed) and the tile of one run."""
     hq, hkv = q.shape[1], k.shape[1]
     kr, vr = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]  # (B, Hkv, S, D)
@@ -203,10 +247,11 @@ def run_inputs(call: TileCall, gi, sel, q, k, v, row: RowBlock, run: Run):
     return qf, kr, vr, tile
 
 
-def bias_tile(call: TileCall, sel: Select, row: RowBlock, run: Run, hq: int, hkv: int):
+def bias_tile(call: TileCall, sel: Select, row: RowBlock, run: Run, hq: int, hkv: int) -> torch.Tensor | None:
     """The bias of one run, laid out like the folded queries ``(Bs or 1, Hkv, g*n, S)``; None without bias."""
     if call.bias is None:
         return None
+    assert sel.b_idx is not None and sel.h_idx is not None, "select(..., indexed=True) for a bias"
     device = sel.b_idx.device
     q_idx = torch.arange(row.q0, row.q1, device=device).view(1, 1, -1, 1)
     kv_idx = torch.arange(run.k0, run.k1, device=device).view(1, 1, 1, -1)
@@ -215,7 +260,15 @@ def bias_tile(call: TileCall, sel: Select, row: RowBlock, run: Run, hq: int, hkv
     return fold_tile(t, hq, hkv)
 
 
-def scores(call: TileCall, qf, kr, tile: Tile | None, bias_tile=None, keep_capped: bool = False, where=None):
+def scores(
+    call: TileCall,
+    qf: torch.Tensor,
+    kr: torch.Tensor,
+    tile: Tile | None,
+    bias_tile: torch.Tensor | None = None,
+    keep_capped: bool = False,
+    where: tuple[Select, RowBlock, Run] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Scores of one run in float32/64, and ``tanh(s / softcap)`` if ``keep_capped`` (else None).
 
     With a score_mod, ``where = (sel, row, run)`` places the tile; then the scores before
@@ -235,6 +288,7 @@ def scores(call: TileCall, qf, kr, tile: Tile | None, bias_tile=None, keep_cappe
         s = s.add_(bias_tile.to(ct))
     before = None
     if call.score_mod is not None:
+        assert where is not None, "a score_mod needs where=(sel, row, run)"
         before, s = s, score_mod_tile(call, s, *where)
     if tile is not None:
         if bias_tile is not None or call.score_mod is not None:  # may hold NaN or +inf where hidden: overwrite
@@ -244,9 +298,10 @@ def scores(call: TileCall, qf, kr, tile: Tile | None, bias_tile=None, keep_cappe
     return s, capped, before
 
 
-def score_mod_tile(call: TileCall, s, sel: Select, row: RowBlock, run: Run):
+def score_mod_tile(call: TileCall, s: torch.Tensor, sel: Select, row: RowBlock, run: Run) -> torch.Tensor:
     """``score_mod`` on a folded tile ``(B, Hkv, g*n, S)``: unfolded to ``(Bs, Hs, n, S)`` for the
     function, with the tile's index tensors, and folded back."""
+    assert call.score_mod is not None and sel.b_idx is not None and sel.h_idx is not None
     hkv, hq = s.shape[1], sel.h_idx.shape[1]
     device = s.device
     q_idx = torch.arange(row.q0, row.q1, device=device).view(1, 1, -1, 1)
@@ -277,7 +332,7 @@ def weights(s: torch.Tensor, shift: torch.Tensor, tile: Tile | None) -> torch.Te
 MATH_ROWS = 128
 
 
-def math_rows(rows):
+def math_rows(rows: Iterable[RowBlock]) -> Iterator[RowBlock]:
     """Row blocks cut to at most :data:`MATH_ROWS` queries (for the math engine)."""
     for row in rows:
         if row.q1 - row.q0 <= MATH_ROWS:
@@ -287,15 +342,18 @@ def math_rows(rows):
                 yield RowBlock(q0, min(q0 + MATH_ROWS, row.q1), row.runs)
 
 
-
-def group_inputs(sel: Select, q, k, v):
+def group_inputs(
+    sel: Select, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch rows and heads of one group of ``q``, ``k`` and ``v``."""
     q = take(take(q, 0, sel.batch), 1, sel.q_heads)
     k = take(take(k, 0, sel.batch), 1, sel.kv_heads)
     v = take(take(v, 0, sel.batch), 1, sel.kv_heads)
     return q, k, v
 
 
-def put_rows(dst, sel: Select, src) -> None:
+def put_rows(dst: torch.Tensor, sel: Select, src: torch.Tensor) -> None:
+    """Write one group's result ``src`` into the whole output ``dst``."""
     if sel.q_heads is None:
         put(dst, 0, sel.batch, src)
     else:

@@ -26,7 +26,7 @@ import os
 import torch
 
 from attnkit import bias as _bias
-from attnkit.kernels.registry import Call, Kernel
+from attnkit.kernels.registry import Call, Kernel, Reason
 
 try:  # Triton is optional (the "gpu" extra)
     import triton
@@ -56,9 +56,32 @@ def interpreted() -> bool:
 if AVAILABLE:
 
     @triton.jit
-    def _scores(q, k, offs_m, offs_n, b, h, scale, softcap, slope, q_shift, kv_shift, lo_band, hi_band,
-                limit, tile_ptr, tile_id, LQ, LK, BQ: tl.constexpr, BK: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BAND: tl.constexpr, FP32: tl.constexpr):
+    def _scores(
+        q,
+        k,
+        offs_m,
+        offs_n,
+        b,
+        h,
+        scale,
+        softcap,
+        slope,
+        q_shift,
+        kv_shift,
+        lo_band,
+        hi_band,
+        limit,
+        tile_ptr,
+        tile_id,
+        LQ,
+        LK,
+        BQ: tl.constexpr,
+        BK: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        ALIBI: tl.constexpr,
+        BAND: tl.constexpr,
+        FP32: tl.constexpr,
+    ):
         """The modified, masked scores of one tile (float32) and its keep mask."""
         if FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -77,8 +100,11 @@ if AVAILABLE:
         if BAND:
             keep = keep & (kp >= qp - lo_band) & (kp <= qp + hi_band)
         listed = (tl.zeros([BQ, BK], tl.int32) + tile_id) >= 0
-        bits = tl.load(tile_ptr + tile_id * BQ * BK + tl.arange(0, BQ)[:, None] * BK + tl.arange(0, BK)[None, :],
-                       mask=listed & keep, other=1)
+        bits = tl.load(
+            tile_ptr + tile_id * BQ * BK + tl.arange(0, BQ)[:, None] * BK + tl.arange(0, BK)[None, :],
+            mask=listed & keep,
+            other=1,
+        )
         keep = keep & (bits != 0)
         return tl.where(keep, s, float("-inf")), keep
 
@@ -94,17 +120,43 @@ if AVAILABLE:
         return limit, slope
 
     @triton.jit
-    def _kv_tile(K, V, KV_IDX, TILE_IDS, at, b, hk, limit, skb, skh, skl, svb, svh, svl, offs_d, offs_dv, D, DV,
-                 BK: tl.constexpr, UPCAST: tl.constexpr):
+    def _kv_tile(
+        K,
+        V,
+        KV_IDX,
+        TILE_IDS,
+        at,
+        b,
+        hk,
+        limit,
+        skb,
+        skh,
+        skl,
+        svb,
+        svh,
+        svl,
+        offs_d,
+        offs_dv,
+        D,
+        DV,
+        BK: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         """The listed key block at ``at``: its bit-tile id, key offsets, which keys exist, K and V."""
         kb = tl.load(KV_IDX + at)
         tile_id = tl.load(TILE_IDS + at)
         offs_n = kb * BK + tl.arange(0, BK)
         col_ok = offs_n < limit
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skl + offs_d[None, :],
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svl + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = tl.load(
+            K + b * skb + hk * skh + offs_n[:, None] * skl + offs_d[None, :],
+            mask=col_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        v = tl.load(
+            V + b * svb + hk * svh + offs_n[:, None] * svl + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -112,13 +164,58 @@ if AVAILABLE:
 
     @triton.jit
     def _forward_kernel(
-        Q, K, V, O, LSE, KV_NUM, KV_IDX, TILE_IDS, TILES, LIMIT, SLOPES,
-        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
-        s_nb, s_nh, s_nq, s_ib, s_ih, s_iq,
-        HQ, GROUP, LQ, LK, D, DV, scale, softcap, q_shift, kv_shift, lo_band, hi_band,
-        MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_LIMIT: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BAND: tl.constexpr, FP32: tl.constexpr,
+        Q,
+        K,
+        V,
+        O,  # noqa: E741  (the output pointer, named as in the FlashAttention papers)
+        LSE,
+        KV_NUM,
+        KV_IDX,
+        TILE_IDS,
+        TILES,
+        LIMIT,
+        SLOPES,
+        sqb,
+        sqh,
+        sql,
+        skb,
+        skh,
+        skl,
+        svb,
+        svh,
+        svl,
+        sob,
+        soh,
+        sol,
+        s_nb,
+        s_nh,
+        s_nq,
+        s_ib,
+        s_ih,
+        s_iq,
+        HQ,
+        GROUP,
+        LQ,
+        LK,
+        D,
+        DV,
+        scale,
+        softcap,
+        q_shift,
+        kv_shift,
+        lo_band,
+        hi_band,
+        MASK_B: tl.constexpr,
+        MASK_H: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        BQ: tl.constexpr,
+        BK: tl.constexpr,
+        BD: tl.constexpr,
+        BDV: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        ALIBI: tl.constexpr,
+        BAND: tl.constexpr,
+        FP32: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         qb = tl.program_id(0)
@@ -131,8 +228,11 @@ if AVAILABLE:
         offs_m = qb * BQ + tl.arange(0, BQ)
         offs_d = tl.arange(0, BD)
         offs_dv = tl.arange(0, BDV)
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :],
-                    mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
+        q = tl.load(
+            Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :],
+            mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D),
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         limit, slope = _limit_and_slope(LIMIT, SLOPES, mb, h, LK, HAS_LIMIT, ALIBI)
@@ -141,10 +241,54 @@ if AVAILABLE:
         acc = tl.zeros([BQ, BDV], tl.float32)
         n = tl.load(KV_NUM + mb * s_nb + mh * s_nh + qb * s_nq)
         for t in range(0, n):
-            tile_id, offs_n, _, k, v = _kv_tile(K, V, KV_IDX, TILE_IDS, mb * s_ib + mh * s_ih + qb * s_iq + t, b, hk,
-                                                limit, skb, skh, skl, svb, svh, svl, offs_d, offs_dv, D, DV, BK, UPCAST)
-            s, keep = _scores(q, k, offs_m, offs_n, b, h, scale, softcap, slope, q_shift, kv_shift, lo_band,
-                              hi_band, limit, TILES, tile_id, LQ, LK, BQ, BK, SOFTCAP, ALIBI, BAND, FP32)
+            tile_id, offs_n, _, k, v = _kv_tile(
+                K,
+                V,
+                KV_IDX,
+                TILE_IDS,
+                mb * s_ib + mh * s_ih + qb * s_iq + t,
+                b,
+                hk,
+                limit,
+                skb,
+                skh,
+                skl,
+                svb,
+                svh,
+                svl,
+                offs_d,
+                offs_dv,
+                D,
+                DV,
+                BK,
+                UPCAST,
+            )
+            s, keep = _scores(
+                q,
+                k,
+                offs_m,
+                offs_n,
+                b,
+                h,
+                scale,
+                softcap,
+                slope,
+                q_shift,
+                kv_shift,
+                lo_band,
+                hi_band,
+                limit,
+                TILES,
+                tile_id,
+                LQ,
+                LK,
+                BQ,
+                BK,
+                SOFTCAP,
+                ALIBI,
+                BAND,
+                FP32,
+            )
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.where(keep, tl.exp(s - m_use[:, None]), 0.0)
@@ -158,19 +302,69 @@ if AVAILABLE:
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sol + offs_dv[None, :], out.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < LQ) & (offs_dv[None, :] < DV))
+        tl.store(
+            O + b * sob + h * soh + offs_m[:, None] * sol + offs_dv[None, :],
+            out.to(O.dtype.element_ty),
+            mask=(offs_m[:, None] < LQ) & (offs_dv[None, :] < DV),
+        )
         tl.store(LSE + bh * LQ + offs_m, lse, mask=offs_m < LQ)
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, DK, DV_, KV_NUM, KV_IDX, TILE_IDS, TILES, LIMIT, SLOPES,
-        sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
-        s_nb, s_nh, s_nq, s_ib, s_ih, s_iq,
-        HQ, HKV, GROUP, LQ, LK, D, DV, scale, softcap, q_shift, kv_shift, lo_band, hi_band,
-        MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_LIMIT: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BAND: tl.constexpr, FP32: tl.constexpr,
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        DK,
+        DV_,
+        KV_NUM,
+        KV_IDX,
+        TILE_IDS,
+        TILES,
+        LIMIT,
+        SLOPES,
+        sqb,
+        sqh,
+        sql,
+        skb,
+        skh,
+        skl,
+        svb,
+        svh,
+        svl,
+        s_nb,
+        s_nh,
+        s_nq,
+        s_ib,
+        s_ih,
+        s_iq,
+        HQ,
+        HKV,
+        GROUP,
+        LQ,
+        LK,
+        D,
+        DV,
+        scale,
+        softcap,
+        q_shift,
+        kv_shift,
+        lo_band,
+        hi_band,
+        MASK_B: tl.constexpr,
+        MASK_H: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        BQ: tl.constexpr,
+        BK: tl.constexpr,
+        BD: tl.constexpr,
+        BDV: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        ALIBI: tl.constexpr,
+        BAND: tl.constexpr,
+        FP32: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         qb = tl.program_id(0)
@@ -184,10 +378,16 @@ if AVAILABLE:
         offs_d = tl.arange(0, BD)
         offs_dv = tl.arange(0, BDV)
         row_ok = offs_m < LQ
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(DO + bh * LQ * DV + offs_m[:, None] * DV + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        q = tl.load(
+            Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :],
+            mask=row_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        do = tl.load(
+            DO + bh * LQ * DV + offs_m[:, None] * DV + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -198,11 +398,54 @@ if AVAILABLE:
         dq = tl.zeros([BQ, BD], tl.float32)
         n = tl.load(KV_NUM + mb * s_nb + mh * s_nh + qb * s_nq)
         for t in range(0, n):
-            tile_id, offs_n, col_ok, k, v = _kv_tile(K, V, KV_IDX, TILE_IDS, mb * s_ib + mh * s_ih + qb * s_iq + t, b,
-                                                     hk, limit, skb, skh, skl, svb, svh, svl, offs_d, offs_dv, D, DV,
-                                                     BK, UPCAST)
-            s, keep = _scores(q, k, offs_m, offs_n, b, h, scale, softcap, slope, q_shift, kv_shift, lo_band,
-                              hi_band, limit, TILES, tile_id, LQ, LK, BQ, BK, SOFTCAP, ALIBI, BAND, FP32)
+            tile_id, offs_n, col_ok, k, v = _kv_tile(
+                K,
+                V,
+                KV_IDX,
+                TILE_IDS,
+                mb * s_ib + mh * s_ih + qb * s_iq + t,
+                b,
+                hk,
+                limit,
+                skb,
+                skh,
+                skl,
+                svb,
+                svh,
+                svl,
+                offs_d,
+                offs_dv,
+                D,
+                DV,
+                BK,
+                UPCAST,
+            )
+            s, keep = _scores(
+                q,
+                k,
+                offs_m,
+                offs_n,
+                b,
+                h,
+                scale,
+                softcap,
+                slope,
+                q_shift,
+                kv_shift,
+                lo_band,
+                hi_band,
+                limit,
+                TILES,
+                tile_id,
+                LQ,
+                LK,
+                BQ,
+                BK,
+                SOFTCAP,
+                ALIBI,
+                BAND,
+                FP32,
+            )
             p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
             if FP32:
                 dv_part = tl.dot(tl.trans(p), do, input_precision="ieee")
@@ -222,12 +465,15 @@ if AVAILABLE:
                 dq += tl.dot(ds.to(k.dtype), k)
                 dk_part = tl.dot(tl.trans(ds).to(q.dtype), q)
             kv_rows = (b * HKV + hk) * LK + offs_n
-            tl.atomic_add(DK + kv_rows[:, None] * D + offs_d[None, :], dk_part,
-                          mask=col_ok[:, None] & (offs_d[None, :] < D))
-            tl.atomic_add(DV_ + kv_rows[:, None] * DV + offs_dv[None, :], dv_part,
-                          mask=col_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(DQ + bh * LQ * D + offs_m[:, None] * D + offs_d[None, :], dq,
-                 mask=row_ok[:, None] & (offs_d[None, :] < D))
+            tl.atomic_add(
+                DK + kv_rows[:, None] * D + offs_d[None, :], dk_part, mask=col_ok[:, None] & (offs_d[None, :] < D)
+            )
+            tl.atomic_add(
+                DV_ + kv_rows[:, None] * DV + offs_dv[None, :], dv_part, mask=col_ok[:, None] & (offs_dv[None, :] < DV)
+            )
+        tl.store(
+            DQ + bh * LQ * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d[None, :] < D)
+        )
 
 
 # --- the mask and modifications as kernel arguments ---------------------------------------------
@@ -253,8 +499,10 @@ def _plan(call: Call):
         key = ("triton no bits", str(call.q.device))
         cached = prepared.tiles.get(key)
         if cached is None:
-            cached = (torch.ones(1, BLOCK_Q, BLOCK_K, dtype=torch.int8, device=call.q.device),
-                      torch.full(prepared.kv_indices.shape, -1, dtype=torch.int32, device=call.q.device))
+            cached = (
+                torch.ones(1, BLOCK_Q, BLOCK_K, dtype=torch.int8, device=call.q.device),
+                torch.full(prepared.kv_indices.shape, -1, dtype=torch.int32, device=call.q.device),
+            )
             prepared.tiles.put(key, cached, cached[0].numel() + 4 * cached[1].numel())
         return prepared, cached
     return prepared, prepared.partial_bits(call.q.device)
@@ -304,11 +552,19 @@ class _Args:
 
     def flags(self, q4):
         return dict(
-            MASK_B=self.mask_b, MASK_H=self.mask_h, HAS_LIMIT=self.prepared.kv_limit is not None,
-            BQ=BLOCK_Q, BK=BLOCK_K, BD=_next_pow2(self.shape[5]), BDV=_next_pow2(self.shape[6]),
-            SOFTCAP=self.has_softcap, ALIBI=self.alibi_mode, BAND=self.band is not None,
+            MASK_B=self.mask_b,
+            MASK_H=self.mask_h,
+            HAS_LIMIT=self.prepared.kv_limit is not None,
+            BQ=BLOCK_Q,
+            BK=BLOCK_K,
+            BD=_next_pow2(self.shape[5]),
+            BDV=_next_pow2(self.shape[6]),
+            SOFTCAP=self.has_softcap,
+            ALIBI=self.alibi_mode,
+            BAND=self.band is not None,
             # Triton's interpreter computes bfloat16 dot products wrongly: upcast there
-            FP32=q4.dtype == torch.float32 or self.upcast(q4), UPCAST=self.upcast(q4),
+            FP32=q4.dtype == torch.float32 or self.upcast(q4),
+            UPCAST=self.upcast(q4),
         )
 
     @staticmethod
@@ -322,9 +578,32 @@ def _forward(args: _Args, q4, k4, v4):
     lse = torch.empty(b, hq, lq, dtype=torch.float32, device=q4.device)
     grid = (triton.cdiv(lq, BLOCK_Q), b * hq)
     _forward_kernel[grid](
-        q4, k4, v4, out, lse, args.kv_num, args.kv_idx, args.listed, args.bits, args.limit, args.slopes,
-        *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *out.stride()[:3], *args.strides(),
-        hq, hq // hkv, lq, lk, d, dv, args.scale, args.softcap, *args.positions, **args.flags(q4),
+        q4,
+        k4,
+        v4,
+        out,
+        lse,
+        args.kv_num,
+        args.kv_idx,
+        args.listed,
+        args.bits,
+        args.limit,
+        args.slopes,
+        *q4.stride()[:3],
+        *k4.stride()[:3],
+        *v4.stride()[:3],
+        *out.stride()[:3],
+        *args.strides(),
+        hq,
+        hq // hkv,
+        lq,
+        lk,
+        d,
+        dv,
+        args.scale,
+        args.softcap,
+        *args.positions,
+        **args.flags(q4),
     )
     return out, lse
 
@@ -340,10 +619,36 @@ def _backward(args: _Args, q4, k4, v4, out, lse, grad_out, grad_lse):
     dvv = torch.zeros(b, hkv, lk, dv, dtype=torch.float32, device=q4.device)
     grid = (triton.cdiv(lq, BLOCK_Q), b * hq)
     _backward_kernel[grid](
-        q4, k4, v4, go, lse.contiguous(), delta.contiguous(), dq, dk, dvv, args.kv_num, args.kv_idx, args.listed,
-        args.bits, args.limit, args.slopes,
-        *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *args.strides(),
-        hq, hkv, hq // hkv, lq, lk, d, dv, args.scale, args.softcap, *args.positions, **args.flags(q4),
+        q4,
+        k4,
+        v4,
+        go,
+        lse.contiguous(),
+        delta.contiguous(),
+        dq,
+        dk,
+        dvv,
+        args.kv_num,
+        args.kv_idx,
+        args.listed,
+        args.bits,
+        args.limit,
+        args.slopes,
+        *q4.stride()[:3],
+        *k4.stride()[:3],
+        *v4.stride()[:3],
+        *args.strides(),
+        hq,
+        hkv,
+        hq // hkv,
+        lq,
+        lk,
+        d,
+        dv,
+        args.scale,
+        args.softcap,
+        *args.positions,
+        **args.flags(q4),
     )
     return dq.to(q4.dtype), dk.to(k4.dtype), dvv.to(v4.dtype)
 
@@ -365,7 +670,7 @@ class _TritonAttention(torch.autograd.Function):
         return (*_backward(ctx.args, q4, k4, v4, out, lse, grad_out, grad_lse), None)
 
 
-def triton_attention(call: Call):
+def triton_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of a validated call (4-D view of its inputs)."""
     s = call.shapes
     lead = (1,) * (4 - s.rank)
@@ -413,7 +718,7 @@ class TritonKernel(Kernel):
             reasons.append(f"head sizes up to 256, not {call.q.shape[-1]}/{call.v.shape[-1]}")
         return reasons
 
-    def prefers(self, call: Call) -> tuple[bool, str]:
+    def prefers(self, call: Call) -> tuple[bool, Reason]:
         if call.q.device.type != "cuda":
             return False, "Triton's interpreter is for tests on the CPU (kernel='triton' forces it)"
         plain = not call.score_mods() and not call.return_lse and call.dropout_p == 0.0
@@ -422,8 +727,12 @@ class TritonKernel(Kernel):
         if plain and call.causal_shift() == 0 and call.scale > 0.0:
             return False, "is_causal: PyTorch's flash/cuDNN kernels are faster"
         kept = call.prepared_at(self.block_size).kept
-        return True, f"block-sparse on CUDA, {kept:.0%} of blocks kept; the mask is read as data (no dense mask, no compile per mask)"
+        return (
+            True,
+            f"block-sparse on CUDA, {kept:.0%} of blocks kept; the mask is read as data "
+            "(no dense mask, no compile per mask)",
+        )
 
-    def run(self, call: Call):
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, lse = triton_attention(call)
         return out, lse if call.return_lse else None

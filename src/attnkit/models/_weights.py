@@ -6,9 +6,16 @@ import json
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
+from typing import Any, TypeVar
+
+from torch import nn
+
+from attnkit._types import PathLike
+
+M = TypeVar("M", bound="ShippedWeights")
 
 
-class ShippedWeights:
+class ShippedWeights(nn.Module):
     """``from_package``, ``load`` and ``save`` for a module built from one dataclass config.
 
     Subclasses set ``WEIGHTS`` (the file name in ``attnkit/models/weights``) and
@@ -17,16 +24,18 @@ class ShippedWeights:
 
     WEIGHTS: str
     config_class: type
+    config: Any
+    training_info: dict
 
     @classmethod
-    def from_package(cls):
+    def from_package(cls: type[M]) -> M:
         """The model with the weights shipped inside attnkit (see the README for how they were made)."""
         path = resources.files("attnkit.models") / "weights" / cls.WEIGHTS
         with resources.as_file(path) as file:
             return cls.load(file)
 
     @classmethod
-    def load(cls, path):
+    def load(cls: type[M], path: PathLike) -> M:
         """Load weights written by :meth:`save` (a ``.safetensors`` file with its config)."""
         from safetensors import safe_open
         from safetensors.torch import load_file
@@ -38,7 +47,7 @@ class ShippedWeights:
         model.training_info = json.loads(metadata.get("training", "{}"))
         return model.eval()
 
-    def save(self, path, training: dict | None = None) -> Path:
+    def save(self, path: PathLike, training: dict | None = None) -> Path:
         """Write the weights, the config and ``training`` (a record of how they were made)."""
         from safetensors.torch import save_file
 

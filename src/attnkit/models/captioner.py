@@ -19,6 +19,7 @@ import functools
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import masks
+from attnkit._types import ArrayLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int
 from attnkit.models._weights import ShippedWeights
 from attnkit.models.translator import DecoderLayer, EncoderLayer
@@ -69,13 +71,14 @@ def split(name: str) -> torch.Tensor:
     return index[index % 5 == 0] if name == "test" else index[index % 5 != 0]
 
 
-def strip_of(indices) -> torch.Tensor:
+def strip_of(indices: Sequence[int]) -> torch.Tensor:
     """The ``(8, 8n)`` image of the digits at ``indices`` side by side (like ``np.hstack``)."""
     images, _ = digits()
     return torch.cat([images[i] for i in indices], dim=1)
 
 
-def caption_of(indices) -> str:
+def caption_of(indices: Sequence[int]) -> str:
+    """The true caption of the digits at ``indices``: one English word per digit."""
     _, labels = digits()
     return " ".join(WORDS[int(labels[i])] for i in indices)
 
@@ -85,7 +88,9 @@ def _pool(split_name: str) -> tuple[int, ...]:
     return tuple(split(split_name).tolist())
 
 
-def sample(rng: random.Random, split_name: str, lengths=(1, MAX_DIGITS)) -> tuple[list[int], torch.Tensor, str]:
+def sample(
+    rng: random.Random, split_name: str, lengths: tuple[int, int] = (1, MAX_DIGITS)
+) -> tuple[list[int], torch.Tensor, str]:
     """A random strip from one split: ``(digit indices, image, caption)``."""
     pool = _pool(split_name)
     n = rng.randint(*lengths)
@@ -112,7 +117,7 @@ def augment(image: torch.Tensor, rng: random.Random) -> torch.Tensor:
 # --- the model ---------------------------------------------------------------------------------
 
 
-def check_image(image, index: int = 0) -> torch.Tensor:
+def check_image(image: ArrayLike, index: int = 0) -> torch.Tensor:
     """A float32 ``(8, 8n)`` tensor from an array or tensor, with clear errors."""
     import numpy as np
 
@@ -121,8 +126,9 @@ def check_image(image, index: int = 0) -> torch.Tensor:
         image = torch.from_numpy(np.asarray(image, dtype=np.float32))
     if not isinstance(image, torch.Tensor):
         raise AttnkitTypeError(f"{where} must be a 2-D numpy array or tensor, but got {type(image).__name__}.")
-    if image.device.type == "meta" or not (image.is_floating_point() or image.dtype in (torch.uint8, torch.int16,
-                                                                                        torch.int32, torch.int64)):
+    if image.device.type == "meta" or not (
+        image.is_floating_point() or image.dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
+    ):
         what = "a meta tensor (it holds no values)" if image.device.type == "meta" else f"dtype {image.dtype}"
         raise AttnkitTypeError(f"{where} must hold pixel values as a real-valued tensor, but got {what}.")
     if image.dim() != 2 or image.shape[0] != 8 or image.shape[1] == 0 or image.shape[1] % 8:
@@ -179,10 +185,9 @@ class DigitCaptioner(ShippedWeights, nn.Module):
         self.decoder_norm = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, len(VOCAB))
 
-
     # --- the network ------------------------------------------------------------------------
 
-    def encode(self, images: list[torch.Tensor]):
+    def encode(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, masks.Mask]:
         """Patch states ``(B, P, d)`` and the padding mask of the patches."""
         patches, column, counts = patchify(images)
         rows = torch.arange(patches.shape[1]) % 2
@@ -192,14 +197,14 @@ class DigitCaptioner(ShippedWeights, nn.Module):
             x = layer(x, padding)
         return self.encoder_norm(x), padding
 
-    def decode(self, words_in, memory, padding):
+    def decode(self, words_in: torch.Tensor, memory: torch.Tensor, padding: masks.Mask) -> torch.Tensor:
         """Teacher-forced logits ``(B, T, vocab)``."""
         y = self.word_embed(words_in) + self.word_pos(torch.arange(words_in.shape[1]))[None]
         for layer in self.decoder:
-            y = layer(y, layer.cross_attn.project_kv(memory), padding)
+            y = layer(y, layer.cross_attn.project_kv(memory), padding)  # type: ignore[union-attr, operator]
         return self.head(self.decoder_norm(y))
 
-    def forward(self, images, words_in):
+    def forward(self, images: list[torch.Tensor], words_in: torch.Tensor) -> torch.Tensor:
         memory, padding = self.encode(images)
         return self.decode(words_in, memory, padding)
 
@@ -208,9 +213,10 @@ class DigitCaptioner(ShippedWeights, nn.Module):
         """Greedy decoding with a KV cache per decoder layer: ``(B, T)`` word ids after ``<s>``."""
         memory, padding = self.encode(images)
         b, c = memory.shape[0], self.config
-        memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        caches = KVCache.for_layers(len(self.decoder), b, c.num_heads, c.max_words, c.d_model // c.num_heads,
-                                    dtype=memory.dtype)
+        memory_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]  # type: ignore[union-attr, operator]
+        caches = KVCache.for_layers(
+            len(self.decoder), b, c.num_heads, c.max_words, c.d_model // c.num_heads, dtype=memory.dtype
+        )
         token = torch.full((b, 1), BOS, dtype=torch.long)
         out, done = [], torch.zeros(b, dtype=torch.bool)
         for step in range(c.max_words - 1):
@@ -225,7 +231,7 @@ class DigitCaptioner(ShippedWeights, nn.Module):
         return torch.cat(out, dim=1)
 
     @staticmethod
-    def words_of(ids) -> list[str]:
+    def words_of(ids: Sequence[int]) -> list[str]:
         words = []
         for i in ids:
             if i == EOS:
@@ -234,7 +240,7 @@ class DigitCaptioner(ShippedWeights, nn.Module):
                 words.append(VOCAB[i])
         return words
 
-    def caption(self, images, batch_size: int = 256) -> list[str]:
+    def caption(self, images: Sequence[ArrayLike], batch_size: int = 256) -> list[str]:
         """One caption per image: ``images`` is a list of ``(8, 8n)`` arrays or tensors in [0, 16], n <= 8."""
         if isinstance(images, torch.Tensor) and images.dim() == 2 or not isinstance(images, (list, tuple)):
             raise AttnkitTypeError("caption takes a list of images; wrap a single image in a list.")
@@ -247,7 +253,7 @@ class DigitCaptioner(ShippedWeights, nn.Module):
         return captions
 
     @torch.no_grad()
-    def caption_with_attention(self, image) -> dict:
+    def caption_with_attention(self, image: ArrayLike) -> dict:
         """The words and the cross-attention that wrote them.
 
         Returns ``{"words": [...], "weights": (layers, heads, words, patches), "grid": (2, cols),
@@ -276,7 +282,10 @@ class DigitCaptioner(ShippedWeights, nn.Module):
 # --- training ---------------------------------------------------------------------------------
 
 
-def batch(rng: random.Random, size: int, *, augmented: bool = True):
+def batch(
+    rng: random.Random, size: int, *, augmented: bool = True
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``size`` training strips: images, decoder inputs (BOS first) and targets (EOS last, padded)."""
     images, targets = [], []
     for _ in range(size):
         _, image, caption = sample(rng, "train")
@@ -288,7 +297,9 @@ def batch(rng: random.Random, size: int, *, augmented: bool = True):
     return images, words_in, target
 
 
-def evaluate(model: DigitCaptioner, n: int = 1000, seed: int = 0, lengths=(2, 6), aligned_strips: int = 200) -> dict:
+def evaluate(
+    model: DigitCaptioner, n: int = 1000, seed: int = 0, lengths: tuple[int, int] = (2, 6), aligned_strips: int = 200
+) -> dict:
     """Exact captions, word accuracy and alignment on ``n`` test-split strips of 2-6 digits.
 
     Alignment: the share of correctly named digits whose largest cross-attention weight
@@ -299,7 +310,7 @@ def evaluate(model: DigitCaptioner, n: int = 1000, seed: int = 0, lengths=(2, 6)
     captions = model.caption([image for _, image, _ in strips])
     exact = sum(c == truth for c, (_, _, truth) in zip(captions, strips))
     words_right = words_total = aligned = aligned_total = 0
-    for index, (chosen, image, truth) in enumerate(strips):
+    for index, (_chosen, image, truth) in enumerate(strips):
         got, want = captions[index].split(), truth.split()
         words_total += len(want)
         words_right += sum(g == w for g, w in zip(got, want))
@@ -312,12 +323,23 @@ def evaluate(model: DigitCaptioner, n: int = 1000, seed: int = 0, lengths=(2, 6)
                 column = int(result["patch_columns"][int(attention[i].argmax())])
                 aligned += 8 * i <= column < 8 * (i + 1)
                 aligned_total += 1
-    return {"exact": exact / n, "word_accuracy": words_right / words_total,
-            "alignment": aligned / max(1, aligned_total), "strips": n}
+    return {
+        "exact": exact / n,
+        "word_accuracy": words_right / words_total,
+        "alignment": aligned / max(1, aligned_total),
+        "strips": n,
+    }
 
 
-def train(steps: int = 3000, *, seed: int = 0, batch_size: int = 96, lr: float = 2e-3,
-          config: Config = Config(), progress: bool | None = True) -> tuple[DigitCaptioner, dict]:
+def train(
+    steps: int = 3000,
+    *,
+    seed: int = 0,
+    batch_size: int = 96,
+    lr: float = 2e-3,
+    config: Config = Config(),
+    progress: bool | None = True,
+) -> tuple[DigitCaptioner, dict]:
     """Train a DigitCaptioner on augmented train-split strips; reproducible from ``seed``."""
     from tqdm.auto import tqdm
 
@@ -350,9 +372,15 @@ def train(steps: int = 3000, *, seed: int = 0, batch_size: int = 96, lr: float =
         if step % 25 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{loss.item():.4f}")
     model.eval()
-    record = {"steps": steps, "seed": seed, "batch_size": batch_size, "lr": lr,
-              "first_loss": losses[0] if losses else None,
-              "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-              "seconds": round(time.perf_counter() - start, 1), "torch": torch.__version__}
+    record = {
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "seconds": round(time.perf_counter() - start, 1),
+        "torch": torch.__version__,
+    }
     record.update({f"test_{k}": v for k, v in evaluate(model, 500, seed=seed + 1).items()})
     return model, record

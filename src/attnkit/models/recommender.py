@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ class Block(nn.Module):
         self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, mask):
+    def forward(self, x: torch.Tensor, mask: masks.Mask) -> torch.Tensor:
         x = x + self.drop(self.attention(self.norm1(x), mask=mask)[0])
         return x + self.drop(self.ff(self.norm2(x)))
 
@@ -76,7 +77,6 @@ class SASRec(ShippedWeights, nn.Module):
         with torch.no_grad():
             self.items.weight[0].zero_()
 
-
     # --- the network ------------------------------------------------------------------------
 
     def pad(self, histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,8 @@ class SASRec(ShippedWeights, nn.Module):
             ids[row, : len(h)] = torch.tensor(h, dtype=torch.long)
         return ids, lengths
 
-    def mask(self, lengths):
+    def mask(self, lengths: torch.Tensor) -> masks.Mask:
+        """Causal attention over each history's real items (padding hidden)."""
         return masks.causal() & masks.padding(lengths)
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,8 @@ class SASRec(ShippedWeights, nn.Module):
             bad = [x for x in h if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= self.config.num_items]
             if bad:
                 raise AttnkitValueError(
-                    f"histories[{i}] holds {short(bad[:5])}, which are not MovieLens-100K item ids (1 to {self.config.num_items})."
+                    f"histories[{i}] holds {short(bad[:5])}, which are not MovieLens-100K item ids "
+                    f"(1 to {self.config.num_items})."
                 )
 
     @torch.no_grad()
@@ -140,8 +142,10 @@ class SASRec(ShippedWeights, nn.Module):
         for row, h in enumerate(histories):
             scores[row, torch.tensor(sorted(set(h)))] = float("-inf")
         values, items = scores.topk(k, dim=-1)
-        return [[i for i, v in zip(row_items, row_values) if v > float("-inf")]
-                for row_items, row_values in zip(items.tolist(), values.tolist())]
+        return [
+            [i for i, v in zip(row_items, row_values) if v > float("-inf")]
+            for row_items, row_values in zip(items.tolist(), values.tolist())
+        ]
 
     @torch.no_grad()
     def explain(self, history: list[int]) -> dict:
@@ -191,8 +195,17 @@ def _batches(rng: random.Random, sequences: list[list[int]], batch_size: int, ma
         yield inputs, targets
 
 
-def train(epochs: int = 120, *, seed: int = 0, batch_size: int = 128, lr: float = 1.5e-3, config: Config = Config(),
-          evaluate_every: int = 10, progress: bool | None = True, log=print) -> tuple[SASRec, dict]:
+def train(
+    epochs: int = 120,
+    *,
+    seed: int = 0,
+    batch_size: int = 128,
+    lr: float = 1.5e-3,
+    config: Config = Config(),
+    evaluate_every: int = 10,
+    progress: bool | None = True,
+    log: Callable[[str], object] = print,
+) -> tuple[SASRec, dict]:
     """Train on the training split; keep the weights with the best validation NDCG@10."""
     from tqdm.auto import tqdm
 
@@ -201,11 +214,12 @@ def train(epochs: int = 120, *, seed: int = 0, batch_size: int = 128, lr: float 
     model = SASRec(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     sequences = [s for s in movielens.split().train.values() if len(s) >= 2]
-    best, best_state, history, start = -1.0, None, [], time.perf_counter()
+    best, history, start = -1.0, [], time.perf_counter()
+    best_state: dict[str, torch.Tensor] | None = None
     bar = tqdm(range(epochs), desc="training", unit="epoch", disable=not progress)
     for epoch in bar:
         model.train()
-        total = count = 0
+        total, count = 0.0, 0
         for inputs, targets in _batches(rng, sequences, batch_size, config.max_len):
             ids, lengths = model.pad(inputs)
             target, _ = model.pad(targets)
@@ -221,13 +235,24 @@ def train(epochs: int = 120, *, seed: int = 0, batch_size: int = 128, lr: float 
             metrics = evaluate(model, "valid")
             history.append({"epoch": epoch + 1, "loss": total / count, **{f"valid_{k}": v for k, v in metrics.items()}})
             if log is not None:
-                log(f"epoch {epoch + 1}: loss {total / count:.3f}, valid HR@10 {metrics['HR@10']:.3f}, NDCG@10 {metrics['NDCG@10']:.3f}")
+                log(
+                    f"epoch {epoch + 1}: loss {total / count:.3f}, valid HR@10 {metrics['HR@10']:.3f}, "
+                    f"NDCG@10 {metrics['NDCG@10']:.3f}"
+                )
             if metrics["NDCG@10"] > best:
                 best = metrics["NDCG@10"]
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.load_state_dict(best_state)
+    if best_state is not None:
+        model.load_state_dict(best_state)
     model.eval()
-    record = {"epochs": epochs, "seed": seed, "batch_size": batch_size, "lr": lr, "best_valid_NDCG@10": best,
-              "seconds": round(time.perf_counter() - start, 1), "history": history,
-              **{f"test_{k}": v for k, v in evaluate(model, "test").items()}}
+    record = {
+        "epochs": epochs,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "best_valid_NDCG@10": best,
+        "seconds": round(time.perf_counter() - start, 1),
+        "history": history,
+        **{f"test_{k}": v for k, v in evaluate(model, "test").items()},
+    }
     return model, record

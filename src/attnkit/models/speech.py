@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import io
 import math
-from numbers import Real
 import random
 import shutil
 import subprocess
 import time
 import wave
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from numbers import Real
 
 import numpy as np
 import torch
@@ -40,12 +41,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import masks
+from attnkit._types import PathLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int, short
 from attnkit.models._weights import ShippedWeights
 from attnkit.models.translator import DecoderLayer, EncoderLayer, greedy_decode
 
-__all__ = ["SpeechRecognizer", "Config", "TRAIN_VOICES", "TEST_VOICES", "say", "dataset", "read_wav", "train",
-           "examples", "WEIGHTS"]
+__all__ = [
+    "SpeechRecognizer",
+    "Config",
+    "TRAIN_VOICES",
+    "TEST_VOICES",
+    "say",
+    "dataset",
+    "read_wav",
+    "train",
+    "examples",
+    "WEIGHTS",
+]
 
 WEIGHTS = "speech_recognizer.safetensors"
 SAMPLE_RATE = 16000
@@ -54,12 +66,25 @@ SUBSAMPLE = 4  # encoder frames are 40 ms apart
 MAX_SECONDS = 30.0
 PAD, BOS, EOS = 0, 1, 2
 CHARS = list("0123456789")
-WORDS = {"0": ("zero", "oh"), "1": ("one",), "2": ("two",), "3": ("three",), "4": ("four",), "5": ("five",),
-         "6": ("six",), "7": ("seven",), "8": ("eight",), "9": ("nine",)}
+WORDS = {
+    "0": ("zero", "oh"),
+    "1": ("one",),
+    "2": ("two",),
+    "3": ("three",),
+    "4": ("four",),
+    "5": ("five",),
+    "6": ("six",),
+    "7": ("seven",),
+    "8": ("eight",),
+    "9": ("nine",),
+}
 
 TRAIN_VOICES = tuple((a, v) for a in ("en-us", "en-gb") for v in ("m1", "m2", "m3", "m4", "f1", "f2"))
-TEST_VOICES = tuple((a, v) for a in ("en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd")
-                    for v in ("m5", "m6", "m7", "f3", "f4"))
+TEST_VOICES = tuple(
+    (a, v)
+    for a in ("en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd")
+    for v in ("m5", "m6", "m7", "f3", "f4")
+)
 
 
 # --- audio -----------------------------------------------------------------------------------
@@ -75,15 +100,22 @@ def _espeak() -> str:
     return path
 
 
-def read_wav(data) -> tuple[np.ndarray, int]:
+def read_wav(data: bytes | PathLike) -> tuple[np.ndarray, int]:
     """``(samples float32 in [-1, 1], sample_rate)`` of a 16-bit PCM WAV (a path or bytes); mono or
     the channels as ``(channels, T)``."""
     source = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else str(data)
     try:
         with wave.open(source, "rb") as w:
-            rate, channels, width, frames = w.getframerate(), w.getnchannels(), w.getsampwidth(), w.readframes(w.getnframes())
+            rate, channels, width, frames = (
+                w.getframerate(),
+                w.getnchannels(),
+                w.getsampwidth(),
+                w.readframes(w.getnframes()),
+            )
     except (wave.Error, EOFError) as err:
-        raise AttnkitValueError(f"cannot read {short(str(data)) if not isinstance(data, bytes) else 'the audio'} as a WAV file: {err}.") from None
+        raise AttnkitValueError(
+            f"cannot read {short(str(data)) if not isinstance(data, bytes) else 'the audio'} as a WAV file: {err}."
+        ) from None
     if width != 2:
         raise AttnkitValueError(f"attnkit reads 16-bit PCM WAV files, but this one has {8 * width}-bit samples.")
     if channels < 1 or rate < 1:
@@ -97,7 +129,8 @@ def read_wav(data) -> tuple[np.ndarray, int]:
     return samples, rate
 
 
-def write_wav(path, samples, sample_rate: int = SAMPLE_RATE) -> None:
+def write_wav(path: PathLike, samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    """Write float samples in [-1, 1] as 16-bit mono PCM."""
     pcm = (np.clip(np.asarray(samples, dtype=np.float32), -1, 1) * 32767).astype("<i2")
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
@@ -120,8 +153,16 @@ def spoken(digits: str, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS[d]) for d in digits)
 
 
-def say(digits: str, accent: str = "en-us", variant: str = "m1", *, rate: int = 170, pitch: int = 50, gap: int = 0,
-        rng: random.Random | None = None) -> np.ndarray:
+def say(
+    digits: str,
+    accent: str = "en-us",
+    variant: str = "m1",
+    *,
+    rate: int = 170,
+    pitch: int = 50,
+    gap: int = 0,
+    rng: random.Random | None = None,
+) -> np.ndarray:
     """Speech of a digit string by espeak-ng, 16 kHz float32."""
     if not digits or any(d not in WORDS for d in digits):
         raise AttnkitValueError(f"say takes a string of digits 0-9, but got {short(digits)}.")
@@ -129,22 +170,33 @@ def say(digits: str, accent: str = "en-us", variant: str = "m1", *, rate: int = 
     cmd = [_espeak(), "-v", f"{accent}+{variant}", "-s", str(rate), "-p", str(pitch), "-g", str(gap), "--stdout", words]
     done = subprocess.run(cmd, capture_output=True, check=False)
     if done.returncode != 0 or not done.stdout:
-        raise AttnkitValueError(f"espeak-ng failed for voice {accent}+{variant}: {done.stderr.decode(errors='replace')[:200]}")
+        raise AttnkitValueError(
+            f"espeak-ng failed for voice {accent}+{variant}: {done.stderr.decode(errors='replace')[:200]}"
+        )
     samples, sr = read_wav(done.stdout)
     return resample(samples, sr)
 
 
-def utterance(rng: random.Random, voices, *, max_digits: int = 7):
+def utterance(rng: random.Random, voices: Sequence[tuple[str, str]], *, max_digits: int = 7) -> tuple[np.ndarray, str]:
     """One random utterance: ``(samples at 16 kHz, digits)``."""
     n = rng.randint(1, max_digits)
     digits = "".join(rng.choice(CHARS) for _ in range(n))
     accent, variant = rng.choice(voices)
-    samples = say(digits, accent, variant, rate=rng.randint(120, 220), pitch=rng.randint(0, 99),
-                  gap=rng.choice([0, 0, 1, 3, 6]), rng=rng)
+    samples = say(
+        digits,
+        accent,
+        variant,
+        rate=rng.randint(120, 220),
+        pitch=rng.randint(0, 99),
+        gap=rng.choice([0, 0, 1, 3, 6]),
+        rng=rng,
+    )
     return samples, digits
 
 
-def dataset(n: int, voices, seed: int, *, workers: int = 4, progress: bool = False) -> list[tuple[np.ndarray, str]]:
+def dataset(
+    n: int, voices: Sequence[tuple[str, str]], seed: int, *, workers: int = 4, progress: bool | None = False
+) -> list[tuple[np.ndarray, str]]:
     """``n`` utterances of ``voices`` (seeded; espeak-ng runs in ``workers`` processes at a time)."""
     from tqdm.auto import tqdm
 
@@ -152,8 +204,15 @@ def dataset(n: int, voices, seed: int, *, workers: int = 4, progress: bool = Fal
     seeds = random.Random(seed)
     rngs = [random.Random(seeds.getrandbits(64)) for _ in range(n)]
     with ThreadPoolExecutor(workers) as pool:
-        return list(tqdm(pool.map(lambda r: utterance(r, voices), rngs), total=n, desc="synthesising",
-                         unit="utt", disable=not progress))
+        return list(
+            tqdm(
+                pool.map(lambda r: utterance(r, voices), rngs),
+                total=n,
+                desc="synthesising",
+                unit="utt",
+                disable=not progress,
+            )
+        )
 
 
 def augment(samples: np.ndarray, rng: random.Random) -> np.ndarray:
@@ -162,7 +221,7 @@ def augment(samples: np.ndarray, rng: random.Random) -> np.ndarray:
     x = resample(samples, int(SAMPLE_RATE * speed)) if abs(speed - 1) > 0.01 else samples
     lead, tail = (np.zeros(rng.randint(0, 4000), np.float32) for _ in range(2))
     x = np.concatenate([lead, x, tail]) * rng.uniform(0.2, 1.5)
-    power = float(np.mean(x ** 2)) + 1e-10
+    power = float(np.mean(x**2)) + 1e-10
     snr = rng.uniform(10, 40)
     noise = np.random.default_rng(rng.getrandbits(32)).standard_normal(len(x)).astype(np.float32)
     return np.clip(x + noise * math.sqrt(power / 10 ** (snr / 10)), -1, 1).astype(np.float32)
@@ -211,10 +270,10 @@ def augment_features(feats: torch.Tensor, lengths: torch.Tensor, rng: random.Ran
         for _ in range(2):
             f = rng.randint(0, 8)
             f0 = rng.randint(0, N_MELS - f)
-            x[:, f0:f0 + f] = 0
+            x[:, f0 : f0 + f] = 0
             t = rng.randint(0, max(1, n // 20))
             t0 = rng.randint(0, max(0, n - t))
-            x[t0:t0 + t] = 0
+            x[t0 : t0 + t] = 0
         out[i, :n] = x
     return out
 
@@ -255,8 +314,10 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         super().__init__()
         c = self.config = config
         self.frontend = nn.Sequential(
-            nn.Conv1d(N_MELS, c.d_model, 3, stride=2, padding=1), nn.GELU(),
-            nn.Conv1d(c.d_model, c.d_model, 3, stride=2, padding=1), nn.GELU(),
+            nn.Conv1d(N_MELS, c.d_model, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Conv1d(c.d_model, c.d_model, 3, stride=2, padding=1),
+            nn.GELU(),
         )
         self.encoder = nn.ModuleList(EncoderLayer(c) for _ in range(c.encoder_layers))
         self.encoder_norm = nn.LayerNorm(c.d_model)
@@ -270,10 +331,14 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
 
     # --- inputs ------------------------------------------------------------------------------
 
-    def features(self, waveforms, sample_rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def features(
+        self, waveforms: Sequence[np.ndarray | torch.Tensor], sample_rate: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(feats (B, T, 64), lengths (B,))`` from a list of mono waveforms at ``sample_rate``."""
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 4000 <= sample_rate <= 192000:
-            raise AttnkitValueError(f"sample_rate must be an int between 4000 and 192000 Hz, but got {short(sample_rate)}.")
+            raise AttnkitValueError(
+                f"sample_rate must be an int between 4000 and 192000 Hz, but got {short(sample_rate)}."
+            )
         if isinstance(waveforms, (np.ndarray, torch.Tensor)):
             raise AttnkitTypeError("waveforms must be a list of 1-D arrays (one per utterance); wrap one in a list.")
         feats = []
@@ -295,7 +360,8 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
             seconds = x.size / sample_rate
             if seconds > MAX_SECONDS:
                 raise AttnkitValueError(
-                    f"waveforms[{i}] lasts {seconds:.0f} s; this model reads digit strings of up to {MAX_SECONDS:.0f} s. "
+                    f"waveforms[{i}] lasts {seconds:.0f} s; this model reads digit strings of up to "
+                    f"{MAX_SECONDS:.0f} s. "
                     "Cut long recordings into utterances first."
                 )
             x = resample(x.astype(np.float32), sample_rate)
@@ -313,7 +379,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
 
     # --- the network -------------------------------------------------------------------------
 
-    def encode(self, feats: torch.Tensor, lengths: torch.Tensor):
+    def encode(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, masks.Mask]:
         """Encoder states ``(B, T', d)`` (T' = ceil(T / 4)) and their padding mask."""
         x = self.frontend(feats.transpose(1, 2)).transpose(1, 2)  # (B, T', d)
         frames = (lengths + 1) // 2
@@ -324,18 +390,18 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
             x = layer(x, padding)
         return self.encoder_norm(x), padding
 
-    def decode(self, target_in, memory, padding):
+    def decode(self, target_in: torch.Tensor, memory: torch.Tensor, padding: masks.Mask) -> torch.Tensor:
         y = self.embed(target_in) + self.target_pos(torch.arange(target_in.shape[1], device=target_in.device))[None]
         for layer in self.decoder:
-            y = layer(y, layer.cross_attn.project_kv(memory), padding)
+            y = layer(y, layer.cross_attn.project_kv(memory), padding)  # type: ignore[union-attr, operator]
         return self.head(self.decoder_norm(y))
 
-    def forward(self, feats, lengths, target_in):
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
         memory, padding = self.encode(feats, lengths)
         return self.decode(target_in, memory, padding)
 
     @torch.no_grad()
-    def generate(self, feats, lengths) -> torch.Tensor:
+    def generate(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Greedy decoding with a KV cache per decoder layer: ``(B, T)`` token ids after BOS."""
         return self._greedy(*self.encode(feats, lengths))
 
@@ -343,7 +409,9 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         return greedy_decode(self, self.embed, memory, padding, bos=BOS, eos=EOS)[0]
 
     @torch.no_grad()
-    def decode_ensemble(self, feats, lengths, warps=None) -> torch.Tensor:
+    def decode_ensemble(
+        self, feats: torch.Tensor, lengths: torch.Tensor, warps: Sequence[float] | None = None
+    ) -> torch.Tensor:
         """Decoding over several vocal-tract warps of the input: ``(B, T)`` token ids.
 
         Each warp of the mel axis (:func:`warp_mels`) gives a greedy hypothesis; every
@@ -352,19 +420,26 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         voices is read as the nearby voices the model knows, and a digit dropped or doubled
         under one warp is outvoted by the others. ``warps=(1.0,)`` is plain greedy decoding.
         """
-        if warps is not None and (isinstance(warps, (str, bytes)) or not hasattr(warps, "__iter__")
-                                  or not all(isinstance(a, Real) and not isinstance(a, bool) for a in warps)):
-            raise AttnkitTypeError(f"warps must be a sequence of numbers, e.g. (0.9, 1.0, 1.1), but got {short(warps)}.")
+        if warps is not None and (
+            isinstance(warps, (str, bytes))
+            or not hasattr(warps, "__iter__")
+            or not all(isinstance(a, Real) and not isinstance(a, bool) for a in warps)
+        ):
+            raise AttnkitTypeError(
+                f"warps must be a sequence of numbers, e.g. (0.9, 1.0, 1.1), but got {short(warps)}."
+            )
         warps = TEST_WARPS if warps is None else tuple(float(a) for a in warps)
         if not warps or not all(0.5 <= a <= 2.0 for a in warps):
-            raise AttnkitValueError(f"warps must be factors between 0.5 and 2.0, e.g. (0.9, 1.0, 1.1), but got {warps}.")
+            raise AttnkitValueError(
+                f"warps must be factors between 0.5 and 2.0, e.g. (0.9, 1.0, 1.1), but got {warps}."
+            )
         if len(warps) == 1:
             return self.generate(warp_mels(feats, warps[0]), lengths)
         encoded = [self.encode(warp_mels(feats, a), lengths) for a in warps]
         hyps = [self._greedy(memory, padding) for memory, padding in encoded]
         width = max(h.shape[1] for h in hyps)
         hyps = [F.pad(h, (0, width - h.shape[1]), value=PAD) for h in hyps]
-        scores = torch.stack([sum(self._log_prob(h, memory, padding) for memory, padding in encoded) for h in hyps])
+        scores = torch.stack([torch.stack([self._log_prob(h, m, p) for m, p in encoded]).sum(0) for h in hyps])
         best = scores.argmax(0)  # (B,): ties go to the first warp listed
         return torch.stack(hyps)[best, torch.arange(feats.shape[0])]
 
@@ -378,7 +453,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         logp = self.decode(target_in, memory, padding).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
         return logp.masked_fill(ids == PAD, 0.0).sum(1)
 
-    def text_of(self, ids) -> str:
+    def text_of(self, ids: Iterable[int]) -> str:
         chars = []
         for i in ids:
             if i == EOS:
@@ -387,7 +462,14 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
                 chars.append(self.vocab[i])
         return "".join(chars)
 
-    def transcribe(self, waveforms, sample_rate: int, batch_size: int = 32, *, warps=None) -> list[str]:
+    def transcribe(
+        self,
+        waveforms: Sequence[np.ndarray | torch.Tensor],
+        sample_rate: int,
+        batch_size: int = 32,
+        *,
+        warps: Sequence[float] | None = None,
+    ) -> list[str]:
         """The digit string spoken in each waveform (mono float arrays/tensors in [-1, 1], any rate).
 
         ``warps``: the vocal-tract warps decoded and voted over (:meth:`decode_ensemble`;
@@ -397,13 +479,15 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         self.eval()
         texts = []
         for start in range(0, feats.shape[0], batch_size):
-            f, n = feats[start:start + batch_size], lengths[start:start + batch_size]
+            f, n = feats[start : start + batch_size], lengths[start : start + batch_size]
             f = f[:, : int(n.max())]
             texts += [self.text_of(row) for row in self.decode_ensemble(f, n, warps).tolist()]
         return texts
 
     @torch.no_grad()
-    def transcribe_with_attention(self, waveform, sample_rate: int, *, warps=None) -> dict:
+    def transcribe_with_attention(
+        self, waveform: np.ndarray | torch.Tensor, sample_rate: int, *, warps: Sequence[float] | None = None
+    ) -> dict:
         """The text and the cross-attention that produced it.
 
         Returns ``{"text", "chars": [... , "</s>"], "attention": (layers, heads, chars, frames),
@@ -420,8 +504,13 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         with attnkit.capture(self) as cap:
             self(feats, lengths, target_in)
         cross = torch.stack([w[0] for w, name in zip(cap.weights, cap.names) if name.endswith("cross_attn")])
-        return {"text": self.text_of(ids), "chars": [self.vocab[i] for i in ids], "attention": cross,
-                "frame_times": self.frame_times(cross.shape[-1]), "features": feats[0]}
+        return {
+            "text": self.text_of(ids),
+            "chars": [self.vocab[i] for i in ids],
+            "attention": cross,
+            "frame_times": self.frame_times(cross.shape[-1]),
+            "features": feats[0],
+        }
 
 
 def examples() -> list[tuple[str, str]]:
@@ -450,7 +539,9 @@ def _batch(model, items, rng, augmenting: bool):
     return feats, lengths, ids[:, :-1], ids[:, 1:]
 
 
-def evaluate(model: SpeechRecognizer, items, warps=None) -> dict:
+def evaluate(
+    model: SpeechRecognizer, items: Sequence[tuple[np.ndarray, str]], warps: Sequence[float] | None = None
+) -> dict:
     """Exact-string accuracy, character error rate and monotonic alignments on ``items``
     (decoded over ``warps``, see :meth:`SpeechRecognizer.decode_ensemble`)."""
     texts = model.transcribe([w for w, _ in items], SAMPLE_RATE, warps=warps)
@@ -461,7 +552,7 @@ def evaluate(model: SpeechRecognizer, items, warps=None) -> dict:
     return {"exact": exact, "cer": cer, "monotonic": monotonic, "n": len(items)}
 
 
-def alignment_is_monotonic(model: SpeechRecognizer, samples, warps=None) -> bool:
+def alignment_is_monotonic(model: SpeechRecognizer, samples: np.ndarray, warps: Sequence[float] | None = None) -> bool:
     """Whether the attention peak's time never goes back over the output digits (last layer, mean of heads)."""
     found = model.transcribe_with_attention(samples, SAMPLE_RATE, warps=warps)
     weights = found["attention"][-1].mean(0)[: len(found["text"])]  # (digits, frames)
@@ -479,9 +570,18 @@ def _edit_distance(a: str, b: str) -> int:
     return prev[-1]
 
 
-def train(steps: int = 4000, *, seed: int = 0, batch_size: int = 32, lr: float = 1e-3, train_size: int = 6000,
-          valid_size: int = 300, config: Config = Config(), progress: bool | None = True,
-          log=print) -> tuple[SpeechRecognizer, dict]:
+def train(
+    steps: int = 4000,
+    *,
+    seed: int = 0,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    train_size: int = 6000,
+    valid_size: int = 300,
+    config: Config = Config(),
+    progress: bool | None = True,
+    log: Callable[[str], object] = print,
+) -> tuple[SpeechRecognizer, dict]:
     """Synthesise ``train_size`` utterances of :data:`TRAIN_VOICES` and train (seeded); keep the
     weights with the best exact accuracy on ``valid_size`` more utterances of the training voices."""
     from tqdm.auto import tqdm
@@ -495,15 +595,17 @@ def train(steps: int = 4000, *, seed: int = 0, batch_size: int = 32, lr: float =
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+    )
     best, best_state, history, running = -1.0, None, [], None
     bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
     for step in bar:
         model.train()
         feats, lengths, target_in, target = _batch(model, rng.sample(items, batch_size), rng, augmenting=True)
         logits = model(feats, lengths, target_in)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=PAD,
-                               label_smoothing=0.05)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=PAD, label_smoothing=0.05
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -520,8 +622,17 @@ def train(steps: int = 4000, *, seed: int = 0, batch_size: int = 32, lr: float =
                 log(f"step {step + 1}: loss {running:.3f}, exact on training voices (held-back texts) {acc:.1%}")
             if acc >= best:
                 best, best_state = acc, {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.load_state_dict(best_state)
+    if best_state is not None:
+        model.load_state_dict(best_state)
     model.eval()
-    record = {"steps": steps, "seed": seed, "batch_size": batch_size, "lr": lr, "train_size": train_size,
-              "best_valid_exact": best, "seconds": round(time.perf_counter() - start, 1), "history": history}
+    record = {
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "train_size": train_size,
+        "best_valid_exact": best,
+        "seconds": round(time.perf_counter() - start, 1),
+        "history": history,
+    }
     return model, record

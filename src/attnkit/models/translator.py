@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,19 @@ SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
 SOURCE_CHARS = [chr(c) for c in range(32, 127)] + ["年", "月", "日"]
 TARGET_CHARS = list("0123456789-")
 WEIGHTS = "date_translator.safetensors"
+
+
+class LayerConfig(Protocol):
+    """What an encoder or decoder layer reads from a model's config."""
+
+    @property
+    def d_model(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def d_ff(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -57,13 +72,13 @@ class FeedForward(nn.Sequential):
 class EncoderLayer(nn.Module):
     """Pre-norm: bidirectional self-attention over the real characters, then a feed-forward."""
 
-    def __init__(self, c: Config):
+    def __init__(self, c: LayerConfig):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(c.d_model), nn.LayerNorm(c.d_model)
         self.self_attn = MultiHeadAttention(c.d_model, c.num_heads)
         self.ff = FeedForward(c.d_model, c.d_ff)
 
-    def forward(self, x, padding):
+    def forward(self, x: torch.Tensor, padding: masks.Mask) -> torch.Tensor:
         x = x + self.self_attn(self.norm1(x), mask=padding)[0]
         return x + self.ff(self.norm2(x))
 
@@ -71,14 +86,20 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm: causal self-attention, cross-attention to the encoder, a feed-forward."""
 
-    def __init__(self, c: Config):
+    def __init__(self, c: LayerConfig):
         super().__init__()
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(c.d_model) for _ in range(3))
         self.self_attn = MultiHeadAttention(c.d_model, c.num_heads)
         self.cross_attn = MultiHeadAttention(c.d_model, c.num_heads)
         self.ff = FeedForward(c.d_model, c.d_ff)
 
-    def forward(self, y, memory_kv, source_padding, cache: KVCache | None = None):
+    def forward(
+        self,
+        y: torch.Tensor,
+        memory_kv: tuple[torch.Tensor, torch.Tensor],
+        source_padding: masks.Mask,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """``y: (B, T, d)``; ``memory_kv`` from ``cross_attn.project_kv(memory)``."""
         y = y + self.self_attn(self.norm1(y), mask=masks.causal(), cache=cache)[0]
         y = y + self.cross_attn(self.norm2(y), mask=source_padding, kv=memory_kv)[0]
@@ -86,7 +107,9 @@ class DecoderLayer(nn.Module):
 
 
 @torch.no_grad()
-def greedy_decode(model: nn.Module, embed: nn.Embedding, memory, padding, *, bos: int, eos: int):
+def greedy_decode(
+    model: Any, embed: nn.Embedding, memory: torch.Tensor, padding: masks.Mask, *, bos: int, eos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding with a KV cache per :class:`DecoderLayer` of ``model.decoder``.
 
     ``model`` holds ``decoder``, ``target_pos``, ``decoder_norm``, ``head`` and a ``config``
@@ -98,8 +121,13 @@ def greedy_decode(model: nn.Module, embed: nn.Embedding, memory, padding, *, bos
     memory_kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]  # once per source
     c = model.config
     caches = KVCache.for_layers(
-        len(model.decoder), b, c.num_heads, c.max_target_len, c.d_model // c.num_heads,
-        device=memory.device, dtype=memory.dtype,
+        len(model.decoder),
+        b,
+        c.num_heads,
+        c.max_target_len,
+        c.d_model // c.num_heads,
+        device=memory.device,
+        dtype=memory.dtype,
     )
     token = torch.full((b, 1), bos, dtype=torch.long, device=memory.device)
     out = []
@@ -151,7 +179,6 @@ class DateTranslator(ShippedWeights, nn.Module):
         self.decoder_norm = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, len(self.target_vocab))
 
-
     # --- characters ------------------------------------------------------------------------
 
     def source_tokens(self, text: str) -> list[str]:
@@ -164,7 +191,9 @@ class DateTranslator(ShippedWeights, nn.Module):
         limit = self.config.max_source_len
         too_long = [t for t in texts if len(t) > limit]
         if too_long:
-            raise AttnkitValueError(f"inputs hold at most {limit} characters, but got {len(too_long[0])}: {too_long[0]!r}.")
+            raise AttnkitValueError(
+                f"inputs hold at most {limit} characters, but got {len(too_long[0])}: {too_long[0]!r}."
+            )
         lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
         width = max((len(t) for t in texts), default=0)
         ids = torch.full((len(texts), max(1, width)), PAD, dtype=torch.long)
@@ -177,7 +206,8 @@ class DateTranslator(ShippedWeights, nn.Module):
         index = {ch: i for i, ch in enumerate(self.target_vocab)}
         return torch.tensor([[index[ch] for ch in iso] + [EOS] for iso in isos], dtype=torch.long)
 
-    def decode_target(self, ids) -> str:
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """The text of target token ids, up to EOS."""
         chars = []
         for i in ids:
             if i == EOS:
@@ -188,7 +218,7 @@ class DateTranslator(ShippedWeights, nn.Module):
 
     # --- the network -----------------------------------------------------------------------
 
-    def encode(self, source: torch.Tensor, lengths: torch.Tensor):
+    def encode(self, source: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, masks.Mask]:
         """Encoder states ``(B, Ls, d)`` and the source padding mask."""
         padding = masks.padding(lengths)
         x = self.source_embed(source) + self.source_pos(torch.arange(source.shape[1], device=source.device))[None]
@@ -196,19 +226,24 @@ class DateTranslator(ShippedWeights, nn.Module):
             x = layer(x, padding)
         return self.encoder_norm(x), padding
 
-    def decode(self, target_in, memory, padding):
+    def decode(self, target_in: torch.Tensor, memory: torch.Tensor, padding: masks.Mask) -> torch.Tensor:
         """Teacher-forced logits ``(B, T, vocab)`` for decoder inputs ``target_in: (B, T)``."""
-        y = self.target_embed(target_in) + self.target_pos(torch.arange(target_in.shape[1], device=target_in.device))[None]
+        y = (
+            self.target_embed(target_in)
+            + self.target_pos(torch.arange(target_in.shape[1], device=target_in.device))[None]
+        )
         for layer in self.decoder:
-            y = layer(y, layer.cross_attn.project_kv(memory), padding)
+            y = layer(y, layer.cross_attn.project_kv(memory), padding)  # type: ignore[union-attr, operator]
         return self.head(self.decoder_norm(y))
 
-    def forward(self, source, lengths, target_in):
+    def forward(self, source: torch.Tensor, lengths: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
         memory, padding = self.encode(source, lengths)
         return self.decode(target_in, memory, padding)
 
     @torch.no_grad()
-    def generate(self, source, lengths, *, return_log_prob: bool = False):
+    def generate(
+        self, source: torch.Tensor, lengths: torch.Tensor, *, return_log_prob: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Greedy decoding with a KV cache per decoder layer; ``(B, T)`` token ids after BOS.
 
         With ``return_log_prob``, also each sequence's log-probability ``(B,)`` (the sum of
@@ -301,7 +336,10 @@ class DateTranslator(ShippedWeights, nn.Module):
 # --- training ------------------------------------------------------------------------------
 
 
-def batch(model: DateTranslator, rng: random.Random, size: int):
+def batch(
+    model: DateTranslator, rng: random.Random, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``size`` fresh training pairs: source ids, source lengths, decoder inputs and targets."""
     pairs = [dates.sample(rng) for _ in range(size)]
     source, lengths = model.encode_source([t for t, _ in pairs])
     target = model.encode_target([iso for _, iso in pairs])
@@ -314,8 +352,16 @@ def exact_match(model: DateTranslator, pairs: list[tuple[str, str]]) -> float:
     return sum(p == iso for p, (_, iso) in zip(predictions, pairs)) / max(1, len(pairs))
 
 
-def train(steps: int = 1500, *, seed: int = 0, batch_size: int = 128, lr: float = 2e-3,
-          config: Config = Config(), progress: bool | None = True, log=None) -> tuple[DateTranslator, dict]:
+def train(
+    steps: int = 1500,
+    *,
+    seed: int = 0,
+    batch_size: int = 128,
+    lr: float = 2e-3,
+    config: Config = Config(),
+    progress: bool | None = True,
+    log: Callable[[int, float, float], object] | None = None,
+) -> tuple[DateTranslator, dict]:
     """Train a DateTranslator on freshly generated dates; reproducible from ``seed``.
 
     Returns the model (in eval mode) and a record of the run (steps, seed, final loss,

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from attnkit import functional, masks
+from attnkit._types import BiasLike, Device, IntLike, MaskLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
+
+if TYPE_CHECKING:
+    from attnkit.nn.cache import KVCache
 
 # The tutorial names the four projections W_q, W_k, W_v and W_o; a state dict saved
 # under those names (attnkit.tutorial.MultiHeadAttention, or the tutorial's own class)
@@ -78,8 +84,8 @@ class MultiHeadAttention(nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         rotary: nn.Module | None = None,
-        device=None,
-        dtype=None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         d_model = _positive_int(d_model, "d_model")
@@ -103,23 +109,27 @@ class MultiHeadAttention(nn.Module):
         self.vdim = d_model if vdim is None else _positive_int(vdim, "vdim")
         self.dropout = check_dropout(dropout, "dropout")
         kv_width = num_kv_heads * self.head_dim
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
-        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        if softcap is not None and (
+            isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0
+        ):
             raise AttnkitValueError(f"softcap must be a positive number or None, but got {softcap!r}.")
         self.softcap = None if softcap is None else float(softcap)
         if not isinstance(sinks, bool):
             raise AttnkitTypeError(f"sinks must be True or False (a learnable logit per head), but got {sinks!r}.")
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         if rotary is not None and not isinstance(rotary, nn.Module):
-            raise AttnkitTypeError(f"rotary must be an nn.Module such as attnkit.nn.RotaryEmbedding, but got {type(rotary).__name__}.")
+            raise AttnkitTypeError(
+                f"rotary must be an nn.Module such as attnkit.nn.RotaryEmbedding, but got {type(rotary).__name__}."
+            )
         self.rotary = rotary
         self._attention_hooks: OrderedDict = OrderedDict()
 
-    def register_attention_hook(self, hook, *, with_kwargs: bool = False) -> RemovableHandle:
+    def register_attention_hook(self, hook: Callable[..., None], *, with_kwargs: bool = False) -> RemovableHandle:
         """Call ``hook(module, q, k, v, mask)`` on every forward, just before attention.
 
         ``q: (B, num_heads, Lq, head_dim)``, ``k``/``v: (B, num_kv_heads, Lk, head_dim)``
@@ -141,7 +151,9 @@ class MultiHeadAttention(nn.Module):
         [(2, 4, 5, 4)]
         """
         if not callable(hook):
-            raise AttnkitTypeError(f"hook must be callable as hook(module, q, k, v, mask), but got {type(hook).__name__}.")
+            raise AttnkitTypeError(
+                f"hook must be callable as hook(module, q, k, v, mask), but got {type(hook).__name__}."
+            )
         handle = RemovableHandle(self._attention_hooks)
         self._attention_hooks[handle.id] = (hook, bool(with_kwargs))
         return handle
@@ -185,14 +197,14 @@ class MultiHeadAttention(nn.Module):
         return self.dropout
 
     # Names of the projections in the other layout, mapped to this class's names.
-    _other_layout = TUTORIAL_NAMES
+    _other_layout: ClassVar[dict[str, str]] = TUTORIAL_NAMES
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Accept both layouts: the tutorial's names (W_q.weight, ...) and attnkit's
         # (q_proj.weight, ...); load_state_dict passes its own copy, renamed here in place.
         for old, new in self._other_layout.items():
             for key in [k for k in state_dict if k.startswith(f"{prefix}{old}.")]:
-                state_dict[f"{prefix}{new}.{key[len(prefix) + len(old) + 1:]}"] = state_dict.pop(key)
+                state_dict[f"{prefix}{new}.{key[len(prefix) + len(old) + 1 :]}"] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_input(self, x, name: str, width: int) -> None:
@@ -205,8 +217,7 @@ class MultiHeadAttention(nn.Module):
             )
         if x.dim() not in (2, 3) or x.shape[-1] != width:
             raise AttnkitValueError(
-                f"{name} must have shape (B, L, {width}) or (L, {width}), but got "
-                f"{tuple(x.shape)}."
+                f"{name} must have shape (B, L, {width}) or (L, {width}), but got {tuple(x.shape)}."
             )
 
     def _project_q(self, query):
@@ -216,7 +227,9 @@ class MultiHeadAttention(nn.Module):
             query = query[None]
         return _split_heads(self.q_proj(query), self.num_heads)  # (B, Lq, d_model) -> (B, H, Lq, hd)
 
-    def project(self, query, key=None, value=None):
+    def project(
+        self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The per-head queries, keys and values of :meth:`forward`.
 
         Returns ``q: (B, num_heads, Lq, head_dim)``, ``k: (B, num_kv_heads, Lk, head_dim)``
@@ -238,7 +251,7 @@ class MultiHeadAttention(nn.Module):
             )
         return q, k, v
 
-    def project_kv(self, key, value=None):
+    def project_kv(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys and values ``(B, num_kv_heads, Lk, head_dim)`` of a fixed memory.
 
         Compute them once and pass ``kv=`` to :meth:`forward` on every decoding step
@@ -265,8 +278,20 @@ class MultiHeadAttention(nn.Module):
             positions = torch.arange(t.shape[-2], device=t.device)
         return self.rotary(t, positions)
 
-    def forward(self, query, key=None, value=None, mask=None, need_weights: bool = False, *,
-                cache=None, counts=None, kv=None, attn_bias=None, positions=None):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        mask: MaskLike = None,
+        need_weights: bool = False,
+        *,
+        cache: KVCache | None = None,
+        counts: IntLike | None = None,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_bias: BiasLike = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``).
 
         ``mask`` is any mask :func:`attnkit.attention` takes (True = may attend),
@@ -293,8 +318,9 @@ class MultiHeadAttention(nn.Module):
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if counts is not None and cache is None:
             raise AttnkitValueError("counts= says how many new entries of a KV cache are real: pass it with cache=.")
-        if kv is not None and (not isinstance(kv, (tuple, list)) or len(kv) != 2
-                               or not all(isinstance(t, torch.Tensor) for t in kv)):
+        if kv is not None and (
+            not isinstance(kv, (tuple, list)) or len(kv) != 2 or not all(isinstance(t, torch.Tensor) for t in kv)
+        ):
             raise AttnkitTypeError(
                 "kv must be the pair (k, v) of tensors returned by project_kv, but got "
                 f"{type(kv).__name__}{f' of length {len(kv)}' if isinstance(kv, (tuple, list)) else ''}."
@@ -307,6 +333,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = kv
                 q = self._rotate(q, positions)
             else:
+                assert cache is not None
                 new_k, new_v = self.project_kv(query)
                 if self.rotary is not None:
                     if positions is None:  # after each sequence's stored tokens
@@ -321,10 +348,12 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.project(query, key, value)
             if self.rotary is not None:
                 if key is not None and key is not query:
-                    raise AttnkitValueError("rotary embeddings are for self-attention: call forward(x) without key/value.")
+                    raise AttnkitValueError(
+                        "rotary embeddings are for self-attention: call forward(x) without key/value."
+                    )
                 q, k = self._rotate(q, positions), self._rotate(k, positions)
         p = self._dropout_p() if self.training else 0.0
-        mods = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=p)
+        mods: dict[str, Any] = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=p)
         self._run_attention_hooks(q, k, v, mask, mods)
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, **mods)

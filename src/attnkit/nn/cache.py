@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attnkit import bias as _bias
 from attnkit import masks
+from attnkit._types import BiasLike, Device, IntLike
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -31,10 +34,23 @@ class KVCache:
     [3, 2]
     """
 
-    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
-                 v_dim: int | None = None, device=None, dtype=None):
-        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("max_len", max_len), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        v_dim: int | None = None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ):
             check_nonnegative_int(value, name)
         v_dim = head_dim if v_dim is None else check_nonnegative_int(v_dim, "v_dim")
         self.max_len = max_len
@@ -60,7 +76,7 @@ class KVCache:
         return self._keys.dtype
 
     @classmethod
-    def for_layers(cls, num_layers: int, *args, **kwargs) -> list[KVCache]:
+    def for_layers(cls, num_layers: int, *args: Any, **kwargs: Any) -> list[KVCache]:
         """One cache per layer, all of the same sizes."""
         return [cls(*args, **kwargs) for _ in range(num_layers)]
 
@@ -75,41 +91,52 @@ class KVCache:
             return None
         if not isinstance(counts, torch.Tensor):
             if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
-                raise AttnkitTypeError(f"counts must be a sequence of {b} ints or a (B,) integer tensor, but got {short(counts)}.")
+                raise AttnkitTypeError(
+                    f"counts must be a sequence of {b} ints or a (B,) integer tensor, but got {short(counts)}."
+                )
             counts = torch.tensor(counts)
         if counts.dtype == torch.bool or counts.is_floating_point() or counts.is_complex():
             raise AttnkitTypeError(
                 f"counts must hold integers (how many of the {t} new entries are real), but got {counts.dtype}."
             )
         if counts.shape != (b,):
-            raise AttnkitValueError(f"counts must have shape ({b},), one entry per sequence, but got {tuple(counts.shape)}.")
+            raise AttnkitValueError(
+                f"counts must have shape ({b},), one entry per sequence, but got {tuple(counts.shape)}."
+            )
         counts = counts.to(self.lengths.device, torch.long)
         if counts.device.type == "cpu" and not compiling():  # reading values on the CPU costs no device sync
             if bool(((counts < 0) | (counts > t)).any()):
                 raise AttnkitValueError(f"counts must lie in 0..{t}, but got {short(counts.tolist())}.")
         return counts
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, counts=None) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, counts: IntLike | None = None) -> None:
         """Store ``k: (B, Hkv, T, D)`` and ``v: (B, Hkv, T, Dv)`` after each sequence's end.
 
         ``counts: (B,)`` says how many of the T new entries are real for each sequence
         (the rest is padding and is not stored); default T for every sequence. No host
         sync unless the cache may be full.
         """
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise AttnkitTypeError(f"{name} must be a tensor (B, Hkv, T, D), but got {type(t).__name__}.")
-            if t.dim() != 4:
-                raise AttnkitValueError(f"{name} must have 4 dimensions (B, Hkv, T, D), but got shape {tuple(t.shape)}.")
-            if not t.is_floating_point():
-                raise AttnkitTypeError(f"{name} must be a floating point tensor (keys and values), but got {t.dtype}.")
-            if t.dtype != self.dtype:
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise AttnkitTypeError(f"{name} must be a tensor (B, Hkv, T, D), but got {type(x).__name__}.")
+            if x.dim() != 4:
+                raise AttnkitValueError(
+                    f"{name} must have 4 dimensions (B, Hkv, T, D), but got shape {tuple(x.shape)}."
+                )
+            if not x.is_floating_point():
+                raise AttnkitTypeError(f"{name} must be a floating point tensor (keys and values), but got {x.dtype}.")
+            if x.dtype != self.dtype:
                 raise AttnkitTypeError(
-                    f"the cache holds {self.dtype} but {name} is {t.dtype}. Build the cache with "
-                    f"KVCache(..., dtype={t.dtype}) to match the layer."
+                    f"the cache holds {self.dtype} but {name} is {x.dtype}. Build the cache with "
+                    f"KVCache(..., dtype={x.dtype}) to match the layer."
                 )
         b, h, t = k.shape[:3]
-        if k.shape[:2] != self._keys.shape[:2] or k.shape[-1] != self._keys.shape[-1] or v.shape[:3] != k.shape[:3] or v.shape[-1] != self._values.shape[-1]:
+        if (
+            k.shape[:2] != self._keys.shape[:2]
+            or k.shape[-1] != self._keys.shape[-1]
+            or v.shape[:3] != k.shape[:3]
+            or v.shape[-1] != self._values.shape[-1]
+        ):
             raise AttnkitValueError(
                 f"the cache holds keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} "
                 f"(B, Hkv, max_len, D), but got k: {tuple(k.shape)} and v: {tuple(v.shape)}."
@@ -144,17 +171,20 @@ class KVCache:
         """
         return self._keys[:, :, : self._bound], self._values[:, :, : self._bound]
 
-    def mask(self, mask=None) -> masks.Mask:
+    def mask(self, mask: masks.Mask | None = None) -> masks.Mask:
         """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`)."""
         return masks.cached(mask, self._start, self.lengths)
 
-    def bias(self, attn_bias):
+    def bias(self, attn_bias: BiasLike) -> BiasLike:
         """``attn_bias`` aligned like :meth:`mask`: query i of sequence b at position ``start[b] + i``
         (see :func:`attnkit.bias.cached`). A float tensor is for the call's ``(Lq, Lk)`` as given."""
         if attn_bias is None or isinstance(attn_bias, torch.Tensor):
             return attn_bias
         return _bias.cached(attn_bias, self._start)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         b, h, n, d = self.keys.shape
-        return f"KVCache(batch_size={b}, num_kv_heads={h}, max_len={n}, head_dim={d}, lengths={short(self.lengths.tolist())})"
+        return (
+            f"KVCache(batch_size={b}, num_kv_heads={h}, max_len={n}, head_dim={d}, "
+            f"lengths={short(self.lengths.tolist())})"
+        )

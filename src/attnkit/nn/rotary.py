@@ -29,12 +29,20 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0, rotary_dims: int | None = None):
         super().__init__()
         rotary_dims = head_dim if rotary_dims is None else rotary_dims
-        if isinstance(rotary_dims, bool) or not isinstance(rotary_dims, int) or not 0 <= rotary_dims <= head_dim or rotary_dims % 2:
-            raise AttnkitValueError(f"rotary_dims must be an even int in [0, head_dim={head_dim}], but got {rotary_dims!r}.")
+        if (
+            isinstance(rotary_dims, bool)
+            or not isinstance(rotary_dims, int)
+            or not 0 <= rotary_dims <= head_dim
+            or rotary_dims % 2
+        ):
+            raise AttnkitValueError(
+                f"rotary_dims must be an even int in [0, head_dim={head_dim}], but got {rotary_dims!r}."
+            )
         if not base > 1:
             raise AttnkitValueError(f"base must be > 1, but got {base!r}.")
         self.head_dim, self.base, self.rotary_dims = head_dim, float(base), rotary_dims
         inv_freq = base ** (-torch.arange(0, rotary_dims, 2, dtype=torch.float64) / max(rotary_dims, 1))
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def extra_repr(self) -> str:
@@ -55,5 +63,5 @@ class RotaryEmbedding(nn.Module):
             angles = angles[:, None]  # (B, 1, L, r/2): the same for every head
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         half = self.rotary_dims // 2
-        x1, x2, rest = x[..., :half], x[..., half:self.rotary_dims], x[..., self.rotary_dims:]
+        x1, x2, rest = x[..., :half], x[..., half : self.rotary_dims], x[..., self.rotary_dims :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)

@@ -1,9 +1,9 @@
-"""Pictures of attention: figures (matplotlib) and self-contained HTML views. Needs the
-``viz`` extra: ``pip install 'attnkit[viz]'`` (matplotlib, and a CJK font for token labels)."""
+"""Pictures of attention: figures (PNG, SVG, PDF) and self-contained HTML views.
 
-from attnkit.errors import check_extra
-
-check_extra("viz", "attnkit.viz")
+The HTML views need nothing beyond attnkit's core. Figures need the ``viz`` extra
+(``pip install 'attnkit[viz]'``: matplotlib, and a CJK font for token labels); without it
+they raise an error that says so.
+"""
 
 from attnkit.viz.grid import attention_grid
 from attnkit.viz.heatmap import visualize_attention

@@ -18,7 +18,7 @@ _CJK_FAMILIES = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def font_families() -> tuple[str, ...]:
     """Font family list for labels: DejaVu Sans first, then a CJK fallback if one exists.
 
@@ -41,7 +41,7 @@ def font_families() -> tuple[str, ...]:
     return ("DejaVu Sans", font_manager.FontProperties(fname=str(path)).get_name())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cjk_font_path():
     """A font file that covers CJK (the packaged Noto Sans CJK SC first), or None."""
     try:
@@ -50,7 +50,10 @@ def cjk_font_path():
             return str(path)
     except ModuleNotFoundError:
         pass
-    from matplotlib import font_manager
+    try:
+        from matplotlib import font_manager
+    except ModuleNotFoundError:  # HTML views without the viz extra: no CJK font to embed
+        return None
 
     for family in _CJK_FAMILIES:
         found = font_manager.findfont(family, fallback_to_default=False) if _has(family) else None

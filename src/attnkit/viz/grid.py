@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from attnkit._types import ArrayLike, PathLike
 from attnkit._validate import AttnkitValueError
 from attnkit.viz.heatmap import _figure, as_array, save
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-def attention_grid(weights, save_path="attention_grid.png", *, tokens=None, title: str | None = None, cmap: str = "viridis"):
+
+def attention_grid(
+    weights: ArrayLike,
+    save_path: PathLike | None = "attention_grid.png",
+    *,
+    tokens: Sequence[str] | None = None,
+    title: str | None = None,
+    cmap: str = "viridis",
+) -> Figure:
     """Draw ``weights: (layers, heads, Lq, Lk)`` as a layers x heads grid of heatmaps.
 
     ``tokens`` (optional) label the first column's rows and the last row's columns
@@ -31,14 +45,16 @@ def attention_grid(weights, save_path="attention_grid.png", *, tokens=None, titl
     for layer in range(layers):
         for head in range(heads):
             ax = axes[layer][head]
-            ax.imshow(array[layer, head], cmap=cmap, vmin=0.0, vmax=max(float(array[layer, head].max(initial=0.0)), 1e-9))
+            ax.imshow(
+                array[layer, head], cmap=cmap, vmin=0.0, vmax=max(float(array[layer, head].max(initial=0.0)), 1e-9)
+            )
             ax.set_xticks([])
             ax.set_yticks([])
             if layer == 0:
                 ax.set_title(f"head {head}", fontsize=8)
             if head == 0:
                 ax.set_ylabel(f"layer {layer}", fontsize=8)
-    if label:
+    if label and tokens is not None:
         for head in range(heads):
             ax = axes[-1][head]
             ax.set_xticks(range(lk), [str(t) for t in tokens], rotation=90, fontsize=4, fontfamily=families)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from attnkit._validate import AttnkitTypeError, AttnkitValueError
+import numpy as np
+
+from attnkit._types import ArrayLike, PathLike
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, MissingExtraError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
-def as_array(weights):
+def as_array(weights: ArrayLike) -> np.ndarray:
     """A float32 numpy array from a tensor or array."""
     import numpy as np
     import torch
@@ -16,20 +24,21 @@ def as_array(weights):
         return weights.detach().to("cpu", torch.float32).numpy()
     if isinstance(weights, np.ndarray):
         return weights.astype(np.float32)
-    raise AttnkitTypeError(
-        f"weights must be a torch.Tensor or numpy array, but got {type(weights).__name__}."
-    )
+    raise AttnkitTypeError(f"weights must be a torch.Tensor or numpy array, but got {type(weights).__name__}.")
 
 
-def _figure():
+def _figure() -> type[Figure]:
+    """matplotlib's ``Figure`` (figures are drawn without pyplot: no window, no backend change)."""
     try:
         from matplotlib.figure import Figure
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError("attnkit's figures need matplotlib: pip install 'attnkit[viz]'") from err
+    except ModuleNotFoundError:
+        raise MissingExtraError(
+            "attnkit's figures need matplotlib, which is not installed: pip install 'attnkit[viz]'"
+        ) from None
     return Figure
 
 
-def save(fig, save_path) -> None:
+def save(fig: Figure, save_path: PathLike | None) -> None:
     """Write ``fig`` to ``save_path`` (format from the extension), creating the folder."""
     if save_path is None:
         return
@@ -77,11 +86,11 @@ def _as_matrix(weights, sample=0, head=0):
 
 
 def visualize_attention(
-    weights,
-    tokens,
-    save_path="attention.png",
+    weights: ArrayLike,
+    tokens: Sequence[str],
+    save_path: PathLike | None = "attention.png",
     *,
-    key_tokens=None,
+    key_tokens: Sequence[str] | None = None,
     title: str | None = None,
     cmap: str = "viridis",
     annotate: bool | None = None,
@@ -89,7 +98,7 @@ def visualize_attention(
     ylabel: str = "query",
     sample: int = 0,
     head: int = 0,
-):
+) -> Figure:
     """Draw one head's attention weights as a heatmap with token labels and a colour bar.
 
     Args:
@@ -134,7 +143,9 @@ def visualize_attention(
     ax = fig.add_subplot()
     families = list(font_families())
     image = ax.imshow(matrix, cmap=cmap, vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
-    ax.set_xticks(range(lk), key_tokens, rotation=45 if lk > 6 else 0, ha="right" if lk > 6 else "center", fontfamily=families)
+    ax.set_xticks(
+        range(lk), key_tokens, rotation=45 if lk > 6 else 0, ha="right" if lk > 6 else "center", fontfamily=families
+    )
     ax.set_yticks(range(lq), tokens, fontfamily=families)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -145,8 +156,15 @@ def visualize_attention(
         for i in range(lq):
             for j in range(lk):
                 value = float(matrix[i, j])
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8,
-                        color="black" if value > threshold else "white")
+                ax.text(
+                    j,
+                    i,
+                    f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="black" if value > threshold else "white",
+                )
     fig.colorbar(image, ax=ax, label="attention weight")
     save(fig, save_path)
     return fig

@@ -21,9 +21,12 @@ import html
 import json
 import re
 import unicodedata
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+from attnkit._types import ArrayLike, PathLike
 from attnkit._validate import AttnkitValueError
 from attnkit.viz.heatmap import as_array
 
@@ -38,7 +41,7 @@ MAX_LABEL = 48
 MAX_TITLE, MAX_NAME = 300, 80
 
 
-def cut_labels(labels, limit: int = MAX_LABEL) -> tuple[list[str], int]:
+def cut_labels(labels: Iterable[object], limit: int = MAX_LABEL) -> tuple[list[str], int]:
     """``labels`` as str, each cut to ``limit`` characters with an ellipsis; and how many were cut."""
     out, cut = [], 0
     for label in labels:
@@ -51,7 +54,7 @@ def cut_labels(labels, limit: int = MAX_LABEL) -> tuple[list[str], int]:
 
 def _asset(name: str) -> str:
     """A file of the page (HTML, CSS or JavaScript) shipped in ``attnkit/viz/static``."""
-    return resources.files("attnkit.viz").joinpath("static", name).read_text(encoding="utf-8")
+    return (resources.files("attnkit.viz") / "static" / name).read_text(encoding="utf-8")
 
 
 def fill(template: str, **values: str) -> str:
@@ -67,12 +70,25 @@ def _printable(text: str) -> str:
 def _script_json(value) -> str:
     """JSON that is safe inside a <script> element (no "</script>", no HTML parsing)."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for raw, escaped in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         text = text.replace(raw, escaped)
     return text
 
 
-def attention_html(weights, tokens, *, key_tokens=None, layer_names=None, title: str = "attention") -> str:
+def attention_html(
+    weights: ArrayLike,
+    tokens: Sequence[str],
+    *,
+    key_tokens: Sequence[str] | None = None,
+    layer_names: Sequence[str] | None = None,
+    title: str = "attention",
+) -> str:
     """The HTML page for ``weights: (layers, heads, Lq, Lk)`` over ``tokens``.
 
     ``key_tokens`` default to ``tokens`` (self-attention); ``layer_names`` label the rows.
@@ -153,10 +169,13 @@ def _font_face(text: str) -> str:
     if font is None:
         return ""
     encoded = base64.b64encode(font).decode("ascii")
-    return f'@font-face {{ font-family: "{GLYPH_FAMILY}"; src: url(data:font/otf;base64,{encoded}) format("opentype"); }}\n'
+    return (
+        f'@font-face {{ font-family: "{GLYPH_FAMILY}"; '
+        f'src: url(data:font/otf;base64,{encoded}) format("opentype"); }}\n'
+    )
 
 
-def save_html(path, weights, tokens, **kwargs) -> Path:
+def save_html(path: PathLike, weights: ArrayLike, tokens: Sequence[str], **kwargs: Any) -> Path:
     """Write :func:`attention_html` to ``path``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
+from attnkit._types import PathLike
 from attnkit._validate import AttnkitValueError
-from attnkit.viz.heatmap import as_array
+from attnkit.viz.heatmap import _figure, as_array
 from attnkit.viz.html import _asset, _font_face, _printable, _script_json, fill
+
+if TYPE_CHECKING:
+    from attnkit.inspect import AttentionStats
 
 #: The largest page :func:`long_html` writes (bytes).
 MAX_PAGE_BYTES = 10 * 2**20
@@ -38,7 +45,15 @@ def _log_bytes(values: np.ndarray) -> tuple[np.ndarray, list[float]]:
     return out, [float(x) for x in hi]
 
 
-def long_data(stats, tokens, rows, row_weights, *, names=None, title="attention over a long input") -> dict:
+def long_data(
+    stats: Sequence[AttentionStats],
+    tokens: Sequence[str],
+    rows: Sequence[int],
+    row_weights: Sequence[torch.Tensor],
+    *,
+    names: Sequence[str] | None = None,
+    title: str = "attention over a long input",
+) -> dict:
     """The page's data. ``stats``: one :class:`~attnkit.inspect.AttentionStats` per layer (of one
     sequence: batch index 0 is used); ``rows``: the chosen query rows; ``row_weights``: one
     ``(B, H, len(rows), Lk)`` tensor per layer."""
@@ -50,8 +65,10 @@ def long_data(stats, tokens, rows, row_weights, *, names=None, title="attention 
     tokens = [str(t) for t in tokens]
     if len(tokens) != lk:
         raise AttnkitValueError(f"the statistics cover {lk} keys but {len(tokens)} tokens were given.")
-    summary = {name: [[float(x) for x in s.head_summary()[name]] for s in stats]
-               for name in ("entropy", "sink_mass", "mean_distance", "max_weight")}
+    summary = {
+        name: [[float(x) for x in s.head_summary()[name]] for s in stats]
+        for name in ("entropy", "sink_mass", "mean_distance", "max_weight")
+    }
     received = np.stack([as_array(s.received[0]) for s in stats]).reshape(layers * heads, lk)
     received_bytes, received_hi = _log_bytes(received)
     rows = [int(r) % lq for r in rows]
@@ -60,14 +77,29 @@ def long_data(stats, tokens, rows, row_weights, *, names=None, title="attention 
     weights = weights.transpose(2, 0, 1, 3).reshape(len(rows) * layers * heads, lk)
     weight_bytes, weight_hi = _log_bytes(weights)
     return {
-        "title": str(title), "tokens": tokens, "layerNames": names or [f"layer {i}" for i in range(layers)],
-        "layers": layers, "heads": heads, "length": lk, "rows": rows, "decades": DECADES, "summary": summary,
-        "received": base64.b64encode(received_bytes.tobytes()).decode("ascii"), "receivedHi": received_hi,
-        "weights": base64.b64encode(weight_bytes.tobytes()).decode("ascii"), "weightsHi": weight_hi,
+        "title": str(title),
+        "tokens": tokens,
+        "layerNames": names or [f"layer {i}" for i in range(layers)],
+        "layers": layers,
+        "heads": heads,
+        "length": lk,
+        "rows": rows,
+        "decades": DECADES,
+        "summary": summary,
+        "received": base64.b64encode(received_bytes.tobytes()).decode("ascii"),
+        "receivedHi": received_hi,
+        "weights": base64.b64encode(weight_bytes.tobytes()).decode("ascii"),
+        "weightsHi": weight_hi,
     }
 
 
-def long_html(stats, tokens, rows, row_weights, **kwargs) -> str:
+def long_html(
+    stats: Sequence[AttentionStats],
+    tokens: Sequence[str],
+    rows: Sequence[int],
+    row_weights: Sequence[torch.Tensor],
+    **kwargs: Any,
+) -> str:
     """The HTML page (see the module docstring); raises if it would exceed :data:`MAX_PAGE_BYTES`."""
     data = long_data(stats, tokens, rows, row_weights, **kwargs)
     page = fill(
@@ -85,24 +117,35 @@ def long_html(stats, tokens, rows, row_weights, **kwargs) -> str:
     return page
 
 
-def save_long_html(path, stats, tokens, rows, row_weights, **kwargs) -> Path:
+def save_long_html(
+    path: PathLike,
+    stats: Sequence[AttentionStats],
+    tokens: Sequence[str],
+    rows: Sequence[int],
+    row_weights: Sequence[torch.Tensor],
+    **kwargs: Any,
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(long_html(stats, tokens, rows, row_weights, **kwargs), encoding="utf-8")
     return path
 
 
-def long_figures(folder, stats, tokens, rows, row_weights, *, title="attention over a long input",
-                 marks: dict | None = None) -> list[Path]:
+def long_figures(
+    folder: PathLike,
+    stats: Sequence[AttentionStats],
+    tokens: Sequence[str],
+    rows: Sequence[int],
+    row_weights: Sequence[torch.Tensor],
+    *,
+    title: str = "attention over a long input",
+    marks: dict | None = None,
+) -> list[Path]:
     """PNGs: ``long_heads.png`` (per layer x head: entropy, sink mass, mean distance),
     ``long_keymass.png`` (mass each key receives, per layer) and ``long_rows.png`` (the chosen
     rows' weights over the text, per layer and head). ``marks``: ``{label: position}`` drawn
     as vertical lines (e.g. the needle)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    Figure = _figure()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layers = len(stats)
@@ -111,21 +154,29 @@ def long_figures(folder, stats, tokens, rows, row_weights, *, title="attention o
     marks = marks or {}
     written = []
 
-    fig, axes = plt.subplots(1, 3, figsize=(3.2 * 3, 0.45 * layers + 1.6), constrained_layout=True)
-    for ax, (name, label) in zip(axes, (("entropy", "mean entropy (nats)"), ("sink_mass", "mass on the first token"),
-                                        ("mean_distance", "mean distance (tokens)"))):
+    fig = Figure(figsize=(3.2 * 3, 0.45 * layers + 1.6), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for ax, (name, label) in zip(
+        axes,
+        (
+            ("entropy", "mean entropy (nats)"),
+            ("sink_mass", "mass on the first token"),
+            ("mean_distance", "mean distance (tokens)"),
+        ),
+    ):
         grid = np.array([[float(x) for x in s.head_summary()[name]] for s in stats])
-        im = ax.imshow(grid, cmap="viridis", aspect="auto", norm="log" if name == "mean_distance" and grid.min() > 0 else None)
+        im = ax.imshow(
+            grid, cmap="viridis", aspect="auto", norm="log" if name == "mean_distance" and grid.min() > 0 else None
+        )
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_xticks(range(heads))
         ax.set_yticks(range(layers))
         fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.suptitle(f"{title}: {lk:,} tokens", fontsize=10)
+    fig.suptitle(title if f"{lk:,} tokens" in title else f"{title} ({lk:,} tokens)", fontsize=10)
     written.append(folder / "long_heads.png")
     fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
 
     bins = min(lk, 2000)
     edges = np.linspace(0, lk, bins + 1).astype(int)
@@ -133,7 +184,8 @@ def long_figures(folder, stats, tokens, rows, row_weights, *, title="attention o
     def binned(values):  # (n, Lk) -> (n, bins): the largest value of each bin
         return np.maximum.reduceat(values, edges[:-1], axis=-1)
 
-    fig, ax = plt.subplots(figsize=(10, 3.2), constrained_layout=True)
+    fig = Figure(figsize=(10, 3.2), layout="constrained")
+    ax = fig.subplots()
     for i, s in enumerate(stats):
         mass = as_array(s.received[0]).mean(axis=0)  # mean over heads
         ax.plot((edges[:-1] + edges[1:]) / 2, np.clip(binned(mass[None])[0], 1e-12, None), lw=0.8, label=f"layer {i}")
@@ -147,12 +199,11 @@ def long_figures(folder, stats, tokens, rows, row_weights, *, title="attention o
     ax.legend(fontsize=7, ncol=min(layers, 6))
     written.append(folder / "long_keymass.png")
     fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
 
     if rows:
         shown = rows[:4]
-        fig, axes = plt.subplots(len(shown) * layers, 1, figsize=(10, 1.7 * layers * len(shown) + 0.8),
-                                 squeeze=False, sharex=True, constrained_layout=True)
+        fig = Figure(figsize=(10, 1.7 * layers * len(shown) + 0.8), layout="constrained")
+        axes = fig.subplots(len(shown) * layers, 1, squeeze=False, sharex=True)
         centres = (edges[:-1] + edges[1:]) / 2
         for ri, row in enumerate(shown):
             for layer in range(layers):
@@ -160,18 +211,19 @@ def long_figures(folder, stats, tokens, rows, row_weights, *, title="attention o
                 w = as_array(row_weights[layer][0, :, ri])  # (heads, Lk)
                 for head, line in enumerate(binned(w)):
                     ax.plot(centres, line, lw=0.8, label=f"head {head}")
-                for label, pos in marks.items():
+                for pos in marks.values():
                     ax.axvline(pos, color="red", lw=0.6, ls="--")
                 ax.set_ylim(0, 1)
                 ax.set_ylabel(f"layer {layer}\nweight", fontsize=8)
                 ax.tick_params(labelsize=7)
                 if layer == 0:
-                    ax.set_title(f"query row {row} ({_printable(str(tokens[row]))}): its weight on each key "
-                                 f"(max per bin of {max(1, lk // bins)} tokens)", fontsize=9)
+                    ax.set_title(
+                        f"query row {row} ({_printable(str(tokens[row]))}): its weight on each key "
+                        f"(max per bin of {max(1, lk // bins)} tokens)",
+                        fontsize=9,
+                    )
                     ax.legend(fontsize=6, ncol=min(heads, 6), loc="upper right")
         axes[-1, 0].set_xlabel("key position")
         written.append(folder / "long_rows.png")
         fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
     return written
-

@@ -10,19 +10,28 @@ gives them.
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from attnkit._types import ArrayLike, PathLike
 from attnkit._validate import AttnkitValueError
 from attnkit.viz.heatmap import _figure, as_array, save
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _check(image, words, attention, grid):
     image, attention = as_array(image), as_array(attention)
     rows, cols = grid
     if image.ndim != 2 or attention.ndim != 2:
-        raise AttnkitValueError(f"image must be 2-D and attention (words, patches), but got {image.shape} and {attention.shape}.")
+        raise AttnkitValueError(
+            f"image must be 2-D and attention (words, patches), but got {image.shape} and {attention.shape}."
+        )
     if attention.shape != (len(words), rows * cols):
         raise AttnkitValueError(
             f"attention must be (words, patches) = ({len(words)}, {rows * cols}) for {len(words)} words on a "
@@ -33,7 +42,7 @@ def _check(image, words, attention, grid):
     return image, attention
 
 
-def patch_map(attention_row, grid, shape):
+def patch_map(attention_row: np.ndarray, grid: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
     """One word's attention ``(patches,)`` as a pixel map of ``shape`` (patches column by column)."""
     import numpy as np
 
@@ -42,7 +51,15 @@ def patch_map(attention_row, grid, shape):
     return np.kron(per_patch, np.ones((shape[0] // rows, shape[1] // cols)))
 
 
-def region_figure(image, words, attention, grid, save_path=None, *, title: str | None = None):
+def region_figure(
+    image: ArrayLike,
+    words: Sequence[str],
+    attention: ArrayLike,
+    grid: tuple[int, int],
+    save_path: PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
     """One panel per word: the image in grey with the word's attention over it. Returns the Figure."""
     import numpy as np
 
@@ -53,7 +70,7 @@ def region_figure(image, words, attention, grid, save_path=None, *, title: str |
     axes = fig.subplots(max(n, 1), 1, squeeze=False)[:, 0]
     for ax, word, row in zip(axes, words, attention):
         ax.imshow(image, cmap="gray_r", vmin=0, vmax=16)
-        heat = patch_map(row, grid, image.shape)
+        heat = patch_map(row, grid, (image.shape[0], image.shape[1]))
         overlay = np.zeros((*heat.shape, 4))
         overlay[..., :3] = (1.0, 0.35, 0.0)  # orange, as opaque as the weight is high
         overlay[..., 3] = 0.7 * heat / max(float(heat.max()), 1e-9)
@@ -66,7 +83,15 @@ def region_figure(image, words, attention, grid, save_path=None, *, title: str |
     return fig
 
 
-def region_html(image, words, attention, grid, *, layers=None, title: str = "attention over regions") -> str:
+def region_html(
+    image: ArrayLike,
+    words: Sequence[str],
+    attention: ArrayLike,
+    grid: tuple[int, int],
+    *,
+    layers: ArrayLike | None = None,
+    title: str = "attention over regions",
+) -> str:
     """A page: the image, the words; hovering (or clicking) a word shows its attention over the image.
 
     ``attention`` is ``(words, patches)`` or, to choose among them on the page,
@@ -78,7 +103,9 @@ def region_html(image, words, attention, grid, *, layers=None, title: str = "att
     if full.ndim == 2:
         full = full[None, None]
     if full.ndim != 4:
-        raise AttnkitValueError(f"attention must be (words, patches) or (layers, heads, words, patches), but got {full.shape}.")
+        raise AttnkitValueError(
+            f"attention must be (words, patches) or (layers, heads, words, patches), but got {full.shape}."
+        )
     image, _ = _check(image, words, full[0, 0], grid)
     names = [str(n) for n in layers] if layers is not None else [f"layer {i}" for i in range(full.shape[0])]
     data = {
@@ -92,7 +119,9 @@ def region_html(image, words, attention, grid, *, layers=None, title: str = "att
     return fill(_asset("regions.html"), title=html.escape(_printable(str(title))), data=_script_json(data))
 
 
-def save_region_html(path, image, words, attention, grid, **kwargs) -> Path:
+def save_region_html(
+    path: PathLike, image: ArrayLike, words: Sequence[str], attention: ArrayLike, grid: tuple[int, int], **kwargs: Any
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(region_html(image, words, attention, grid, **kwargs), encoding="utf-8")

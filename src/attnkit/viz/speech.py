@@ -2,39 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from attnkit.viz.heatmap import as_array
+from attnkit._types import ArrayLike, PathLike
+from attnkit.viz.heatmap import _figure, as_array
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
-def speech_figure(samples, sample_rate: int, features, chars, attention, frame_times, save_path=None, *,
-                  title: str | None = None):
+def speech_figure(
+    samples: ArrayLike,
+    sample_rate: int,
+    features: ArrayLike,
+    chars: Sequence[str],
+    attention: ArrayLike,
+    frame_times: ArrayLike,
+    save_path: PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
     """Three panels sharing the time axis: the waveform, the log-mel spectrogram, and the
     cross-attention of each output character over the audio frames (``attention: (chars, frames)``),
     with each character's peak marked. Returns the figure (saved when ``save_path`` is given)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    Figure = _figure()
     samples = np.asarray(samples, dtype=np.float32)
     feats = as_array(features)  # (T, mels) at 100 frames/s
     att = as_array(attention)  # (chars, frames)
     times = as_array(frame_times)
     duration = len(samples) / sample_rate
     step = float(times[1] - times[0]) if len(times) > 1 else duration
-    fig, axes = plt.subplots(3, 1, figsize=(9, 2.2 + 0.35 * len(chars) + 3.2), sharex=True,
-                             gridspec_kw={"height_ratios": [1, 1.3, max(1.0, 0.35 * len(chars))]},
-                             constrained_layout=True)
+    fig = Figure(figsize=(9, 2.2 + 0.35 * len(chars) + 3.2), layout="constrained")
+    axes = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.3, max(1.0, 0.35 * len(chars))]})
     axes[0].plot(np.arange(len(samples)) / sample_rate, samples, lw=0.5, color="#333")
     axes[0].set_ylabel("waveform")
-    axes[1].imshow(feats.T, origin="lower", aspect="auto", cmap="magma",
-                   extent=(0, feats.shape[0] * 0.01, 0, feats.shape[1]))
+    axes[1].imshow(
+        feats.T, origin="lower", aspect="auto", cmap="magma", extent=(0, feats.shape[0] * 0.01, 0, feats.shape[1])
+    )
     axes[1].set_ylabel("log-mel")
-    axes[2].imshow(att, aspect="auto", cmap="viridis", interpolation="nearest",
-                   extent=(times[0] - step / 2, times[-1] + step / 2, len(chars) - 0.5, -0.5))
+    axes[2].imshow(
+        att,
+        aspect="auto",
+        cmap="viridis",
+        interpolation="nearest",
+        extent=(times[0] - step / 2, times[-1] + step / 2, len(chars) - 0.5, -0.5),
+    )
     peaks = att.argmax(-1)
     axes[2].plot(times[peaks], np.arange(len(chars)), "w.", ms=6)
     axes[2].set_yticks(range(len(chars)))
@@ -47,5 +63,4 @@ def speech_figure(samples, sample_rate: int, features, chars, attention, frame_t
     if save_path is not None:
         Path(save_path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(save_path, dpi=110)
-        plt.close(fig)
     return fig
