@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test fuzz bench tutorial clean
+.PHONY: demo test lint docs wheel fuzz bench tutorial clean
+LINTED := src tests benchmarks examples scripts docs/hooks.py
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,7 @@ $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed
-	$(PIP) -e '.[viz,models,hf,test,gpu]'
+	$(PIP) -e '.[viz,models,hf,test,gpu,docs,lint]'
 	touch $@
 
 demo: $(VENV)/.demo-installed
@@ -41,6 +42,29 @@ test: $(VENV)/.test-installed
 		echo "NOTE: no chromium/chromedriver on PATH: the browser tests will be skipped (apt-get install chromium chromium-driver)"
 	$(BIN)/python -m pytest
 
+# ruff (rules in pyproject.toml) and mypy over src/attnkit
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+# the documentation site into site/ (offline; warnings are errors)
+docs: $(VENV)/.test-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# the wheel, installed non-editable into a fresh venv outside the repository: the quick start
+# with no extras, then `attnkit show` with [viz,models]
+WHEEL_DIR := $(abspath build/wheel-check)
+wheel: $(VENV)/.test-installed
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(BIN)/python -m build --wheel --outdir $(WHEEL_DIR)/dist . >/dev/null
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
+	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt $(WHEEL_DIR)/dist/*.whl
+	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/quick_start.py
+	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$$(ls $(WHEEL_DIR)/dist/*.whl)[viz,models]"
+	cd $(WHEEL_DIR) && venv/bin/attnkit show "The cat sat." --out shown && test -s shown/attention.html
+
 # make fuzz FUZZ_MINUTES=10: the fuzz suite (tests/fuzz) with fresh seeds until the time is up
 FUZZ_MINUTES ?= 10
 fuzz: $(VENV)/.test-installed
@@ -50,4 +74,4 @@ bench: $(VENV)/.demo-installed
 	$(BIN)/python benchmarks/cpu.py
 
 clean:
-	rm -rf $(VENV) attention attention.png .pytest_cache .hypothesis
+	rm -rf $(VENV) attention attention.png .pytest_cache .hypothesis site build

@@ -202,3 +202,26 @@ def test_prepared_facts():
     pad = attnkit.prepare(masks.padding([100, 300]), 4, 300)
     assert pad.limit_only and pad.band is None and pad.kv_limit.tolist() == [100, 300]
     assert attnkit.prepare(masks.document(torch.arange(300) // 30), 300, 300).band is None
+
+
+def test_every_capable_kernel_declining_runs_the_first_of_them():
+    """A registry whose kernels that can run a call all decline it (prefers() is False) runs the
+    first of them, says so, and is exact (it used to fail formatting its own error)."""
+    from attnkit.kernels import registry
+
+    saved, kernels = list(registry.PRIORITY), dict(registry.KERNELS)
+    try:
+        for k in saved:
+            if k is not attnkit.kernels.TILED:
+                registry.unregister_kernel(k)
+        q, k, v = (randn(1, 2, 64, 16) for _ in range(3))
+        plan = attnkit.explain(q, k, v, masks.causal())  # tiled prefers SDPA's is_causal here
+        assert plan.kernel == "tiled" and "the only registered kernel" in plan.reason
+        out = attnkit.attention(q, k, v, masks.causal())
+        gold, naive = gold_and_naive(q, k, v, masks.causal().materialize(64, 64))
+        assert_oracle(out, gold, naive)
+    finally:
+        registry.PRIORITY[:] = saved
+        registry.KERNELS.clear()
+        registry.KERNELS.update(kernels)
+        registry._GENERATION[0] += 1

@@ -48,8 +48,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: number of query heads; must divide ``d_model``.
         dropout: dropout on the attention weights, applied in training mode only.
         bias: whether the four projections have a bias.
-        kdim, vdim: widths of ``key`` and ``value`` (cross-attention from another
-            width); default ``d_model``.
+        kdim: width of ``key`` (cross-attention from another width); default ``d_model``.
+        vdim: width of ``value``; default ``d_model``.
         num_kv_heads: number of K/V heads (grouped-query attention); must divide
             ``num_heads``. Defaults to ``num_heads``.
         softcap: soft-cap the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2).
