@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test lint docs wheel fuzz bench tutorial clean
+.PHONY: demo test test-torch lint docs wheel fuzz bench tutorial clean
 LINTED := src tests benchmarks examples scripts docs/hooks.py
 
 $(BIN)/python:
@@ -41,6 +41,22 @@ test: $(VENV)/.test-installed
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		echo "NOTE: no chromium/chromedriver on PATH: the browser tests will be skipped (apt-get install chromium chromium-driver)"
 	$(BIN)/python -m pytest
+
+# the suite on the newest torch attnkit supports (2.14.1: a CUDA build, run on the CPU), in a venv of its own
+TORCH_NEXT ?= 2.14.1
+VENV_NEXT := .venv-torch
+$(VENV_NEXT)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_NEXT)
+	grep -v '^torch==' constraints.txt > $(VENV_NEXT)/constraints.txt
+	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check -c $(VENV_NEXT)/constraints.txt \
+		-e '.[viz,models,hf,test]'  # no [gpu]: torch 2.14.1 brings its own Triton (3.8)
+	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps recbole==1.2.1
+	touch $@
+
+test-torch: $(VENV_NEXT)/.installed
+	$(VENV_NEXT)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
+	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider
 
 # ruff (rules in pyproject.toml) and mypy over src/attnkit
 lint: $(VENV)/.test-installed
@@ -74,4 +90,4 @@ bench: $(VENV)/.demo-installed
 	$(BIN)/python benchmarks/cpu.py
 
 clean:
-	rm -rf $(VENV) attention attention.png .pytest_cache .hypothesis site build
+	rm -rf $(VENV) $(VENV_NEXT) attention attention.png .pytest_cache .hypothesis site build

@@ -339,3 +339,15 @@ def test_inputs_with_two_batch_dims_line_padding_up_with_the_inner_one():
     w = attnkit.attention_weights(q, q, q, masks.padding(torch.tensor([2, 4, 5])))
     for inner, n in enumerate([2, 4, 5]):
         assert (w[:, inner, :, :, n:] == 0).all() and torch.allclose(w[:, inner].sum(-1), torch.ones(2, 1, 5))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("dropout_p", torch.tensor([1, 2])), ("scale", []), ("kernel", torch.tensor([1]))]
+)
+def test_lean_path_leaves_bad_plain_arguments_to_the_checks(name, value):
+    """Found by make fuzz: the lean path of repeated calls compared or hashed the arguments first
+    (a tensor dropout_p raised PyTorch's 'ambiguous' error, a list scale 'unhashable')."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises((ValueError, TypeError)) as err:
+        attnkit.attention(q, q, q, **{name: value})
+    assert isinstance(err.value, attnkit.AttnkitError), err.value

@@ -313,14 +313,16 @@ def attention(
     >>> lse.shape, lse.dtype
     (torch.Size([2, 8, 5]), torch.float32)
     """
-    if (
-        kernel == "auto"
+    if (  # plain Python values only: anything else goes through the full checks and their errors
+        type(kernel) is str
+        and kernel == "auto"
         and attn_bias is None
         and softcap is None
         and sinks is None
         and score_mod is None
-        and dropout_p == 0.0
-        and not return_lse
+        and type(dropout_p) in (float, int)
+        and dropout_p == 0
+        and return_lse is False
     ):
         runner = _lean_runner(q, k, v, mask, scale)
         if runner is not None:
@@ -346,6 +348,8 @@ _lean_lock = threading.Lock()
 def _lean_key(q, k, v, mask, scale):
     """The signature that decides validation and the kernel's choice, or None (no lean path)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling():
+        return None
+    if scale is not None and type(scale) not in (float, int):
         return None
     if mask is None:
         mask_key = None
