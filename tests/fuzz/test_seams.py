@@ -84,6 +84,11 @@ def check(got, gold, naive, what, factor=2.0):
         return
     err = (got.double() - gold)[finite].abs().max().item()
     limit = bound(got[finite], gold[finite], naive[finite], factor)
+    rows = got.shape[-2] if got.dim() >= 2 else 1
+    if rows < 4 and got.dtype != torch.float64:
+        # TESTING.md: on one to three rows the naive formula's own error can be a lucky rounding far
+        # below its typical size; its floor there is a few roundings of a weighted sum at gold's scale.
+        limit = max(limit, factor * 4 * torch.finfo(got.dtype).eps * max(1.0, gold[finite].abs().max().item()))
     assert err <= limit, f"{what}: error {err:.3e} > {limit:.3e}"
 
 
