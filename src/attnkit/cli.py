@@ -4,6 +4,7 @@ the work is done by the library."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -56,6 +57,21 @@ def _length(text: str) -> int:
     return value
 
 
+#: Optimizer steps of ``attnkit train speech`` per minute on 2 cores (batch 32), measured.
+SPEECH_STEPS_PER_MINUTE = 230
+
+
+def _minutes(text: str) -> float:
+    """argparse type: a training time in minutes, 1 to 60."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of minutes, but got {text!r}") from None
+    if not 1.0 <= value <= 60.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be between 1 and 60 minutes, but got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     """argparse type: a number in [0, 1]."""
     try:
@@ -85,6 +101,26 @@ def _capture(model, call, tokens, layers: int, heads: int, rows_text) -> dict:
     return {"kind": "long", "capture": cap, "tokens": tokens, "rows": rows}
 
 
+def _warn_unknown(text: str, tokens, offsets, unknown: str | None, special, model_name: str) -> None:
+    """Say which characters of ``text`` came out as the model's unknown token, and what to do."""
+    if not unknown:
+        return
+    spans = [span for token, span in zip(tokens, offsets) if token == unknown and span[1] > span[0]]
+    if not spans:
+        return
+    chars: list[str] = []
+    for start, end in spans:
+        chars.extend(c for c in text[start:end] if c not in chars and not c.isspace())
+    shown = " ".join(chars[:20]) + (f" ... ({len(chars)} in all)" if len(chars) > 20 else "")
+    words = sum(1 for t in tokens if t == unknown or t not in special)
+    _say(
+        f"warning: {len(spans)} of {words} tokens came out as {unknown} (characters not in {model_name}'s "
+        f"vocabulary: {shown}); the model sees one placeholder for each. To look at this text, pass --model DIR with a "
+        "local HuggingFace model whose vocabulary covers it (a folder holding config.json, the weights and "
+        "the tokenizer, e.g. a Chinese BERT saved with save_pretrained)."
+    )
+
+
 def _run_minilm(text, rows_text=None) -> dict:
     """The packaged MiniLM on ``text`` (cut at its 512-token limit)."""
     from attnkit.models import MiniLM
@@ -99,6 +135,7 @@ def _run_minilm(text, rows_text=None) -> dict:
             f"character {end} of {len(text)} ({len(text[:end].split())} of {len(text.split())} words)."
         )
     tokens = model.tokens(text)
+    _warn_unknown(text, encoding.tokens, encoding.offsets, "[UNK]", ("[CLS]", "[SEP]"), "all-MiniLM-L6-v2")
     ids, lengths = model.tokenize([text])
     run = _capture(model, lambda: model(ids, lengths), tokens, 6, 12, rows_text)
     return {**run, "special": ("[CLS]", "[SEP]"), "title": text[:200]}
@@ -171,6 +208,11 @@ def _run_checkpoint(path, text, rows_text=None) -> dict:
     if limit is not None and len(tokenizer(text)["input_ids"]) > limit:
         _say(f"note: {folder.name} reads at most {limit} tokens: showing the first {limit}.")
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
+    if getattr(tokenizer, "is_fast", False):
+        spans = tokenizer(text, return_offsets_mapping=True, truncation=limit is not None, max_length=limit)
+        _warn_unknown(
+            text, tokens, spans["offset_mapping"], tokenizer.unk_token, tokenizer.all_special_tokens, folder.name
+        )
     layers = getattr(config, "num_hidden_layers", 1)
     heads = getattr(config, "num_attention_heads", 1)
     run = _capture(model, lambda: model(**encoded), tokens, layers, heads, rows_text)
@@ -300,9 +342,9 @@ def _write_long(out: Path, run: dict) -> int:
     _say(f"{len(tokens):,} tokens: writing the long view (statistics, and the weights of rows {rows}) ...")
     written = [save_long_html(out / "long.html", cap.stats, tokens, rows, cap.weights, title=title)]
     written += long_figures(out, cap.stats, tokens, rows, cap.weights, title=title, marks=run.get("marks"))
-    stacked: dict[str, Any] = {
+    stacked: dict[str, Any] = {  # entropy in bits, as everywhere else
         name: np.stack([getattr(s, name)[0].numpy() for s in cap.stats]).astype(np.float32)
-        for name in ("entropy", "max_weight", "sink_mass", "mean_distance")
+        for name in ("entropy_bits", "max_weight", "sink_mass", "mean_distance")
     }
     np.savez_compressed(
         out / "attention_stats.npz",
@@ -313,12 +355,12 @@ def _write_long(out: Path, run: dict) -> int:
         **stacked,
     )
     written.append(out / "attention_stats.npz")
-    print(f"layer  head  entropy  first-token mass  mean distance   (means over {len(tokens):,} query rows)")
+    print(f"layer  head  entropy (bits)  first-token mass  mean distance   (means over {len(tokens):,} query rows)")
     for layer, st in enumerate(cap.stats):
         summary = st.head_summary()
         for head in range(len(summary["entropy"])):
             print(
-                f"{layer:>5}  {head:>4}  {float(summary['entropy'][head]):>7.2f}  "
+                f"{layer:>5}  {head:>4}  {float(summary['entropy'][head]) / math.log(2):>14.2f}  "
                 f"{float(summary['sink_mass'][head]):>16.1%}  {float(summary['mean_distance'][head]):>13,.0f}"
             )
     for line in run.get("report", []):
@@ -387,13 +429,14 @@ def _train_captioner(args) -> int:
 
 
 def _train_speech(args) -> int:
-    from attnkit.models.speech import TEST_VOICES, WEIGHTS, dataset, evaluate
+    from attnkit.models.speech import TEST_VOICES, TRAIN_VOICES, WEIGHTS, dataset, evaluate
     from attnkit.models.speech import train as train_speech
 
     out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
     _say(
         f"training SpeechRecognizer: {steps} steps, seed {args.seed}, batch {batch_size}, on espeak-ng speech "
-        "(accents en-us, en-gb; voices m1-m4, f1-f2)"
+        f"({len(TRAIN_VOICES)} training voices: accents en-us, en-gb, en-029, en-us-nyc with every variant "
+        "but the held-out ones, and other languages' voices reading the English words)"
     )
     model, record = train_speech(steps, seed=args.seed, batch_size=batch_size, log=_say)
     _say("scoring 100 utterances of held-out voices ...")
@@ -449,6 +492,7 @@ def recommend(args: argparse.Namespace) -> int:
     from attnkit.models import movielens
     from attnkit.models.recommender import SASRec
     from attnkit.viz import save_html, visualize_attention
+    from attnkit.viz.html import bars_overview, cut_labels
 
     out = _out_dir(args.out)
     users = movielens.split().test
@@ -467,7 +511,27 @@ def recommend(args: argparse.Namespace) -> int:
     explained = model.explain(history)
     shown = min(args.last, len(explained["items"]))
     weights = explained["weights"][..., -shown:]  # (layers, heads, shown)
-    labels = [t[:40] for t in explained["titles"][-shown:]]
+    labels, _ = cut_labels(explained["titles"][-shown:], 40)
+    drew_on = model.attribute(history, top)  # (k, n): each history item's part of each score
+    items = []
+    for item, row in zip(top, drew_on):
+        best = row.topk(min(3, len(row)))
+        items.append(
+            (
+                names.get(item, str(item)),
+                [(explained["titles"][j], v) for v, j in zip(best.values.tolist(), best.indices.tolist()) if v > 0],
+            )
+        )
+    overview = bars_overview(
+        f"Top {len(top)} for user {args.user}, and the past movies each one drew on most",
+        items,
+        note=f"{len(history)} movies in the history. Each bar: how much that past movie raises the title's score "
+        "through the last layer's attention (its weight times its value, read along the title's embedding). "
+        "The heatmap and model views show the weights themselves.",
+        captions=[
+            "drew on most:" if bars else "no past movie raises it: the score comes from elsewhere" for _, bars in items
+        ],
+    )
     written = [out / "recommend.png", out / "recommend.html"]
     visualize_attention(
         weights.mean(1),
@@ -485,6 +549,9 @@ def recommend(args: argparse.Namespace) -> int:
         key_tokens=labels,
         layer_names=[f"layer {i}" for i in range(len(weights))],
         title=f"user {args.user}: attention over the history",
+        axes=("query (the next item)", f"past movie (the last {shown}, oldest first)"),
+        overview=overview,
+        focus=(len(weights) - 1, None),
     )
     for path in written:
         _say(f"wrote {path}")
@@ -575,7 +642,8 @@ def listen(args: argparse.Namespace) -> int:
     from attnkit._validate import AttnkitValueError
     from attnkit.models.speech import SpeechRecognizer, examples, read_wav, say, write_wav
     from attnkit.viz import save_html
-    from attnkit.viz.speech import speech_figure
+    from attnkit.viz.html import waveform_overview
+    from attnkit.viz.speech import attended_spans, speech_figure
 
     out = _out_dir(args.out)
     given = [x is not None for x in (args.file, args.say)] + [args.example is not None]
@@ -614,13 +682,24 @@ def listen(args: argparse.Namespace) -> int:
         title=f"heard {found['text'] or '(nothing)'} (last decoder layer, mean of heads)",
     )
     frames = [f"{t:.2f}s" for t in found["frame_times"].tolist()]
+    spans = attended_spans(found["chars"], last, found["frame_times"])
     save_html(
         written[1],
         found["attention"],
         found["chars"],
         key_tokens=frames,
         layer_names=[f"decoder layer {i} (cross)" for i in range(found["attention"].shape[0])],
-        title=f"heard {found['text']}",
+        title=f"heard {found['text'] or '(nothing)'}",
+        axes=("output character", "audio frame (40 ms)"),
+        focus=(found["attention"].shape[0] - 1, None),
+        overview=waveform_overview(
+            f"heard {found['text'] or '(no digits)'}: each character over the stretch of audio it was read from",
+            samples,
+            rate,
+            spans,
+            note="Shaded: the frames where the last decoder layer's cross-attention (mean of heads) is at least "
+            "half its peak for that character. The heatmap and model views show every layer and head.",
+        ),
     )
     np.savez_compressed(
         out / "listen.npz",
@@ -673,7 +752,13 @@ def translate(args: argparse.Namespace) -> int:
         ylabel="output character",
         title=f"{args.text} \u2192 {result['output']} (last layer, mean of heads)",
     )
-    attention_grid(weights, written[1], title=f"cross-attention: {args.text}")
+    attention_grid(
+        weights,
+        written[1],
+        tokens=outputs,
+        key_tokens=inputs,
+        title=f"cross-attention: {args.text} (rows: output, columns: input)",
+    )
     save_html(
         written[2],
         weights,
@@ -681,6 +766,9 @@ def translate(args: argparse.Namespace) -> int:
         key_tokens=inputs,
         layer_names=[f"decoder layer {i} (cross)" for i in range(len(weights))],
         title=f"{args.text} \u2192 {result['output']}",
+        axes=("output character", "input character"),
+        start="heatmap",
+        focus=(len(weights) - 1, None),  # the alignment: last layer, mean of heads
     )
     for path in written:
         _say(f"wrote {path}")
@@ -747,16 +835,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train a model (translator: the date normalizer; captioner: the digit captioner; "
-        "recommender: SASRec; recall: RecallLM)",
+        help="train a model: translator, captioner, recommender, recall or speech (seeded; 2.5-15 min on 2 cores)",
+        description="Train one of the shipped models from scratch, seeded, with a progress bar, and save it as "
+        "OUT/<model>.safetensors with a JSON record of the run. The defaults reproduce the shipped weights. "
+        "Times on 2 CPU cores with the defaults: translator (the date normalizer, 1500 steps) about 2.5 min; "
+        "captioner (the digit captioner, 4000 steps) about 5 min; recommender (SASRec on MovieLens-100K, "
+        "120 epochs) about 6 min; recall (RecallLM, 5000 steps) about 7 min; speech (the spoken-digit "
+        "recogniser, 4000 steps; needs espeak-ng) about 15 min plus 2 min of speech synthesis. "
+        "Fewer --steps trains faster and worse; each model's page in the docs says what its numbers mean.",
     )
-    p.add_argument("model", choices=["translator", "captioner", "recommender", "recall", "speech"])
+    p.add_argument(
+        "model",
+        choices=["translator", "captioner", "recommender", "recall", "speech"],
+        help="which model: translator, captioner, recommender, recall or speech",
+    )
     p.add_argument(
         "--steps",
         type=_positive,
         default=None,
         help="optimizer steps (default 1500; captioner 4000; recall 5000; speech 4000); "
         "for the recommender, epochs (default 120)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=_minutes,
+        default=None,
+        help=f"speech only: train for about this many minutes on 2 cores (1-60), i.e. "
+        f"{SPEECH_STEPS_PER_MINUTE} steps a minute; the shipped weights took the default",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96; recall and speech 32")
@@ -791,12 +896,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "caption",
-        help="caption a strip of handwritten digits and draw where each word looked",
-        description="Caption a strip of test-split digits (--digits 7,3,1) or an image (--image FILE.npy|.png, "
-        "8 x 8n pixels) and write caption.png (each word's cross-attention over the image) and caption.html.",
+        help="caption a strip of 1-8 handwritten digits and draw where each word looked",
+        description="Caption a strip of 1 to 8 test-split digits (--digits 7,3,1) or an image (--image "
+        "FILE.npy|.png, 8 pixels high and 8n wide, n <= 8) and write caption.png (each word's cross-attention "
+        "over the image) and caption.html. The model reads at most 8 digits.",
     )
-    p.add_argument("--digits", help="digits 0-9 separated by commas, drawn from the test split")
-    p.add_argument("--image", help="an (8, 8n) image: .npy in [0, 16] or a grey .png")
+    p.add_argument("--digits", help="1 to 8 digits 0-9 separated by commas, drawn from the test split")
+    p.add_argument("--image", help="an (8, 8n) image with n <= 8 digits: .npy in [0, 16] or a grey .png")
     p.add_argument("--seed", type=int, default=0, help="which test-split images of those digits (default 0)")
     p.add_argument("--out", default="caption", help="output folder (default: ./caption)")
     p.set_defaults(run=caption)
@@ -823,6 +929,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":  # defaults that depend on the model
         steps, batch_size = TRAIN_DEFAULTS[args.model]
+        if args.minutes is not None:
+            if args.model != "speech" or args.steps is not None:
+                parser.error("--minutes is for 'train speech' without --steps (it sets the steps)")
+            args.steps = round(args.minutes * SPEECH_STEPS_PER_MINUTE)
         args.out = args.out or args.model
         args.steps = args.steps or steps
         args.batch_size = args.batch_size or batch_size
