@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,9 +102,10 @@ def test_head_view_draws_lines_and_hover_keeps_one_tokens_lines(browser, tmp_pat
     canvas = browser.find_element(By.ID, "head-canvas")
     spread, everything = browser.execute_script(CANVAS_SPREAD, canvas)
     assert spread > 50
-    # hover the first query token (left column, first row): only its lines stay
+    # hover the first query token (left column, first row; the column is as wide as its
+    # widest label): only its lines stay
     ActionChains(browser).move_to_element_with_offset(
-        canvas, -canvas.size["width"] // 2 + 100, -canvas.size["height"] // 2 + 20
+        canvas, -canvas.size["width"] // 2 + 8, -canvas.size["height"] // 2 + 20
     ).perform()
     _, hovered = browser.execute_script(CANVAS_SPREAD, canvas)
     assert hovered != everything
@@ -281,3 +283,156 @@ def test_long_page_fits_its_budget_opens_and_zooms_to_tokens(browser, tmp_path):
     cell.click()
     assert browser.find_element(By.ID, "which").get_attribute("value") == "1:1"
     assert severe_logs(browser) == []
+
+
+# --- the applications' pages: the first view answers the page's question without a click ------------
+
+
+def _visible(browser, element_id):
+    return browser.execute_script(f"return !document.getElementById('{element_id}').closest('[hidden]')")
+
+
+def test_recommendation_page_opens_on_the_titles_and_what_each_drew_on(browser, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from selenium.webdriver.common.by import By
+
+    from attnkit.cli import main
+
+    assert main(["recommend", "--user", "1", "-k", "5", "--out", str(tmp_path)]) == 0
+    import re
+
+    printed = capsys.readouterr().out
+    top = re.findall(r"^ +\d+\. (.+)$", printed.split("top 5:")[1], flags=re.M)
+    assert len(top) == 5
+    open_page(browser, tmp_path / "recommend.html")
+    assert _visible(browser, "overview-view") and not _visible(browser, "model-grid")
+    items = browser.find_elements(By.CSS_SELECTOR, "#ov-list > li")
+    assert [li.find_element(By.CSS_SELECTOR, ".item").text for li in items] == top
+    for li in items:
+        rows = li.find_elements(By.CSS_SELECTOR, ".bar-row")
+        assert 1 <= len(rows) <= 3
+        names = [r.find_element(By.CSS_SELECTOR, ".name").text for r in rows]
+        assert all(n and n not in top for n in names)  # past movies, never the recommendation itself
+        widths = [r.find_element(By.CSS_SELECTOR, ".bar").size["width"] for r in rows]
+        assert widths == sorted(widths, reverse=True) and widths[0] > 100  # bars, largest first
+    assert "Top 5 for user 1" in browser.find_element(By.ID, "ov-heading").text
+    # the other views make room for whole movie titles (they were clipped)
+    fits = """
+    const data = JSON.parse(document.getElementById("attnkit-data").textContent);
+    const ctx = document.createElement("canvas").getContext("2d");
+    ctx.font = arguments[1] + " " + getComputedStyle(document.body).fontFamily;
+    const widest = (list) => Math.max(...list.map((t) => ctx.measureText(t).width));
+    return document.getElementById(arguments[0]).width >= 340 + widest(data.keyTokens) + widest(data.tokens);
+    """
+    browser.find_element(By.CSS_SELECTOR, 'nav button[data-view="head"]').click()
+    assert browser.execute_script(fits, "head-canvas", "14px")
+    browser.find_element(By.CSS_SELECTOR, 'nav button[data-view="heatmap"]').click()
+    assert browser.execute_script("return document.getElementById('hm-canvas').height") > 200  # rotated titles
+    assert severe_logs(browser) == []
+
+
+def test_listen_page_opens_on_the_transcript_over_the_waveform(browser, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from selenium.webdriver.common.by import By
+
+    from attnkit.cli import main
+
+    assert main(["listen", "--example", "1", "--out", str(tmp_path)]) == 0
+    heard = capsys.readouterr().out.strip().splitlines()[-1]
+    open_page(browser, tmp_path / "listen.html")
+    assert _visible(browser, "ov-wave")
+    spans = browser.find_elements(By.CSS_SELECTOR, "#ov-list li")
+    chars = [s.find_element(By.CSS_SELECTOR, ".char").text for s in spans]
+    assert "".join(c for c in chars if c.isdigit()) == heard
+    saved = np.load(tmp_path / "listen.npz")
+    assert chars == list(saved["chars"])
+    times = [s.find_element(By.CSS_SELECTOR, ".time").text for s in spans]  # "0.08\u20130.24 s"
+    starts = [float(t.split("\u2013")[0]) for t in times]
+    ends = [float(t.split("\u2013")[1].removesuffix(" s")) for t in times]
+    assert all(a < b for a, b in zip(starts, ends))
+    assert starts == sorted(starts)  # the characters were read left to right
+    spread, _ = browser.execute_script(CANVAS_SPREAD, browser.find_element(By.ID, "ov-wave"))
+    assert spread > 200  # the waveform and the shaded spans are drawn
+    assert (
+        "rows: " in browser.find_element(By.ID, "summary").text
+        and "audio frame" in browser.find_element(By.ID, "summary").text
+    )  # frames are not called tokens
+    assert severe_logs(browser) == []
+
+
+def test_alignment_page_opens_on_the_labelled_alignment(browser, tmp_path):
+    pytest.importorskip("matplotlib")
+    from selenium.webdriver.common.by import By
+
+    from attnkit.cli import main
+
+    assert main(["translate", "25th of March 2019", "--out", str(tmp_path)]) == 0
+    open_page(browser, tmp_path / "alignment.html")
+    assert _visible(browser, "hm-canvas") and not _visible(browser, "model-grid")
+    assert "input character" in browser.find_element(By.ID, "hm-xlabel").text
+    assert "output character" in browser.find_element(By.ID, "hm-ylabel").text
+    assert "mean of heads" in browser.find_element(By.ID, "hm-title").text
+    assert "decoder layer 1" in browser.find_element(By.ID, "hm-title").text  # the last layer
+    spread, _ = browser.execute_script(CANVAS_SPREAD, browser.find_element(By.ID, "hm-canvas"))
+    assert spread > 200
+    assert severe_logs(browser) == []
+
+
+def test_a_page_without_an_overview_opens_on_the_model_view(browser, tmp_path):
+    path = save_html(tmp_path / "plain.html", fake_weights(2, 2, 5), list("abcde"))
+    open_page(browser, path)
+    assert _visible(browser, "model-grid") and not _visible(browser, "overview-view")
+    assert not browser.execute_script("return document.querySelector('nav button[data-view=overview]').offsetParent")
+
+
+def test_demo_index_has_a_section_per_application_and_captions(browser, tmp_path):
+    pytest.importorskip("matplotlib")
+    from selenium.webdriver.common.by import By
+
+    from attnkit.viz import attention_grid
+    from attnkit.viz.gallery import SECTIONS, write_gallery
+
+    big = attention_grid(fake_weights(6, 12, 9), None)  # the 72-panel grid of attnkit show
+    for folder, name in [(".", "attention.png"), ("translation", "alignment.png"), ("caption", "caption.png")]:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        big.savefig(tmp_path / folder / name, dpi=110)
+    save_html(tmp_path / "translation" / "alignment.html", fake_weights(1, 1, 4), list("abcd"))
+    (tmp_path / "notes.png").write_bytes((tmp_path / "attention.png").read_bytes())
+    open_page_plain = browser.get
+    open_page_plain((write_gallery(tmp_path)).as_uri())
+    headings = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h2")]
+    assert headings == [SECTIONS[0][0], SECTIONS[1][0], SECTIONS[2][0], "Other files"]
+    for figure in browser.find_elements(By.CSS_SELECTOR, "figure"):
+        caption = figure.find_element(By.CSS_SELECTOR, "figcaption").text
+        assert len(caption) > 40  # says what to look at, not only the file name
+        link = figure.find_element(By.CSS_SELECTOR, "a").get_attribute("href")
+        assert link.endswith(".png")  # a click opens the figure at full size
+        assert figure.find_element(By.CSS_SELECTOR, "img").size["width"] > 640  # wider than a thumbnail
+    assert "open the alignment" in browser.find_element(By.CSS_SELECTOR, "p.view a").text
+
+
+def test_page_options_are_checked_and_overview_text_is_data():
+    from attnkit.viz.html import attention_html, bars_overview, waveform_overview
+
+    w, tokens = fake_weights(2, 3, 4), list("abcd")
+    with pytest.raises(ValueError, match="start must be"):
+        attention_html(w, tokens, start="overview")  # no overview given
+    with pytest.raises(ValueError, match="start must be"):
+        attention_html(w, tokens, start="sideways")
+    with pytest.raises(ValueError, match=r"focus must be \(layer, head\) with layer in 0..1 and head in 0..2"):
+        attention_html(w, tokens, focus=(2, 0))
+    with pytest.raises(ValueError, match="axes must be two strings"):
+        attention_html(w, tokens, axes=("rows",))
+    with pytest.raises(ValueError, match="bar values must be finite"):
+        bars_overview("h", [("t", [("x", float("nan"))])])
+    with pytest.raises(ValueError, match="captions must have one entry per item"):
+        bars_overview("h", [("t", [("x", 1.0)])], captions=[])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        waveform_overview("h", [0.0, float("inf")], 16000, [])
+    with pytest.raises(ValueError, match="finite start <= end"):
+        waveform_overview("h", [0.0, 0.5], 16000, [("1", 0.3, 0.1)])
+    evil = "</script><script>alert(1)</script>"
+    page = attention_html(w, tokens, overview=bars_overview(evil, [(evil, [(evil, 1.0)])], captions=[evil]))
+    assert "<script>alert" not in page and page.count("</script>") == 2  # the data block and the script
+    wave = waveform_overview("heard 12", np.sin(np.arange(32000) / 20.0), 16000, [("1", 0.1, 0.4), ("2", 1.2, 1.6)])
+    assert wave["seconds"] == 2.0 and len(wave["envelope"]) == 2 * 900 and max(wave["envelope"]) <= 1.0

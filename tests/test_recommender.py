@@ -92,6 +92,39 @@ def test_explain_gives_the_attention_of_the_last_position(model):
     assert torch.allclose(result["weights"].sum(-1), torch.ones(layers, heads), atol=1e-5)
 
 
+def test_attribute_splits_the_last_attention_output_exactly(model):
+    """The per-item shares sum to the last block's attention output (without the output
+    bias), centred and read along each candidate's embedding through the final norm's scale:
+    computed here from a plain forward with hooks, not from attribute's own code."""
+    model = model.eval()
+    history = movielens.history(3, "test")
+    items = model.recommend([history], k=4)[0] + [history[-1]]
+    shares = model.attribute(history, items)
+    n = min(len(history), model.config.max_len)
+    assert shares.shape == (len(items), n)
+    seen = {}
+    last = model.blocks[-1]
+    hooks = [
+        last.attention.register_forward_hook(lambda m, i, o: seen.__setitem__("attn", o[0])),
+        model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", i[0])),
+    ]
+    try:
+        with torch.no_grad():
+            model(*model.pad([history]))
+    finally:
+        for h in hooks:
+            h.remove()
+    out = seen["attn"][0, n - 1] - last.attention.out_proj.bias
+    out = out - out.mean()
+    x = seen["x"][0, n - 1]
+    sigma = torch.sqrt(x.var(unbiased=False) + model.norm.eps)
+    with torch.no_grad():
+        want = model.items.weight[torch.tensor(items)] * model.norm.weight / sigma @ out
+    torch.testing.assert_close(shares.sum(-1), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="items must be MovieLens-100K item ids"):
+        model.attribute(history, [0])
+
+
 def test_bad_histories_get_clear_errors(model):
     with pytest.raises(ValueError, match=r"histories\[0\] is empty"):
         model.recommend([[]])

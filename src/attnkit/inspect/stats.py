@@ -8,6 +8,7 @@ in O(L) memory. This is how :func:`attnkit.capture` records long inputs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,7 +35,7 @@ class AttentionStats:
 
     - ``lse``: row log-sum-exp of the scores (``-inf`` for a row with every key masked);
     - ``entropy``: of each row's weights, in nats (with ``sinks``, the sink's weight counts
-      as one more outcome);
+      as one more outcome); :attr:`entropy_bits` gives it in bits, the unit the views print;
     - ``max_weight`` and ``argmax``: the largest weight and its key (``-1`` for a fully
       masked row);
     - ``sink_mass``: weight on the first ``sink_tokens`` keys;
@@ -63,6 +64,12 @@ class AttentionStats:
     def valid(self) -> torch.Tensor:
         """``(B, H, Lq)`` bool: rows that attend to at least one key."""
         return torch.isfinite(self.lse)
+
+    @property
+    def entropy_bits(self) -> torch.Tensor:
+        """``entropy`` in bits (``entropy / ln 2``): the unit every attnkit view, figure and
+        summary prints (a row spread evenly over n keys has log2(n) bits)."""
+        return self.entropy / math.log(2.0)
 
     def head_summary(self) -> dict[str, torch.Tensor]:
         """Per-head means over the batch and the rows that attend: ``{name: (H,)}``.

@@ -161,6 +161,50 @@ class SASRec(ShippedWeights, nn.Module):
         names = movielens.titles()
         return {"items": kept, "titles": [names.get(i, str(i)) for i in kept], "weights": weights[..., : len(kept)]}
 
+    @torch.no_grad()
+    def attribute(self, history: list[int], items: list[int]) -> torch.Tensor:
+        """``(len(items), n)``: how much each of the last ``n = min(len(history), max_len)``
+        history items adds to each of ``items``' scores through the last block's attention.
+
+        The next-item query attends once, with the same weights, for every candidate; what a
+        history item adds to one candidate is its attention weight times its value (through
+        the output projection), read along that candidate's embedding as the final LayerNorm
+        sees it: ``sum_h w_h,j (W_o,h v_h,j) . (gamma * e_item) / sigma``, centred like the
+        norm's input (attention times value, not the weight alone). Exact for the attention's
+        part of the last block; the feed-forward's and earlier layers' parts are not in it.
+        """
+        import attnkit
+
+        self._check([history])
+        if not items or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= self.config.num_items for i in items
+        ):
+            raise AttnkitValueError(f"items must be MovieLens-100K item ids (1 to {self.config.num_items}).")
+        ids, lengths = self.pad([history])
+        n = int(lengths[0])
+        seen: dict[str, torch.Tensor] = {}
+        last: Block = self.blocks[-1]  # type: ignore[assignment]
+        hooks = [
+            last.norm1.register_forward_hook(lambda m, i, o: seen.__setitem__("a", o)),
+            self.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", i[0])),
+        ]
+        try:
+            with attnkit.capture(last.attention) as cap:
+                self(ids, lengths)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        w = cap.weights[0][0, :, n - 1, :n]  # (heads, n): the next-item query's weights
+        _, _, v = last.attention.project(seen["a"])  # (1, heads, L, hd)
+        heads, hd = v.shape[1], v.shape[-1]
+        w_o = last.attention.out_proj.weight.view(-1, heads, hd)  # (d, heads, hd)
+        parts = torch.einsum("hj,hjc,dhc->jd", w, v[0, :, :n], w_o)  # (n, d): each item's share of the output
+        parts = parts - parts.mean(-1, keepdim=True)  # the norm centres its input
+        x = seen["x"][0, n - 1]
+        sigma = torch.sqrt(x.var(unbiased=False) + self.norm.eps)
+        targets = self.items.weight[torch.tensor(items)] * self.norm.weight / sigma  # (k, d)
+        return targets @ parts.T
+
 
 # --- training -----------------------------------------------------------------------------------
 

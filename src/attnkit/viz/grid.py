@@ -18,14 +18,15 @@ def attention_grid(
     save_path: PathLike | None = "attention_grid.png",
     *,
     tokens: Sequence[str] | None = None,
+    key_tokens: Sequence[str] | None = None,
     title: str | None = None,
     cmap: str = "viridis",
 ) -> Figure:
     """Draw ``weights: (layers, heads, Lq, Lk)`` as a layers x heads grid of heatmaps.
 
-    ``tokens`` (optional) label the first column's rows and the last row's columns
-    when there are at most 24 of them. Returns the figure; writes ``save_path``
-    (PNG, SVG or PDF by extension) unless it is None.
+    ``tokens`` (optional) label the first column's rows, and ``key_tokens`` (default:
+    ``tokens``, for self-attention) the last row's columns, when each side has at most 24.
+    Returns the figure; writes ``save_path`` (PNG, SVG or PDF by extension) unless it is None.
     """
     array = as_array(weights)
     if array.ndim != 4:
@@ -38,10 +39,12 @@ def attention_grid(
     from attnkit.viz._fonts import font_families
 
     families = list(font_families())
-    cell = 1.15
-    fig = Figure(figsize=(0.9 + cell * heads, 0.7 + cell * layers), layout="constrained")
+    key_tokens = tokens if key_tokens is None else key_tokens
+    label = tokens is not None and key_tokens is not None and len(tokens) == lq <= 24 and len(key_tokens) == lk <= 24
+    cell = max(1.15, 0.085 * max(lq, lk)) if label else 1.15  # room for 6-point labels
+    tall = min(1.0, lq / lk)  # panels keep square cells: a wide matrix makes short panels
+    fig = Figure(figsize=(0.9 + cell * heads, 0.9 + cell * tall * layers + (0.5 if label else 0)), layout="constrained")
     axes = fig.subplots(layers, heads, squeeze=False)
-    label = tokens is not None and len(tokens) <= 24 and len(tokens) == lq == lk
     for layer in range(layers):
         for head in range(heads):
             ax = axes[layer][head]
@@ -54,12 +57,12 @@ def attention_grid(
                 ax.set_title(f"head {head}", fontsize=8)
             if head == 0:
                 ax.set_ylabel(f"layer {layer}", fontsize=8)
-    if label and tokens is not None:
+    if label and tokens is not None and key_tokens is not None:
         for head in range(heads):
             ax = axes[-1][head]
-            ax.set_xticks(range(lk), [str(t) for t in tokens], rotation=90, fontsize=4, fontfamily=families)
+            ax.set_xticks(range(lk), [str(t) for t in key_tokens], rotation=90, fontsize=6, fontfamily=families)
         for layer in range(layers):
-            axes[layer][0].set_yticks(range(lq), [str(t) for t in tokens], fontsize=4, fontfamily=families)
+            axes[layer][0].set_yticks(range(lq), [str(t) for t in tokens], fontsize=6, fontfamily=families)
     if title:
         fig.suptitle(title, fontfamily=families)
     save(fig, save_path)

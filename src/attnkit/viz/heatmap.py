@@ -138,13 +138,29 @@ def visualize_attention(
     lq, lk = matrix.shape
     if annotate is None:
         annotate = lq <= 16 and lk <= 16
-    size = (max(4.0, 0.55 * lk + 2.5), max(3.5, 0.5 * lq + 1.5))
+    rotated = lk > 6
+    # room for the labels: rotated key labels take about 0.065 in per character downwards, row
+    # labels 0.075 in per character sideways (10 pt text), so long titles are never cut
+    longest_key = max((len(t) for t in key_tokens), default=1)
+    longest_row = max((len(t) for t in tokens), default=1)
+    below = 0.065 * longest_key + 0.7 if rotated else 0.6
+    size = (max(4.0, 0.55 * lk + 2.0 + 0.075 * longest_row), max(3.5, 0.5 * lq + 1.2 + below))
+    if title:
+        import textwrap
+
+        title = "\n".join(textwrap.wrap(title, max(30, int(size[0] * 11))))
+        size = (size[0], size[1] + 0.2 * title.count("\n"))
     fig = Figure(figsize=size, layout="constrained")
     ax = fig.add_subplot()
     families = list(font_families())
     image = ax.imshow(matrix, cmap=cmap, vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
     ax.set_xticks(
-        range(lk), key_tokens, rotation=45 if lk > 6 else 0, ha="right" if lk > 6 else "center", fontfamily=families
+        range(lk),
+        key_tokens,
+        rotation=45 if rotated else 0,
+        ha="right" if rotated else "center",
+        rotation_mode="anchor",
+        fontfamily=families,
     )
     ax.set_yticks(range(lq), tokens, fontfamily=families)
     ax.set_xlabel(xlabel)

@@ -7,7 +7,12 @@ URL with the network off. Three views:
 - head view: query tokens on the left, key tokens on the right, joined by lines
   whose opacity is the weight; the heads of a layer are toggled by coloured
   squares; hovering a token keeps only its lines;
-- heatmap: the selected head with token labels, the value under the pointer.
+- heatmap: the selected head (or the mean of a layer's heads) with token labels and
+  axis labels naming what the rows and columns are, the value under the pointer.
+
+A page can open on any of them, or on an overview above them that answers the page's
+question in words and bars (:func:`bars_overview`) or over a waveform
+(:func:`waveform_overview`).
 
 Weights are stored as one byte per weight (scaled by each head's maximum) in
 base64, so 128 tokens x 6 layers x 12 heads takes about 1.6 MB. Text from the
@@ -88,10 +93,20 @@ def attention_html(
     key_tokens: Sequence[str] | None = None,
     layer_names: Sequence[str] | None = None,
     title: str = "attention",
+    axes: tuple[str, str] = ("query token", "key token"),
+    start: str | None = None,
+    focus: tuple[int, int | None] = (0, 0),
+    overview: dict | None = None,
 ) -> str:
     """The HTML page for ``weights: (layers, heads, Lq, Lk)`` over ``tokens``.
 
     ``key_tokens`` default to ``tokens`` (self-attention); ``layer_names`` label the rows.
+    ``axes`` name what the rows and the columns are (the heatmap's axis labels and the
+    header), e.g. ``("output character", "input character")``. ``start`` is the view the page
+    opens on: ``"overview"`` (the default when ``overview`` is given), ``"model"`` (the default
+    otherwise), ``"head"`` or ``"heatmap"``; ``focus = (layer, head)`` is the head the heatmap
+    and head views open on, head ``None`` for the mean of the layer's heads. ``overview`` is the
+    page's answer in plain words, made by :func:`bars_overview` or :func:`waveform_overview`.
     """
     import numpy as np
 
@@ -116,6 +131,18 @@ def attention_html(
             f"{layers} layers x {heads} heads x {lq} x {lk} tokens = {array.size:,} weights is more "
             f"than one page holds ({MAX_CELLS:,}). Pick some layers or heads, or a shorter text."
         )
+    start = start or ("overview" if overview is not None else "model")
+    if start not in ("overview", "model", "head", "heatmap") or (start == "overview" and overview is None):
+        raise AttnkitValueError(
+            f"start must be 'model', 'head', 'heatmap' or (with an overview) 'overview', but got {start!r}."
+        )
+    if len(focus) != 2 or not 0 <= focus[0] < layers or not (focus[1] is None or 0 <= focus[1] < heads):
+        raise AttnkitValueError(
+            f"focus must be (layer, head) with layer in 0..{layers - 1} and head in 0..{heads - 1} or None "
+            f"(the mean of heads), but got {focus!r}."
+        )
+    if len(axes) != 2 or not all(isinstance(a, str) for a in axes):
+        raise AttnkitValueError(f"axes must be two strings (rows, columns), but got {axes!r}.")
     names = [str(n) for n in layer_names] if layer_names is not None else [f"layer {i}" for i in range(layers)]
     names, _ = cut_labels(names, MAX_NAME)
     (title,), _ = cut_labels([title], MAX_TITLE)
@@ -139,15 +166,99 @@ def attention_html(
         "lk": lk,
         "scale": [float(x) for x in scale],
         "maxLineTokens": MAX_LINE_TOKENS,
+        "axes": [cut_labels([a], MAX_NAME)[0][0] for a in axes],
+        "start": start,
+        "focus": [int(focus[0]), -1 if focus[1] is None else int(focus[1])],
+        "overview": overview,
         "weights": base64.b64encode(quantized.tobytes()).decode("ascii"),
     }
     return fill(
         _asset("attention.html"),
         title=html.escape(_printable(str(title))),
-        style=_font_face(" ".join([str(title), *tokens, *key_tokens, *names])) + _asset("attention.css"),
+        style=_font_face(" ".join([str(title), *tokens, *key_tokens, *names, *axes, _overview_text(overview)]))
+        + _asset("attention.css"),
         script=_asset("attention.js"),
         data=_script_json(data),
     )
+
+
+def bars_overview(
+    heading: str,
+    items: Sequence[tuple[str, Sequence[tuple[str, float]]]],
+    note: str = "",
+    captions: Sequence[str] | None = None,
+    digits: int = 2,
+) -> dict:
+    """An overview for :func:`attention_html`: a numbered list of ``(title, [(label, value), ...])``,
+    each value drawn as a bar (scaled to the item's largest), e.g. recommended movies, each
+    with the history it drew on. ``captions`` (one per item) are shown under the titles."""
+    import math
+
+    if captions is not None and len(captions) != len(items):
+        raise AttnkitValueError(f"captions must have one entry per item ({len(items)}), but got {len(captions)}.")
+    rows = []
+    for n, (title, bars) in enumerate(items):
+        bad = [(label, v) for label, v in bars if not math.isfinite(float(v))]
+        if bad:
+            raise AttnkitValueError(f"bar values must be finite numbers, but item {n} ({title!r}) has {bad[:3]}.")
+        (title,), _ = cut_labels([title], MAX_TITLE)
+        labels, _ = cut_labels([label for label, _ in bars], MAX_TITLE)
+        row = {"title": title, "bars": [[label, float(v)] for label, (_, v) in zip(labels, bars)]}
+        if captions is not None:
+            row["caption"] = str(captions[n])
+        rows.append(row)
+    return {"kind": "bars", "heading": str(heading), "note": str(note), "items": rows, "digits": int(digits)}
+
+
+def waveform_overview(
+    heading: str,
+    samples: ArrayLike,
+    sample_rate: int,
+    spans: Sequence[tuple[str, float, float]],
+    note: str = "",
+    points: int = 900,
+) -> dict:
+    """An overview for :func:`attention_html`: the waveform (a min/max envelope of ``points``
+    columns) with each ``(label, start_s, end_s)`` span shaded and labelled over it, e.g. the
+    stretch of audio each transcribed character attended to."""
+    import math
+
+    import numpy as np
+
+    x = np.asarray(samples, dtype=np.float64).reshape(-1)
+    if x.size == 0 or sample_rate <= 0:
+        raise AttnkitValueError(f"the waveform needs samples and a positive sample rate, but got {x.size} samples.")
+    if not np.isfinite(x).all():
+        raise AttnkitValueError("the waveform holds NaN or Inf samples.")
+    bad = [s for s in spans if not (math.isfinite(float(s[1])) and math.isfinite(float(s[2])) and s[1] <= s[2])]
+    if bad:
+        raise AttnkitValueError(f"spans must be (label, start_s, end_s) with finite start <= end, but got {bad[:3]}.")
+    top = max(float(np.abs(x).max()), 1e-9)
+    edges = np.linspace(0, x.size, min(points, x.size) + 1).astype(int)
+    envelope = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        part = x[a : max(b, a + 1)] / top
+        envelope += [round(float(part.min()), 3), round(float(part.max()), 3)]
+    labels, _ = cut_labels([s[0] for s in spans], MAX_NAME)
+    return {
+        "kind": "waveform",
+        "heading": str(heading),
+        "note": str(note),
+        "seconds": x.size / sample_rate,
+        "envelope": envelope,
+        "spans": [[label, float(s), float(e)] for label, (_, s, e) in zip(labels, spans)],
+    }
+
+
+def _overview_text(overview: dict | None) -> str:
+    """Every piece of text an overview shows (for the glyphs the page embeds)."""
+    if overview is None:
+        return ""
+    parts = [overview.get("heading", ""), overview.get("note", "")]
+    for item in overview.get("items", []):
+        parts += [item["title"], item.get("caption", ""), *(label for label, _ in item["bars"])]
+    parts += [label for label, *_ in overview.get("spans", [])]
+    return " ".join(parts)
 
 
 #: The family of the glyphs a page embeds (see :func:`_font_face`); the CSS and the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 MAX_PAGE_BYTES = 10 * 2**20
 #: Decades below each head's maximum that the byte scale keeps.
 DECADES = 6.0
+#: Entropy is stored in nats (AttentionStats) and shown in bits: multiply by this.
+BITS = 1.0 / math.log(2.0)
 
 
 def _log_bytes(values: np.ndarray) -> tuple[np.ndarray, list[float]]:
@@ -65,8 +68,8 @@ def long_data(
     tokens = [str(t) for t in tokens]
     if len(tokens) != lk:
         raise AttnkitValueError(f"the statistics cover {lk} keys but {len(tokens)} tokens were given.")
-    summary = {
-        name: [[float(x) for x in s.head_summary()[name]] for s in stats]
+    summary = {  # entropy in bits, like every other view
+        name: [[float(x) * (BITS if name == "entropy" else 1.0) for x in s.head_summary()[name]] for s in stats]
         for name in ("entropy", "sink_mass", "mean_distance", "max_weight")
     }
     received = np.stack([as_array(s.received[0]) for s in stats]).reshape(layers * heads, lk)
@@ -159,12 +162,14 @@ def long_figures(
     for ax, (name, label) in zip(
         axes,
         (
-            ("entropy", "mean entropy (nats)"),
+            ("entropy", "mean entropy (bits)"),
             ("sink_mass", "mass on the first token"),
             ("mean_distance", "mean distance (tokens)"),
         ),
     ):
-        grid = np.array([[float(x) for x in s.head_summary()[name]] for s in stats])
+        grid = np.array(
+            [[float(x) * (BITS if name == "entropy" else 1.0) for x in s.head_summary()[name]] for s in stats]
+        )
         im = ax.imshow(
             grid, cmap="viridis", aspect="auto", norm="log" if name == "mean_distance" and grid.min() > 0 else None
         )

@@ -60,7 +60,9 @@ def region_figure(
     *,
     title: str | None = None,
 ) -> Figure:
-    """One panel per word: the image in grey with the word's attention over it. Returns the Figure."""
+    """One panel per word: the image in grey, the word's attention as a light orange tint
+    (the digit stays readable under it) and an outline where the weight is at least half its
+    peak. Returns the Figure."""
     import numpy as np
 
     Figure = _figure()
@@ -72,9 +74,12 @@ def region_figure(
         ax.imshow(image, cmap="gray_r", vmin=0, vmax=16)
         heat = patch_map(row, grid, (image.shape[0], image.shape[1]))
         overlay = np.zeros((*heat.shape, 4))
-        overlay[..., :3] = (1.0, 0.35, 0.0)  # orange, as opaque as the weight is high
-        overlay[..., 3] = 0.7 * heat / max(float(heat.max()), 1e-9)
+        top = max(float(heat.max()), 1e-9)
+        overlay[..., :3] = (1.0, 0.35, 0.0)  # orange, light enough to keep the strokes visible
+        overlay[..., 3] = 0.35 * heat / top
         ax.imshow(overlay)
+        if float(heat.max()) > float(heat.min()):  # the outline of where the word looked
+            ax.contour(heat, levels=[0.5 * top], colors=["#e04a00"], linewidths=2.0)
         ax.set_xticks([]), ax.set_yticks([])
         ax.set_title(word, loc="left", fontsize=12)
     if title:

@@ -9,10 +9,36 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from attnkit._types import ArrayLike, PathLike
+from attnkit._validate import AttnkitValueError
 from attnkit.viz.heatmap import _figure, as_array
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+
+def attended_spans(
+    chars: Sequence[str], attention: ArrayLike, frame_times: ArrayLike, level: float = 0.5
+) -> list[tuple[str, float, float]]:
+    """``(char, start_s, end_s)`` for each output character: the run of frames around its
+    attention peak where the weight is at least ``level`` x the peak (``attention: (chars, frames)``,
+    ``frame_times``: each frame's centre in seconds)."""
+    att = as_array(attention)
+    times = as_array(frame_times)
+    if att.ndim != 2 or att.shape != (len(chars), len(times)):
+        raise AttnkitValueError(
+            f"attention must be (chars, frames) = ({len(chars)}, {len(times)}), but got {tuple(att.shape)}."
+        )
+    step = float(times[1] - times[0]) if len(times) > 1 else 0.04
+    spans = []
+    for char, row in zip(chars, att):
+        peak = int(row.argmax())
+        a = b = peak
+        while a > 0 and row[a - 1] >= level * row[peak]:
+            a -= 1
+        while b + 1 < len(row) and row[b + 1] >= level * row[peak]:
+            b += 1
+        spans.append((str(char), max(0.0, float(times[a]) - step / 2), float(times[b]) + step / 2))
+    return spans
 
 
 def speech_figure(

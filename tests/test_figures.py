@@ -1,0 +1,115 @@
+"""The figures users look at: nothing cut off, every axis labelled, one unit for entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+
+def _inside(fig, artist):
+    """Whether a drawn text lies wholly inside the figure (a cut title fails)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # as savefig draws it (layout included)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    box, page = artist.get_window_extent(renderer), fig.bbox
+    return box.x0 >= page.x0 - 1 and box.y0 >= page.y0 - 1 and box.x1 <= page.x1 + 1 and box.y1 <= page.y1 + 1
+
+
+def test_heatmap_with_long_key_labels_keeps_title_labels_and_ticks_inside(tmp_path):
+    from attnkit.viz import visualize_attention
+
+    titles = [f"A Rather Long Movie Title Number {i} (1997)" for i in range(30)]
+    weights = torch.softmax(torch.randn(2, 30), -1)
+    fig = visualize_attention(
+        weights,
+        ["layer 0", "layer 1"],
+        None,  # measured as drawn (savefig draws the same layout)
+        key_tokens=titles,
+        xlabel="history (oldest to newest)",
+        ylabel="",
+        title="user 1: the next-item query's attention (mean of heads)",
+    )
+    ax = fig.axes[0]
+    assert ax.get_title().startswith("user 1") and _inside(fig, ax.title)
+    assert ax.get_xlabel() == "history (oldest to newest)" and _inside(fig, ax.xaxis.label)
+    assert all(_inside(fig, t) for t in ax.get_xticklabels())
+
+
+def test_a_title_wider_than_the_figure_wraps_instead_of_being_cut(tmp_path):
+    from attnkit.viz import visualize_attention
+
+    title = "a very long title " * 8
+    fig = visualize_attention(torch.softmax(torch.randn(3, 3), -1), list("abc"), None, title=title)
+    assert "\n" in fig.axes[0].get_title()
+    fig.savefig(tmp_path / "t.png")
+    assert _inside(fig, fig.axes[0].title)
+
+
+def test_recommend_figure_cuts_long_titles_with_an_ellipsis(tmp_path):
+    pytest.importorskip("sklearn")
+    from attnkit.models import movielens
+
+    try:
+        movielens.data_folder()
+    except ModuleNotFoundError:
+        pytest.skip("MovieLens-100K needs: pip install --no-deps recbole==1.2.1")
+    from matplotlib.image import imread
+
+    from attnkit.cli import main
+
+    assert main(["recommend", "--user", "1", "--out", str(tmp_path)]) == 0
+    assert imread(tmp_path / "recommend.png").shape[0] > 500  # tall enough for its rotated titles
+    page = (tmp_path / "recommend.html").read_text(encoding="utf-8")
+    assert "\u2026" in page  # a cut title says so
+
+
+def test_cross_attention_grid_labels_both_axes():
+    from attnkit.viz import attention_grid
+
+    weights = torch.softmax(torch.randn(2, 4, 11, 18), -1)
+    rows, cols = list("2019-03-25") + ["</s>"], list("25th of March 2019")
+    fig = attention_grid(weights, None, tokens=rows, key_tokens=cols, title="cross-attention")
+    bottom_left = fig.axes[4]  # layer 1, head 0
+    assert [t.get_text() for t in bottom_left.get_xticklabels()] == cols
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == rows
+    assert fig.axes[1].get_yticklabels() == [] or not any(t.get_text() for t in fig.axes[1].get_yticklabels())
+
+
+def test_long_view_entropy_is_in_bits(tmp_path):
+    from attnkit.inspect import AttentionStats
+    from attnkit.viz.long import _asset, long_data, long_figures
+
+    heads, length = 2, 64
+    uniform = torch.full((1, heads, length), float(torch.log(torch.tensor(16.0))))  # 16 equal keys: 4 bits
+    stats = AttentionStats(
+        lse=torch.zeros(1, heads, length),
+        entropy=uniform,
+        max_weight=torch.full((1, heads, length), 1 / 16),
+        argmax=torch.zeros(1, heads, length, dtype=torch.long),
+        sink_mass=torch.zeros(1, heads, length),
+        mean_distance=torch.ones(1, heads, length),
+        received=torch.ones(1, heads, length),
+    )
+    torch.testing.assert_close(stats.entropy_bits, torch.full_like(uniform, 4.0))
+    data = long_data([stats], [f"t{i}" for i in range(length)], [], [], title="t")
+    assert data["summary"]["entropy"] == [[pytest.approx(4.0), pytest.approx(4.0)]]
+    long_figures(tmp_path, [stats], [f"t{i}" for i in range(length)], [], [], title="t")
+    assert "mean entropy (bits)" in _asset("long.html") and "nats" not in _asset("long.html")
+
+
+def test_caption_overlay_keeps_the_digit_visible(tmp_path):
+    import numpy as np
+
+    from attnkit.viz.regions import region_figure
+
+    image = np.random.default_rng(0).uniform(0, 16, (8, 24))
+    attention = torch.softmax(4 * torch.randn(3, 12), -1)
+    fig = region_figure(image, ["seven", "three", "one"], attention, (2, 6), tmp_path / "c.png")
+    for ax in fig.axes:
+        tint = ax.get_images()[1].get_array()
+        assert float(np.asarray(tint)[..., 3].max()) <= 0.36  # light: the strokes stay readable
+        assert ax.collections, "an outline of where the word looked"
