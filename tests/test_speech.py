@@ -65,32 +65,80 @@ def test_batching_different_lengths_equals_one_by_one(model):
     assert model.transcribe(waves, 16000) == one
 
 
-def test_warp_ensemble_keeps_the_best_scored_greedy_hypothesis(model):
+def _ctc_log_likelihood(logp, labels):
+    """log p(labels | frames) by the CTC forward recursion, in float64 (blank = 0)."""
+    logp = logp.double()
+    ext = [0]
+    for c in labels:
+        ext += [c, 0]
+    alpha = torch.full((len(ext),), float("-inf"), dtype=torch.float64)
+    alpha[0] = logp[0, 0]
+    if len(ext) > 1:
+        alpha[1] = logp[0, ext[1]]
+    for t in range(1, logp.shape[0]):
+        prev = alpha.clone()
+        for s in range(len(ext)):
+            terms = [prev[s]] + ([prev[s - 1]] if s >= 1 else [])
+            if s >= 2 and ext[s] != 0 and ext[s] != ext[s - 2]:
+                terms.append(prev[s - 2])
+            alpha[s] = torch.logsumexp(torch.stack(terms), 0) + logp[t, ext[s]]
+    return torch.logsumexp(alpha[-2:], 0).item() if len(ext) > 1 else alpha[0].item()
+
+
+def test_warp_ensemble_keeps_the_best_jointly_scored_hypothesis(model):
+    """Candidates: each warp's greedy decoding and CTC best path; score: (1 - w) x the
+    decoder's log p + w x the CTC log-likelihood, summed over the warped inputs; both scores
+    recomputed here by hand (teacher forcing, and the CTC forward recursion in float64)."""
     waves = [speech.read_wav(p)[0] for p, _ in speech.examples()]
     feats, lengths = model.features(waves, 16000)
     warps = (1.0, 0.8, 1.25)
+    w = model.config.ctc_weight
+    assert 0 < w < 1
     with torch.no_grad():
         assert torch.equal(model.decode_ensemble(feats, lengths, warps=(1.0,)), model.generate(feats, lengths))
         chosen = model.decode_ensemble(feats, lengths, warps=warps)
         for row in range(len(waves)):
-            one = feats[row : row + 1, : int(lengths[row])]
-            encoded = [model.encode(speech.warp_mels(one, a), lengths[row : row + 1]) for a in warps]
-            texts = [
-                model.text_of(model.generate(speech.warp_mels(one, a), lengths[row : row + 1])[0].tolist())
-                for a in warps
-            ]
+            n = lengths[row : row + 1]
+            one = feats[row : row + 1, : int(n)]
+            encoded = [model.encode(speech.warp_mels(one, a), n) for a in warps]
+            texts = [model.text_of(model.generate(speech.warp_mels(one, a), n)[0].tolist()) for a in warps]
+            texts += [model.text_of(model.ctc_greedy(memory, n)[0].tolist()) for memory, _ in encoded]
             score = {}
-            for text in texts:  # log p(text) summed over the warped inputs, by hand
+            for text in texts:
                 ids = [speech.BOS] + [model.vocab.index(c) for c in text] + [speech.EOS]
-                score[text] = sum(
-                    model.decode(torch.tensor([ids[:-1]]), memory, padding)
-                    .log_softmax(-1)[0, torch.arange(len(ids) - 1), ids[1:]]
-                    .sum()
-                    .item()
-                    for memory, padding in encoded
-                )
+                total = 0.0
+                for memory, padding in encoded:
+                    attention = (
+                        model.decode(torch.tensor([ids[:-1]]), memory, padding)
+                        .log_softmax(-1)[0, torch.arange(len(ids) - 1), ids[1:]]
+                        .sum()
+                        .item()
+                    )
+                    frames = int(model.encoded_lengths(n)[0])
+                    ctc = _ctc_log_likelihood(model.ctc_log_probs(memory)[:frames, 0], [int(c) + 1 for c in text])
+                    total += (1 - w) * attention + w * ctc
+                score[text] = total
             got = model.text_of(chosen[row].tolist())
             assert got in texts and score[got] >= max(score.values()) - 1e-3, (got, score)
+
+
+def test_ctc_best_path_merges_repeats_and_drops_blanks(model, monkeypatch):
+    # frames: 3 3 blank 3 7 7 blank -> digits "3", "3", "7" (classes are digit + 1)
+    path = [4, 4, 0, 4, 8, 8, 0]
+    logp = torch.full((len(path), 1, 11), -10.0)
+    logp[torch.arange(len(path)), 0, torch.tensor(path)] = 0.0
+    monkeypatch.setattr(model, "ctc_log_probs", lambda memory: logp)
+    ids = model.ctc_greedy(torch.zeros(1, len(path), 8), torch.tensor([4 * len(path)]))
+    assert model.text_of(ids[0].tolist()) == "337" and ids[0, -1].item() == speech.EOS
+
+
+def test_training_and_held_out_voices_never_meet():
+    train_accents = {a for a, _ in speech.TRAIN_VOICES}
+    train_variants = {v for _, v in speech.TRAIN_VOICES}
+    assert not train_accents & set(speech.TEST_ACCENTS)
+    assert not train_variants & set(speech.TEST_VARIANTS)
+    assert {"en-us", "en-gb", "en-029", "en-us-nyc"} <= train_accents and len(speech.TRAIN_VOICES) > 200
+    assert set(speech.TEST_VOICES) == {(a, v) for a in speech.TEST_ACCENTS for v in speech.TEST_VARIANTS}
 
 
 def test_warps_are_checked(model):
@@ -175,3 +223,19 @@ def test_listen_cli_end_to_end(tmp_path, capsys):
     assert main(["listen", str(tmp_path / "missing.wav"), "--out", str(tmp_path / "d")]) == 2
     if HAVE_ESPEAK:
         assert main(["listen", "--say", "4 0 7", "--out", str(tmp_path / "e")]) == 0
+
+
+def test_train_minutes_sets_the_steps(monkeypatch, capsys):
+    from attnkit import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_train_speech", lambda args: seen.setdefault("steps", args.steps) and 0)
+    assert cli.main(["train", "speech", "--minutes", "2"]) == 0
+    assert seen["steps"] == 2 * cli.SPEECH_STEPS_PER_MINUTE
+    for bad in (["train", "translator", "--minutes", "2"], ["train", "speech", "--minutes", "2", "--steps", "9"]):
+        with pytest.raises(SystemExit):
+            cli.main(bad)
+        assert "--minutes is for 'train speech'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["train", "speech", "--minutes", "90"])
+    assert "between 1 and 60 minutes" in capsys.readouterr().err

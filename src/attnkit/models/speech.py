@@ -10,9 +10,14 @@ audio each digit was read from.
 The data is real speech signal made here by Debian's ``espeak-ng``: digit strings of
 1-7 digits ("zero" or "oh" for 0) in several accents and voices, at 120-220 words per
 minute, with varied pitch, gaps, speed, gain and noise, and in training warped mel
-bands and masked bands and stretches (other voices, approximately). Training uses accents en-us
-and en-gb with voices m1-m4, f1-f2 only; :data:`TEST_VOICES` (four other accents,
-voices m5-m7, f3-f4) are never used for training or model selection.
+bands and masked bands and stretches (other voices, approximately). Training
+(:data:`TRAIN_VOICES`) uses the English accents en-us, en-gb, en-029 and en-us-nyc with
+every espeak-ng voice variant except the held-out ones (m1-m4, m8, f1, f2, f5, klatt1-4
+and the named variants), and 14 other languages' voices reading the English digit words;
+:data:`TEST_VOICES` (the accents en-gb-scotland, en-gb-x-rp, en-gb-x-gbclan and
+en-gb-x-gbcwmd with the variants m5-m7, f3-f4) are never used for training or model
+selection. The loss is joint: cross-entropy of the attention decoder and CTC on the
+encoder (it keeps the alignment monotonic); decoding rescores the hypotheses with both.
 
 >>> model = SpeechRecognizer.from_package()
 >>> model.transcribe([waveform], sample_rate=16000)  # doctest: +SKIP
@@ -50,7 +55,12 @@ __all__ = [
     "SpeechRecognizer",
     "Config",
     "TRAIN_VOICES",
+    "TRAIN_ACCENTS",
+    "TRAIN_VARIANTS",
+    "OTHER_LANGUAGES",
     "TEST_VOICES",
+    "TEST_ACCENTS",
+    "TEST_VARIANTS",
     "say",
     "dataset",
     "read_wav",
@@ -79,11 +89,25 @@ WORDS = {
     "9": ("nine",),
 }
 
-TRAIN_VOICES = tuple((a, v) for a in ("en-us", "en-gb") for v in ("m1", "m2", "m3", "m4", "f1", "f2"))
-TEST_VOICES = tuple(
-    (a, v)
-    for a in ("en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd")
-    for v in ("m5", "m6", "m7", "f3", "f4")
+#: The held-out accents and variants: never used for training or model selection.
+TEST_ACCENTS = ("en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd")
+TEST_VARIANTS = ("m5", "m6", "m7", "f3", "f4")
+TEST_VOICES = tuple((a, v) for a in TEST_ACCENTS for v in TEST_VARIANTS)
+#: Training: the other English accents, with every other variant espeak-ng ships (the
+#: numbered ones, klatt, and the named variants that sound like a person: no robots or whispers).
+TRAIN_ACCENTS = ("en-us", "en-gb", "en-029", "en-us-nyc")
+TRAIN_VARIANTS = (
+    *("m1", "m2", "m3", "m4", "m8", "f1", "f2", "f5", "klatt", "klatt2", "klatt3", "klatt4"),
+    *("Alex", "Alicia", "Andrea", "Andy", "Annie", "Denis", "Gene", "Hugo", "Jacky", "Lee", "Marco", "Mario"),
+    *("Michael", "Mike", "adam", "anika", "aunty", "belinda", "benjamin", "boris", "caleb", "david", "ed"),
+    *("edward", "grandma", "grandpa", "iven", "john", "linda", "max", "norbert", "pablo", "paul", "quincy"),
+    *("rob", "robert", "shelby", "steph", "travis", "victor", "zac"),
+)
+#: Voices of other languages reading the English digit words (Latin script; no language of
+#: the British Isles, whose accents are held out), with a few variants each.
+OTHER_LANGUAGES = ("af", "de", "nl", "sv", "da", "nb", "fr-fr", "es", "it", "pt", "pl", "cs", "ro", "id")
+TRAIN_VOICES = tuple((a, v) for a in TRAIN_ACCENTS for v in TRAIN_VARIANTS) + tuple(
+    (a, v) for a in OTHER_LANGUAGES for v in ("m1", "m3", "f1", "f2", "klatt")
 )
 
 
@@ -294,6 +318,7 @@ class Config:
     decoder_layers: int = 2
     d_ff: int = 320
     max_target_len: int = 10  # 7 digits, </s>, and room to spare
+    ctc_weight: float = 0.3  # of the CTC loss in training, and of the CTC score when decoding
 
 
 def _sinusoids(length: int, dim: int) -> torch.Tensor:
@@ -327,6 +352,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         self.decoder = nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers))
         self.decoder_norm = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, len(self.vocab))
+        self.ctc_head = nn.Linear(c.d_model, 1 + len(CHARS))  # blank, then the digits
         self.training_info: dict = {}
 
     # --- inputs ------------------------------------------------------------------------------
@@ -379,12 +405,58 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
 
     # --- the network -------------------------------------------------------------------------
 
+    @staticmethod
+    def encoded_lengths(lengths: torch.Tensor) -> torch.Tensor:
+        """Encoder frames of each utterance: ``ceil(ceil(T / 2) / 2)`` (two stride-2 convolutions)."""
+        return (((lengths + 1) // 2 + 1) // 2).clamp(min=1)
+
+    def ctc_log_probs(self, memory: torch.Tensor) -> torch.Tensor:
+        """``(T', B, 11)`` CTC log-probabilities of the encoder states (blank = 0, digit k = k + 1)."""
+        return self.ctc_head(memory).log_softmax(-1).transpose(0, 1)
+
+    def ctc_score(self, ids: torch.Tensor, memory: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` CTC log-likelihood of the decoder token ids ``ids`` (up to the first EOS)."""
+        digits = [[i - EOS for i in self._ids_of(row)] for row in ids.tolist()]
+        flat = torch.tensor([d for row in digits for d in row], dtype=torch.long)
+        target_lengths = torch.tensor([len(row) for row in digits])
+        nll = F.ctc_loss(
+            self.ctc_log_probs(memory),
+            flat,
+            self.encoded_lengths(lengths),
+            target_lengths,
+            reduction="none",
+            zero_infinity=False,
+        )
+        return -nll
+
+    def _ids_of(self, row: Iterable[int]) -> list[int]:
+        out = []
+        for i in row:
+            if i == EOS:
+                break
+            if i > EOS:
+                out.append(i)
+        return out
+
+    def ctc_greedy(self, memory: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` decoder token ids (ending with EOS) of the CTC best path: argmax per frame,
+        repeats merged, blanks dropped."""
+        best = self.ctc_log_probs(memory).argmax(-1).T  # (B, T')
+        rows = []
+        for row, n in zip(best.tolist(), self.encoded_lengths(lengths).tolist()):
+            out, last = [], 0
+            for k in row[:n]:
+                if k != last and k != 0:
+                    out.append(k + EOS)
+                last = k
+            rows.append(out[: self.config.max_target_len - 1] + [EOS])
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [PAD] * (width - len(r)) for r in rows], dtype=torch.long)
+
     def encode(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, masks.Mask]:
         """Encoder states ``(B, T', d)`` (T' = ceil(T / 4)) and their padding mask."""
         x = self.frontend(feats.transpose(1, 2)).transpose(1, 2)  # (B, T', d)
-        frames = (lengths + 1) // 2
-        frames = (frames + 1) // 2
-        padding = masks.padding(frames.clamp(min=1))
+        padding = masks.padding(self.encoded_lengths(lengths))
         x = x + _sinusoids(x.shape[1], x.shape[2]).to(x)[None]
         for layer in self.encoder:
             x = layer(x, padding)
@@ -414,11 +486,13 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
     ) -> torch.Tensor:
         """Decoding over several vocal-tract warps of the input: ``(B, T)`` token ids.
 
-        Each warp of the mel axis (:func:`warp_mels`) gives a greedy hypothesis; every
-        hypothesis is then scored by its log-probability averaged over all the warped
-        inputs (teacher forcing), and the best one is kept. A voice unlike the training
-        voices is read as the nearby voices the model knows, and a digit dropped or doubled
-        under one warp is outvoted by the others. ``warps=(1.0,)`` is plain greedy decoding.
+        Each warp of the mel axis (:func:`warp_mels`) gives two hypotheses, the attention
+        decoder's greedy one and the CTC best path; every hypothesis is then scored on all the
+        warped inputs by the joint score ``(1 - w) log p_attention + w log p_CTC`` (``w =
+        config.ctc_weight``; teacher forcing for the first), and the best one is kept. A voice
+        unlike the training voices is read as the nearby voices the model knows; a digit
+        dropped or doubled by the decoder costs it the CTC score, which follows the audio
+        frame by frame. ``warps=(1.0,)`` is plain greedy decoding of the attention decoder.
         """
         if warps is not None and (
             isinstance(warps, (str, bytes))
@@ -437,9 +511,17 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
             return self.generate(warp_mels(feats, warps[0]), lengths)
         encoded = [self.encode(warp_mels(feats, a), lengths) for a in warps]
         hyps = [self._greedy(memory, padding) for memory, padding in encoded]
+        w = self.config.ctc_weight
+        if w > 0:
+            hyps += [self.ctc_greedy(memory, lengths) for memory, _ in encoded]
         width = max(h.shape[1] for h in hyps)
         hyps = [F.pad(h, (0, width - h.shape[1]), value=PAD) for h in hyps]
-        scores = torch.stack([torch.stack([self._log_prob(h, m, p) for m, p in encoded]).sum(0) for h in hyps])
+
+        def joint(h, memory, padding):
+            score = self._log_prob(h, memory, padding)
+            return score if w == 0 else (1 - w) * score + w * self.ctc_score(h, memory, lengths)
+
+        scores = torch.stack([torch.stack([joint(h, m, p) for m, p in encoded]).sum(0) for h in hyps])
         best = scores.argmax(0)  # (B,): ties go to the first warp listed
         return torch.stack(hyps)[best, torch.arange(feats.shape[0])]
 
@@ -454,13 +536,7 @@ class SpeechRecognizer(ShippedWeights, nn.Module):
         return logp.masked_fill(ids == PAD, 0.0).sum(1)
 
     def text_of(self, ids: Iterable[int]) -> str:
-        chars = []
-        for i in ids:
-            if i == EOS:
-                break
-            if i > EOS:
-                chars.append(self.vocab[i])
-        return "".join(chars)
+        return "".join(self.vocab[i] for i in self._ids_of(ids))
 
     def transcribe(
         self,
@@ -576,7 +652,7 @@ def train(
     seed: int = 0,
     batch_size: int = 32,
     lr: float = 1e-3,
-    train_size: int = 6000,
+    train_size: int = 10000,
     valid_size: int = 300,
     config: Config = Config(),
     progress: bool | None = True,
@@ -602,10 +678,21 @@ def train(
     for step in bar:
         model.train()
         feats, lengths, target_in, target = _batch(model, rng.sample(items, batch_size), rng, augmenting=True)
-        logits = model(feats, lengths, target_in)
+        memory, padding = model.encode(feats, lengths)
+        logits = model.decode(target_in, memory, padding)
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=PAD, label_smoothing=0.05
         )
+        if config.ctc_weight > 0:  # joint CTC + attention: the encoder learns a monotonic alignment
+            digits = target[(target > EOS)] - EOS  # flat digit labels 1..10
+            ctc = F.ctc_loss(
+                model.ctc_log_probs(memory),
+                digits,
+                model.encoded_lengths(lengths),
+                (target > EOS).sum(1),
+                zero_infinity=True,
+            )
+            loss = (1 - config.ctc_weight) * loss + config.ctc_weight * ctc
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
