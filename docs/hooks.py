@@ -106,10 +106,15 @@ def compile_(name: str) -> str:
 
 def compare(name: str) -> str:
     d = _load(name)
-    rows = [[r["case"], r["base_ratio"], r["new_ratio"], f"{r['new_vs_base']:.3f}x"] for r in d["rows"]]
+    rows = [
+        [r["case"], r["base_ratio"], r["new_ratio"], f"{r['new_vs_base']:.3f}x"]
+        + ([f"{r['time_new_vs_base']:.3f}x"] if "time_new_vs_base" in r else ["-"])
+        for r in d["rows"]
+    ]
     return (
         f"*Against {d['base']}, {d['rounds']} interleaved rounds; ratios are attnkit over the script's reference "
-        "in the same process.*\n\n" + _table(["case", "before", "after", "after / before"], rows)
+        "in the same process; the last column is attnkit's own time, after over before.*\n\n"
+        + _table(["case", "before", "after", "after / before", "time after / before"], rows)
     )
 
 

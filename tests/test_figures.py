@@ -113,3 +113,17 @@ def test_caption_overlay_keeps_the_digit_visible(tmp_path):
         tint = ax.get_images()[1].get_array()
         assert float(np.asarray(tint)[..., 3].max()) <= 0.36  # light: the strokes stay readable
         assert ax.collections, "an outline of where the word looked"
+
+
+def test_the_demo_index_names_the_page_to_open(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "listen").mkdir()
+    (tmp_path / "listen" / "listen.html").write_text("<!doctype html>", encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "attnkit.viz.gallery", str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert f"open it in a browser: {(tmp_path / 'index.html').resolve().as_uri()}" in done.stdout
+    page = (tmp_path / "index.html").read_text(encoding="utf-8")
+    assert "Hearing spoken digits" in page and "open the transcript" in page

@@ -44,7 +44,7 @@ def test_held_out_voices_sample(model):
     items = speech.dataset(40, speech.TEST_VOICES, seed=777)
     texts = model.transcribe([w for w, _ in items], 16000)
     right = sum(t == d for t, (_, d) in zip(texts, items))
-    assert right >= 24, list(zip(texts, [d for _, d in items]))  # 60%; the 500-utterance benchmark measures
+    assert right >= 32, list(zip(texts, [d for _, d in items]))  # 80%; the 500-utterance benchmark measures
 
 
 def test_cached_decoding_equals_recomputation(model):

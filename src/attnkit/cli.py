@@ -682,7 +682,8 @@ def listen(args: argparse.Namespace) -> int:
         title=f"heard {found['text'] or '(nothing)'} (last decoder layer, mean of heads)",
     )
     frames = [f"{t:.2f}s" for t in found["frame_times"].tolist()]
-    spans = attended_spans(found["chars"], last, found["frame_times"])
+    # the end token is no character of the transcript: it often rests on the first frames
+    spans = [s for s in attended_spans(found["chars"], last, found["frame_times"]) if s[0] != "</s>"]
     save_html(
         written[1],
         found["attention"],
@@ -781,7 +782,7 @@ TRAIN_DEFAULTS = {
     "captioner": (4000, 96),
     "recommender": (120, 128),
     "recall": (5000, 32),
-    "speech": (4000, 32),
+    "speech": (9200, 32),  # = --minutes 40; the shipped weights
 }
 
 
@@ -835,13 +836,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train a model: translator, captioner, recommender, recall or speech (seeded; 2.5-15 min on 2 cores)",
+        help="train a model: translator, captioner, recommender, recall or speech (seeded; 2.5-42 min on 2 cores)",
         description="Train one of the shipped models from scratch, seeded, with a progress bar, and save it as "
         "OUT/<model>.safetensors with a JSON record of the run. The defaults reproduce the shipped weights. "
         "Times on 2 CPU cores with the defaults: translator (the date normalizer, 1500 steps) about 2.5 min; "
         "captioner (the digit captioner, 4000 steps) about 5 min; recommender (SASRec on MovieLens-100K, "
         "120 epochs) about 6 min; recall (RecallLM, 5000 steps) about 7 min; speech (the spoken-digit "
-        "recogniser, 4000 steps; needs espeak-ng) about 15 min plus 2 min of speech synthesis. "
+        "recogniser, 9200 steps; needs espeak-ng) about 42 min plus 1 min of speech synthesis (--steps 4000: "
+        "18 min, about as good on new voices, see the docs). "
         "Fewer --steps trains faster and worse; each model's page in the docs says what its numbers mean.",
     )
     p.add_argument(
@@ -853,7 +855,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=_positive,
         default=None,
-        help="optimizer steps (default 1500; captioner 4000; recall 5000; speech 4000); "
+        help="optimizer steps (default 1500; captioner 4000; recall 5000; speech 9200); "
         "for the recommender, epochs (default 120)",
     )
     p.add_argument(

@@ -647,7 +647,7 @@ def _edit_distance(a: str, b: str) -> int:
 
 
 def train(
-    steps: int = 4000,
+    steps: int = 9200,
     *,
     seed: int = 0,
     batch_size: int = 32,
