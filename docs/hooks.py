@@ -215,6 +215,7 @@ TABLES = {
     "compile": compile_,
     "compare_core": compare,
     "compare_cpu": compare,
+    "compare_cpu_masked": compare,
     "distributed": distributed,
     "long_context": long_context,
     "hf_transformers": hf,
