@@ -61,26 +61,25 @@ def _length(text: str) -> int:
 SPEECH_STEPS_PER_MINUTE = 230
 
 
-def _minutes(text: str) -> float:
-    """argparse type: a training time in minutes, 1 to 60."""
+def _number_in(text: str, low: float, high: float, what: str, where: str) -> float:
+    """``text`` as a float in [low, high] (nan refused), or an argparse error saying ``what``/``where``."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of minutes, but got {text!r}") from None
-    if not 1.0 <= value <= 60.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be between 1 and 60 minutes, but got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, but got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be {where}, but got {text!r}")
     return value
+
+
+def _minutes(text: str) -> float:
+    """argparse type: a training time in minutes, 1 to 60."""
+    return _number_in(text, 1.0, 60.0, "a number of minutes", "between 1 and 60 minutes")
 
 
 def _fraction(text: str) -> float:
     """argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], but got {text!r}") from None
-    if not 0.0 <= value <= 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 = start of the text, 1 = end), but got {text!r}")
-    return value
+    return _number_in(text, 0.0, 1.0, "a number in [0, 1]", "in [0, 1] (0 = start of the text, 1 = end)")
 
 
 def _capture(model, call, tokens, layers: int, heads: int, rows_text) -> dict:
