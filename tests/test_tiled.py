@@ -315,3 +315,31 @@ def test_lse_gradient_through_merged_row_blocks():
         grads.append(torch.autograd.grad((out.sum() + lse.sin().sum()), (q, k, v)))
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want)
+
+
+def test_opstream_benchmark_counts_one_fused_call_per_run(tmp_path):
+    """benchmarks/opstream.py (the clock-free comparison of two trees) sees the kernel's plan:
+    one fused call per run forward, one more per run backward."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "opstream.json"
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "opstream.py"), "--cases", "window", "prefix", "--length", "1024"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["case"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    for name, mask in (("window", masks.sliding_window(256)), ("prefix", masks.prefix_lm(256) & masks.causal())):
+        plan = attnkit.prepare(mask, 1024, 1024, block_size=tiled.BLOCK_SIZE)
+        runs = sum(len(row.runs) for group in plan.groups for row in group.rows)
+        assert runs > 1
+        assert rows[(name, "fwd")]["fused_calls"] == runs
+        assert rows[(name, "fwd+bwd")]["fused_calls"] == 2 * runs
+        assert rows[(name, "fwd+bwd")]["operations"] > rows[(name, "fwd")]["operations"]

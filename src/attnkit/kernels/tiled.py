@@ -155,7 +155,7 @@ def _backward_group(
         lf = tiles.fold(lse_safe[:, :, rows, None], hkv)[..., 0]  # (B, Hkv, g*n)
         if fused:
             of = tiles.fold(out[:, :, rows], hkv)
-            dqf = torch.zeros((), dtype=ct, device=q.device)  # grows to (B, Hkv, g*n, D)
+            dqf: torch.Tensor | None = None  # (B, Hkv, g*n, D), summed over the runs in place
             for run in row.runs:
                 qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
                 g_q, g_k, g_v = _aten.flash_backward(
@@ -168,7 +168,7 @@ def _backward_group(
                     attn_mask=None if tile is None else tile.additive,
                     scale=call.scale,
                 )
-                dqf = dqf + g_q.to(ct)
+                dqf = g_q.to(ct) if dqf is None else dqf.add_(g_q)
                 dk[:, :, run.k0 : run.k1] += g_k.to(ct)
                 dv[:, :, run.k0 : run.k1] += g_v.to(ct)
         else:
@@ -178,6 +178,7 @@ def _backward_group(
                 None if call.own_lse else (go.to(ct) * tiles.fold(out[:, :, rows], hkv).to(ct)).sum(-1, keepdim=True)
             )
             dqf = _math_backward_row(call, gi, sel, q, k, v, row, go.to(ct), lf, gl, delta, dk, dv, grads)
+        assert dqf is not None, "a row block with runs"
         dq[:, :, rows] = tiles.unfold(dqf, hq)
     return dq, dk, dv
 
@@ -237,7 +238,7 @@ def _math_backward_row(
         done.append((run, qf, kr, p, pd, dp, capped, before))
     if grad_lse is not None:
         delta = delta - grad_lse
-    dqf = torch.zeros((), dtype=ct, device=q.device)  # grows to (B, Hkv, g*n, D)
+    dqf: torch.Tensor | None = None  # (B, Hkv, g*n, D), summed over the runs in place
     for run, qf, kr, p, pd, dp, capped, before in done:
         keys = slice(run.k0, run.k1)
         dv[:, :, keys] += pd.transpose(-2, -1) @ go
@@ -258,8 +259,10 @@ def _math_backward_row(
         if capped is not None:
             ds = ds * (1.0 - capped * capped)  # d (c tanh(s / c)) / ds
         ds = ds * call.scale
-        dqf = dqf + ds @ kr.to(ct)
+        part = ds @ kr.to(ct)
+        dqf = part if dqf is None else dqf.add_(part)
         dk[:, :, keys] += ds.transpose(-2, -1) @ qf.to(ct)
+    assert dqf is not None, "a row block with runs"
     return dqf
 
 
