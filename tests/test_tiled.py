@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import tiled
+from attnkit.kernels import tiled, tiles
 
 # --- block maps --------------------------------------------------------------------------
 
@@ -35,7 +35,7 @@ def check_block_map(mask, lq, lk, bq, bk, exact):
 
 def primitive_masks(draw, lq, lk, batch):
     align = draw(st.sampled_from(["bottom_right", "top_left"]))
-    kind = draw(st.sampled_from(["causal", "window", "prefix", "padding", "document", "dense"]))
+    kind = draw(st.sampled_from(["causal", "window", "prefix", "padding", "document", "dense", "from_fn"]))
     if kind == "causal":
         return masks.causal(align)
     if kind == "window":
@@ -48,6 +48,9 @@ def primitive_masks(draw, lq, lk, batch):
         ids = draw(st.lists(st.integers(0, 3), min_size=lq, max_size=lq))
         return masks.document(torch.tensor(sorted(ids)))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    if kind == "from_fn":  # a predicate over a random table, per sequence and head (its blocks: all, none, some)
+        table = torch.rand(batch, 3, lq, lk, generator=g) > draw(st.sampled_from([0.0, 0.5, 1.0]))
+        return masks.from_fn(lambda b, h, q, kv: table[b, h, q, kv], batch_size=batch, num_heads=3)
     return masks.dense(torch.rand(batch, 1, lq, lk, generator=g) > draw(st.sampled_from([0.0, 0.5, 1.0])))
 
 
@@ -199,6 +202,70 @@ def test_poison_in_skipped_and_partial_blocks_does_not_leak():
     k[0, :, 70:] = float("nan")
     v[0, :, 70:] = float("inf")
     assert torch.equal(attnkit.attention(q, k, v, mask, kernel="tiled"), clean)
+
+
+@pytest.mark.parametrize("engine", ["fused", "math"])
+def test_poison_in_keys_and_queries_no_pair_uses_inside_partial_tiles_does_not_leak(engine):
+    """Keys no query attends and queries that attend no key, inside partial tiles: junk (NaN,
+    inf) there is zeroed before the tile's scores are computed."""
+    mask = masks.from_fn(lambda b, h, q, kv: (kv % 3 != 0) & (q % 5 != 0) & (kv <= q + 40))
+    extra = {} if engine == "fused" else {"attn_bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(2))}
+    q, k, v = (randn(1, 2, 300, 16, requires_grad=True) for _ in range(3))
+    clean = attnkit.attention(q, k, v, mask, kernel="tiled", **extra)
+    (dq, dk, dv) = torch.autograd.grad(clean.sum(), (q, k, v))
+    poisoned = [t.detach().clone() for t in (q, k, v)]
+    poisoned[1][:, :, ::3] = float("nan")
+    poisoned[2][:, :, ::3] = float("inf")
+    poisoned[0][:, :, ::5] = float("nan")
+    pq, pk, pv = (t.requires_grad_() for t in poisoned)
+    out = attnkit.attention(pq, pk, pv, mask, kernel="tiled", **extra)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clean, atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (pq, pk, pv))
+    for got, want in zip(grads, (dq, dk, dv)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_mask_tiles_past_the_cache_bound_are_kept_as_bool_and_never_evaluated_again(monkeypatch):
+    """Past the prepared mask's tile budget a tile is kept as its bool form alone (its additive
+    form made per call); either way the mask's elements are evaluated once per tile, and heads
+    of a group whose tiles agree are kept once."""
+    import importlib
+
+    prepare_module = importlib.import_module("attnkit.prepare")  # the module (attnkit.prepare is the function)
+    calls = {"n": 0}
+
+    def fn(b, h, q, kv):
+        calls["n"] += 1
+        return (kv <= q) & (q - kv < 64 + 64 * (h % 2))  # heads 0, 2 agree; heads 1, 3 agree
+
+    dense = masks.from_fn(fn, num_heads=4).materialize(700, 700)
+    for limit, dtype, hkv in (
+        (64 * 2**20, torch.float32, 4),
+        (600_000, torch.float32, 2),
+        (600_000, torch.bfloat16, 4),
+    ):
+        monkeypatch.setattr(prepare_module, "TILE_CACHE_BYTES", limit)  # room for all; for the bool forms of most
+        q, k, v = (randn(1, h, 700, 16, dtype=dtype, requires_grad=True) for h in (4, hkv, hkv))
+        prepared = attnkit.prepare(masks.from_fn(fn, num_heads=4), 700, 700)
+        first = tiled.attention(q, k, v, prepared, scale=0.25)[0]
+        evaluated = calls["n"]
+        second = tiled.attention(q, k, v, prepared, scale=0.25)[0]
+        assert calls["n"] == evaluated, "a second call evaluated the mask again"
+        assert torch.equal(first, second)
+        gold, naive = gold_and_naive(q.detach(), k.detach(), v.detach(), dense, scale=0.25)
+        assert_oracle(first, gold, naive, what=f"limit {limit}")
+        grad = randn(*first.shape, dtype=dtype)
+        got = torch.autograd.grad(second, (q, k, v), grad)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(naive_attention(q64, k64, v64, dense, 0.25)[0], (q64, k64, v64), grad.double())
+        for g, w, name in zip(got, want, "qkv"):
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(g.double(), w, atol=tol * w.abs().max().item(), rtol=0, msg=f"d{name}")
+        held = [t for t in prepared.tiles.tiles.values() if isinstance(t, tiles.Tile)]
+        assert held and all(t.allowed.shape[1] == 1 for t in held), "equal heads kept once"
+        compact = [t.cached_additive is None for t in held]
+        assert any(compact) == (limit < 2**20)
 
 
 # --- dropout ---------------------------------------------------------------------------------

@@ -808,12 +808,12 @@ class _FromFn(Mask):
         kv_idx = torch.arange(k_len, device=b.device)[None, :]
         for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory
             q_idx = torch.arange(i * b.bq, min((i + 1) * b.bq, b.q_len), device=b.device)[:, None]
-            e = self.elements(q_idx, kv_idx, b.q_len, b.kv_len)  # (B, H, tq, Lk)
-            full = torch.nn.functional.pad(e, (0, pad), value=True)
-            any_ = torch.nn.functional.pad(e, (0, pad), value=False)
-            full = full.view(*e.shape[:3], -1, b.bk).all(-1).all(-2)  # (B, H, nk)
-            any_ = any_.view(*e.shape[:3], -1, b.bk).any(-1).any(-2)
-            rows.append(b.code(full, ~any_))
+            e = self.elements(q_idx, kv_idx, b.q_len, b.kv_len).view(torch.uint8)  # (B, H, tq, Lk)
+            # over the rows first (one pass each over the tile), then over each block's keys
+            lo, hi = e.amin(dim=-2), e.amax(dim=-2)  # (B, H, Lk)
+            lo = torch.nn.functional.pad(lo, (0, pad), value=1).view(*lo.shape[:2], -1, b.bk).amin(-1)
+            hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(*hi.shape[:2], -1, b.bk).amax(-1)
+            rows.append(b.code(lo == 1, hi == 0))  # (B, H, nk)
         if not rows:
             return torch.zeros(1, 1, 0, b.nk, dtype=torch.int8, device=b.device)
         return torch.stack(rows, dim=-2)  # (B, H, nq, nk)

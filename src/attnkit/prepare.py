@@ -97,11 +97,16 @@ class _TileCache:
     def get(self, key):
         return self.tiles.get(key)
 
-    def put(self, key, value, nbytes: int) -> None:
+    def put(self, key, value, nbytes: int, within: float = 1.0) -> bool:
+        """Keep ``value`` if it fits in ``within`` of the bound (returns whether the key is now held)."""
         with self.lock:
-            if key not in self.tiles and self.size + nbytes <= self.limit:
+            if key in self.tiles:
+                return True
+            if self.size + nbytes <= within * self.limit:
                 self.tiles[key] = value
                 self.size += nbytes
+                return True
+            return False
 
 
 @dataclass(frozen=True, eq=False)

@@ -163,7 +163,6 @@ class TileCall:
     params: tuple = ()  # the bias's and score_mod's tensors, inputs of the autograd function
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
-
     @property
     def indexed(self) -> bool:
         """Whether tiles need the index tensors of their batch rows and heads (a bias or score_mod)."""
@@ -185,10 +184,22 @@ class Tile:
     """A partial run's mask, laid out like the folded queries ``(Bm, Hkv or 1, g*n, S)``."""
 
     allowed: torch.Tensor  # bool, True = may attend
-    additive: torch.Tensor  # 0 / -inf in the inputs' dtype, for the fused engine
-    keep: torch.Tensor  # 1 / 0 in the math engine's dtype: zeroes hidden weights after exp
     hidden_rows: torch.Tensor | None  # (Bm, Hkv or 1, g*n): rows with no key here; None if none
     used_keys: torch.Tensor | None  # (Bm, Hkv or 1, S, 1): keys some row uses; None if all
+    dtype: torch.dtype  # the inputs' dtype
+    cached_additive: torch.Tensor | None = None  # kept when the prepared mask's cache has room
+
+    @property
+    def additive(self) -> torch.Tensor:
+        """0 / -inf in the inputs' dtype, for the fused engine (made from ``allowed`` when not kept)."""
+        if self.cached_additive is not None:
+            return self.cached_additive
+        return _additive(self.allowed, self.dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.full((), NEG_INF, dtype=dtype, device=allowed.device))
 
 
 def mask_tile(
@@ -202,7 +213,13 @@ def mask_tile(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tile | None:
-    """The evaluated mask of a partial run (None for a full one), from the prepared mask's cache."""
+    """The evaluated mask of a partial run (None for a full one), from the prepared mask's cache.
+
+    The cache keeps the bool tile and, while it fills less than half its bound, its additive
+    form too; past that it keeps the bool tile alone (1 byte a pair, the additive form made
+    per call), so the mask's elements are evaluated again only past the whole bound. Heads of
+    a group whose tiles are equal are kept once.
+    """
     if run.full:
         return None
     key = (gi, row.q0, row.q1, run.k0, run.k1, hq, hkv, dtype, str(device))
@@ -216,14 +233,18 @@ def mask_tile(
     tile = as4d(p.mask.elements(q_idx, kv_idx, p.q_len, p.kv_len))
     tile = take(take(tile, 0, sel.tile_batch), 1, sel.tile_heads if tile.shape[1] > 1 else None)
     tile = tile.expand(*tile.shape[:2], row.q1 - row.q0, run.k1 - run.k0)  # (Bm, Hm, n, S)
+    if tile.shape[1] > 1 and bool((tile == tile[:, :1]).all()):  # the group's heads agree here
+        tile = tile[:, :1]
     used = used_keys(tile, hkv)
     allowed = fold_tile(tile, hq, hkv)  # (Bm, Hkv or 1, g*n, S)
     visible = allowed.any(dim=-1)
-    zero, ninf = torch.zeros((), dtype=dtype, device=device), torch.full((), NEG_INF, dtype=dtype, device=device)
-    additive = torch.where(allowed, zero, ninf)
-    keep = allowed.to(compute_dtype(dtype))
-    result = Tile(allowed, additive, keep, None if visible.all() else ~visible, None if used.all() else used)
-    call.prepared.tiles.put(key, result, allowed.numel() * (1 + additive.element_size() + keep.element_size()))
+    hidden_rows = None if visible.all() else ~visible
+    used_or_all = None if used.all() else used
+    additive = _additive(allowed, dtype)
+    result = Tile(allowed, hidden_rows, used_or_all, dtype, additive)
+    pairs = allowed.numel()
+    if not call.prepared.tiles.put(key, result, pairs * (1 + additive.element_size()), within=0.5):
+        call.prepared.tiles.put(key, Tile(allowed, hidden_rows, used_or_all, dtype), pairs)
     return result
 
 
@@ -323,7 +344,7 @@ def weights(s: torch.Tensor, shift: torch.Tensor, tile: Tile | None) -> torch.Te
     if s.dtype == torch.float32:
         s = s.clamp_(min=EXP_FLOOR)
     p = s.exp_()
-    return p if tile is None else p.mul_(tile.keep)
+    return p if tile is None else p.mul_(tile.allowed)
 
 
 #: Rows of one math-engine tile. The planner merges row blocks with equal runs into one
