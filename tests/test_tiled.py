@@ -300,7 +300,10 @@ def test_dispatch_choices():
     doc = plan(masks.document(torch.arange(2048) // 256))
     assert doc.kernel == "tiled" and str(doc) == "tiled: 12% of blocks kept, all full"
     assert plan(masks.sliding_window(128)).kernel == "tiled"
-    assert plan(masks.padding(torch.tensor([1024]))).kernel == "tiled"
+    one_length = plan(masks.padding(torch.tensor([1024])))  # every sequence's keys end at 1024: a cut, no mask
+    assert one_length.reason == "sdpa: every sequence's keys end at 1024: no mask over the first 1024 keys"
+    q2 = torch.empty(2, 2, 2048, 16)
+    assert attnkit.explain(q2, q2, q2, masks.padding(torch.tensor([1024, 2000]))).kernel == "tiled"
     assert plan(torch.ones(2048, 2048, dtype=torch.bool)).reason == "sdpa: the mask hides nothing here"
     assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask: 100% of blocks kept"
     assert plan(masks.causal(), length=64).reason == "sdpa: is_causal"
@@ -313,16 +316,16 @@ def test_dispatch_choices():
 
 
 def test_dispatch_weighs_dtype_and_backward():
-    def kernel(mask, dtype, grad):
-        q = torch.empty(1, 2, 2048, 16, dtype=dtype, requires_grad=grad)
+    def kernel(mask, dtype, grad, batch=1):
+        q = torch.empty(batch, 2, 2048, 16, dtype=dtype, requires_grad=grad)
         return attnkit.explain(q, q, q, mask).kernel
 
     prefix = masks.prefix_lm(512) & masks.causal()  # about half the blocks, masked diagonal tiles
     assert kernel(prefix, torch.float32, False) == "tiled"
     assert kernel(prefix, torch.float32, True) == "tiled"
     assert kernel(prefix, torch.bfloat16, True) == "sdpa"  # masked tiles are slow in bf16 backward
-    padding = masks.padding(torch.tensor([1024]))  # full blocks only
-    assert kernel(padding, torch.bfloat16, True) == "tiled"
+    padding = masks.padding(torch.tensor([1024, 1500]))  # full blocks only
+    assert kernel(padding, torch.bfloat16, True, batch=2) == "tiled"
     with torch.no_grad():
         q = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
         assert attnkit.explain(q, q, q, prefix).kernel == "tiled"  # no backward under no_grad
@@ -410,3 +413,30 @@ def test_opstream_benchmark_counts_one_fused_call_per_run(tmp_path):
         assert rows[(name, "fwd")]["fused_calls"] == runs
         assert rows[(name, "fwd+bwd")]["fused_calls"] == 2 * runs
         assert rows[(name, "fwd+bwd")]["operations"] > rows[(name, "fwd")]["operations"]
+
+
+@pytest.mark.parametrize("lq", [1, 300])
+def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq):
+    """Every sequence's keys ending at the same n: SDPA over the first n keys with no mask (a
+    decoding step over a cache with room left), forward and backward against the float64
+    oracle; junk past n is never read; GQA and bfloat16 too."""
+    for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.float32, 4, 2), (torch.bfloat16, 4, 1)):
+        q = randn(2, hq, lq, 16, dtype=dtype, requires_grad=True)
+        k, v = (randn(2, hkv, 700, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+        mask = masks.padding(torch.tensor([509, 509]))
+        assert attnkit.explain(q, k, v, mask).kernel == "sdpa"
+        with torch.no_grad():
+            k[:, :, 509:] = float("nan")  # never read
+            v[:, :, 509:] = float("inf")
+        out = attnkit.attention(q, k, v, mask)
+        kk, vv = (t.detach()[:, :, :509].double() for t in (k, v))
+        gold, naive = gold_and_naive(q.detach(), k.detach()[:, :, :509], v.detach()[:, :, :509])
+        assert_oracle(out, gold, naive, what=f"{dtype} Hq={hq} Hkv={hkv}")
+        grad = randn(*out.shape, dtype=dtype)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q.detach(), kk, vv))
+        want = torch.autograd.grad(naive_attention(q64, k64, v64)[0], (q64, k64, v64), grad.double())
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+        for got, w in zip((dq, dk[:, :, :509], dv[:, :, :509]), want):
+            torch.testing.assert_close(got.double(), w, atol=tol * w.abs().max().item(), rtol=0)
+        assert dk[:, :, 509:].eq(0).all() and dv[:, :, 509:].eq(0).all()

@@ -126,7 +126,9 @@ class PreparedMask:
     - ``band``: ``(lo, hi)`` when the mask is exactly the band ``lo <= j - i <= hi`` (causal
       and sliding-window masks with int offsets, see :meth:`attnkit.masks.Mask.band`), so a
       kernel can evaluate partial blocks from two ints; None otherwise;
-    - ``limit_only``: the mask hides exactly the keys from ``kv_limit`` on (padding).
+    - ``limit_only``: the mask hides exactly the keys from ``kv_limit`` on (padding);
+    - ``kv_limit_value``: the key limit as a Python int when every sequence has the same one
+      (None: no limit, or limits that differ), so a kernel can cut the keys without a sync.
 
     Kernels read these facts (and :attr:`causal_shift`, :attr:`hides_nothing`,
     :meth:`partial_bits`), never the mask's class. It is immutable: :meth:`to` returns a
@@ -147,6 +149,7 @@ class PreparedMask:
     tiles: _TileCache = field(repr=False, compare=False)
     band: tuple[int | None, int | None] | None = None
     limit_only: bool = False
+    kv_limit_value: int | None = None
     #: A 0-d int64 tensor naming this prepared mask: compiled code passes it to attnkit's custom
     #: ops, whose eager implementations find the mask from it (see :func:`from_handle`).
     handle: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -310,7 +313,11 @@ def prepare(
     kv_indices = order.to(torch.int32)
     kv_full = torch.gather(codes, -1, order) == _masks.FULL
     kept = float(kept_blocks.float().mean()) if codes.numel() else 0.0
-    groups = _plan_groups(codes.cpu().numpy(), None if limit is None else limit.cpu().numpy(), q_len, kv_len, bq, bk)
+    limits = None if limit is None else limit.cpu().numpy()
+    groups = _plan_groups(codes.cpu().numpy(), limits, q_len, kv_len, bq, bk)
+    shared_limit = None
+    if limits is not None and limits.size and not (limits != limits.flat[0]).any():
+        shared_limit = int(limits.flat[0])
     band = None if mask is None else mask.band(q_len, kv_len)
     limit_only = mask is not None and mask.limit_only()
     return PreparedMask(
@@ -328,6 +335,7 @@ def prepare(
         _TileCache(TILE_CACHE_BYTES),
         band,
         limit_only,
+        shared_limit,
     )
 
 

@@ -70,6 +70,17 @@ def sdpa(
     return out.reshape(shapes.out)
 
 
+def shared_key_limit(call: Call) -> int | None:
+    """``n`` when the call's mask hides exactly the keys from ``n`` on, the same ``n > 0`` for
+    every sequence (a padding mask of one length: a decoding step over a cache with room left),
+    as prepared by a kernel asked before this one; 4-D inputs. Then SDPA over the first ``n``
+    keys, with no mask, is the exact answer."""
+    prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
+    if prepared is None or not prepared.limit_only or not prepared.kv_limit_value or call.shapes.rank != 4:
+        return None
+    return prepared.kv_limit_value
+
+
 class SDPAKernel(Kernel):
     """``torch.nn.functional.scaled_dot_product_attention``: any device; no lse."""
 
@@ -92,6 +103,9 @@ class SDPAKernel(Kernel):
             return True, "is_causal: PyTorch's flash/cuDNN kernels" if cuda else "is_causal"
         if call.hides_nothing_here():
             return True, "the mask hides nothing here"
+        limit = shared_key_limit(call)
+        if limit is not None:
+            return True, f"every sequence's keys end at {limit}: no mask over the first {limit} keys"
         if call.float_mask:
             return True, "dense mask (additive float mask)"
         if call.shapes.rank > 4:
@@ -113,10 +127,19 @@ class SDPAKernel(Kernel):
             causal = False
         elif call.causal_shift() == 0 and call.scale > 0.0:
             causal = True
-        else:
+        elif shared_key_limit(call) is None:
             return None  # a dense mask: made from the mask's values on every call
+        else:
+            causal = False
         scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
-        if shapes.rank == 4:
+        limit = shared_key_limit(call)
+        if limit is not None:
+
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return F.scaled_dot_product_attention(
+                    q, k[..., :limit, :], v[..., :limit, :], scale=scale, enable_gqa=gqa
+                )
+        elif shapes.rank == 4:
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa)
@@ -150,6 +173,9 @@ class SDPAKernel(Kernel):
         prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
         if call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
             return sdpa(call.q, call.k, call.v, None, **kw), None
+        limit = shared_key_limit(call)
+        if limit is not None:  # the keys past the limit are never read: no zeroing, no mask
+            return sdpa(call.q, call.k[..., :limit, :], call.v[..., :limit, :], None, **kw), None
         dense = reference.dense_mask(call)
         k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
         q = reference.zero_hidden_queries(call.q, dense)

@@ -577,6 +577,8 @@ class TiledKernel(Kernel):
         p = prepared()
         if p.hides_nothing:
             return False, "the mask hides nothing here"
+        if p.limit_only and p.kv_limit_value and s.rank == 4:
+            return False, lambda: f"every sequence's keys end at {p.kv_limit_value}: SDPA over those keys"
         if not p.masked and p.kv_limit is not None:
             return True, lambda: f"{p.kept:.0%} of blocks kept, all full, keys past each sequence's end unread"
         if not p.masked and p.kept <= MAX_KEPT_FULL:

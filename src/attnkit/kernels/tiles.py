@@ -163,6 +163,7 @@ class TileCall:
     params: tuple = ()  # the bias's and score_mod's tensors, inputs of the autograd function
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
+
     @property
     def indexed(self) -> bool:
         """Whether tiles need the index tensors of their batch rows and heads (a bias or score_mod)."""
