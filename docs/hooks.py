@@ -104,6 +104,50 @@ def compile_(name: str) -> str:
     )
 
 
+def gym(name: str) -> str:
+    d = _load(name)
+    rows = []
+    for r in d["rows"]:
+        flex = _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-"
+        rows.append(
+            [
+                r["case"],
+                r["mode"],
+                f"{r['kept_128']:.0%}",
+                round(r["attnkit_ms"], 1),
+                _ratio(r["attnkit_ms"], r["sdpa_ms"]),
+                _ratio(r["attnkit_ms"], r["ideal_ms"]),
+                round(r["prepare_ms"]),
+                f"{r['prepare_ms'] / r['attnkit_ms']:.0%}",
+                flex,
+            ]
+        )
+    meta = d.get("meta", {})
+    return f"*L={d['rows'][0]['L'] if d['rows'] else '?'}, {meta.get('threads', '?')} threads.*\n\n" + _table(
+        [
+            "mask",
+            "mode",
+            "blocks kept",
+            "attnkit ms",
+            "vs SDPA (dense mask)",
+            "vs ideal",
+            "prepare ms",
+            "prepare / one call",
+            "vs Flex",
+        ],
+        rows,
+    )
+
+
+def opstream(name: str) -> str:
+    d = _load(name)
+    rows = [[r["case"], r["mode"], r["fused_calls"], r["operations"]] for r in d["rows"]]
+    meta = d.get("meta", {})
+    return f"*L={meta.get('length', '?')}, {meta.get('dtype', '?')}.*\n\n" + _table(
+        ["mask", "mode", "fused attention calls", "ATen operations"], rows
+    )
+
+
 def compare(name: str) -> str:
     d = _load(name)
     rows = [
@@ -215,6 +259,8 @@ TABLES = {
     "core": core,
     "mods": mods,
     "compile": compile_,
+    "gym": gym,
+    "opstream": opstream,
     "compare_core": compare,
     "compare_cpu": compare,
     "compare_cpu_masked": compare,
