@@ -110,6 +110,23 @@ def timed(step) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
+    """``name -> median ms`` of the steps run in turn ``repeats`` times, after one warm-up
+    call each (plans, caches, one-time costs)."""
+    for step in steps.values():
+        step()
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            times[key].append(timed(step))
+    return {key: 1e3 * statistics.median(ts) for key, ts in times.items()}
+
+
+def flex_cell(row: dict) -> str:
+    """The table's FlexAttention column: its time, "failed" or "-"."""
+    return f"{row['flex_ms']:.1f}" if "flex_ms" in row else ("failed" if "flex_error" in row else "-")
+
+
 def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
     mask, mask_mod, sdpa_arg = cases(length)[name]
     backward = mode == "fwd+bwd"
@@ -142,14 +159,8 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
             row["flex_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
     steps = {key: make_step(fn, inputs, backward) for key, fn in impls.items()}
-    for step in steps.values():  # warm up (plans, caches, one-time costs)
-        step()
-    times = {key: [] for key in steps}
-    for _ in range(repeats):
-        for key, step in steps.items():
-            times[key].append(timed(step))
-    for key, ts in times.items():
-        row[f"{key}_ms"] = 1e3 * statistics.median(ts)
+    for key, ms in interleaved_medians(steps, repeats).items():
+        row[f"{key}_ms"] = ms
     for key in ("attnkit", "sdpa"):
         with PeakRSS() as peak:
             steps[key]()
@@ -178,7 +189,7 @@ def table(rows) -> str:
     )
     lines = [head, "|" + "---|" * 13]
     for r in rows:
-        flex = f"{r['flex_ms']:.1f}" if "flex_ms" in r else ("failed" if "flex_error" in r else "-")
+        flex = flex_cell(r)
         lines.append(
             f"| {r['case']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['attnkit_ms']:.1f} | "
             f"{r['sdpa_ms']:.1f} | {fmt_ratio(r['attnkit_ms'], r['sdpa_ms'])} | "

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu import make_step, timed  # noqa: E402
+from cpu import flex_cell, interleaved_medians, make_step, timed  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
@@ -225,14 +225,8 @@ def run_case(name, fn, heads, length, mode, repeats, with_flex, dense_ms):
         except Exception as err:  # a failure is a result
             row["flex_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     steps = {key: make_step(impl, inputs, backward) for key, impl in impls.items()}
-    for step in steps.values():
-        step()
-    times = {key: [] for key in steps}
-    for _ in range(repeats):
-        for key, step in steps.items():
-            times[key].append(timed(step))
-    for key, ts in times.items():
-        row[f"{key}_ms"] = 1e3 * statistics.median(ts)
+    for key, ms in interleaved_medians(steps, repeats).items():
+        row[f"{key}_ms"] = ms
     row["ideal_ms"] = dense_ms * row["kept_128"]
     row["kernel"] = str(attnkit.explain(inputs[0], inputs[1], inputs[2], prepared))
     return row
@@ -254,7 +248,7 @@ def table(rows) -> str:
     )
     lines = [head, "|" + "---|" * 12]
     for r in rows:
-        flex = f"{r['flex_ms']:.1f}" if "flex_ms" in r else ("failed" if "flex_error" in r else "-")
+        flex = flex_cell(r)
         lines.append(
             f"| {r['case']} | {r['mode']} | {r['kept_128']:.1%} | {r['attnkit_ms']:.1f} | {r['sdpa_ms']:.1f} | "
             f"{r['attnkit_ms'] / r['sdpa_ms']:.2f} | {r['ideal_ms']:.1f} | {r['attnkit_ms'] / r['ideal_ms']:.2f} | "

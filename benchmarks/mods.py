@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu import PeakRSS, make_step, timed  # noqa: E402
+from cpu import PeakRSS, flex_cell, interleaved_medians, make_step, timed  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
@@ -142,14 +142,8 @@ def run_case(name, length, mode, repeats, use_flex, dense_ms):
         except Exception as err:  # a failure is a result: record it
             row["flex_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     steps = {key: make_step(fn, inputs, backward) for key, fn in impls.items()}
-    for step in steps.values():
-        step()
-    times = {key: [] for key in steps}
-    for _ in range(repeats):
-        for key, step in steps.items():
-            times[key].append(timed(step))
-    for key, ts in times.items():
-        row[f"{key}_ms"] = 1e3 * statistics.median(ts)
+    for key, ms in interleaved_medians(steps, repeats).items():
+        row[f"{key}_ms"] = ms
     for key in ("attnkit", "baseline"):
         with PeakRSS() as peak:
             steps[key]()
@@ -180,7 +174,7 @@ def table(rows) -> str:
         "|" + "---|" * 11,
     ]
     for r in rows:
-        flex = f"{r['flex_ms']:.1f}" if "flex_ms" in r else ("failed" if "flex_error" in r else "-")
+        flex = flex_cell(r)
         lines.append(
             f"| {r['case']} | {r['mode']} | {r['attnkit_ms']:.1f} | {r['ideal_ms']:.1f} | "
             f"{ratio(r['attnkit_ms'], r['ideal_ms'])} | {r['baseline']} | {r['baseline_ms']:.1f} | "

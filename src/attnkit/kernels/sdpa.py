@@ -123,16 +123,15 @@ class SDPAKernel(Kernel):
         if call.bias is not None or call.dropout_p > 0.0:
             return None
         prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
-        if call.mask is None or call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
-            causal = False
-        elif call.causal_shift() == 0 and call.scale > 0.0:
-            causal = True
-        elif shared_key_limit(call) is None:
-            return None  # a dense mask: made from the mask's values on every call
-        else:
-            causal = False
-        scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
         limit = shared_key_limit(call)
+        causal = False
+        if call.mask is None or call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
+            limit = None
+        elif call.causal_shift() == 0 and call.scale > 0.0:
+            causal, limit = True, None
+        elif limit is None:
+            return None  # a dense mask: made from the mask's values on every call
+        scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
         if limit is not None:
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
