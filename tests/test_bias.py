@@ -211,6 +211,145 @@ def test_offsets_decoding_and_gqa(kind):
         assert (got[b : b + 1] - want).abs().max() < 1e-12
 
 
+# --- biases of the distance alone on the fused engine (a band as its additive mask) -----------
+
+BAND_KINDS = ["alibi", "alibi_causal", "relative", "relative_uni", "alibi+relative"]
+
+
+def band_bias(kind, dtype, lq, lk):
+    """(bias, (H, Lq, Lk) float64 formula) with no tensor wanting a gradient: the fused backward runs."""
+    slopes = bias.alibi_slopes(HQ).to(dtype)
+    table = (0.5 * torch.randn(32, HQ, dtype=torch.float64)).to(dtype)
+    parts = {
+        "alibi": (bias.alibi(slopes), alibi_formula(slopes, lq, lk)),
+        "alibi_causal": (bias.alibi(slopes, causal=True), alibi_formula(slopes, lq, lk, causal=True)),
+        "relative": (bias.relative(table), relative_formula(table, lq, lk)),
+        "relative_uni": (
+            bias.relative(table, bidirectional=False),
+            relative_formula(table, lq, lk, bidirectional=False),
+        ),
+    }
+    if kind == "alibi+relative":
+        return parts["alibi"][0] + parts["relative"][0], parts["alibi"][1] + parts["relative"][1]
+    return parts[kind]
+
+
+class FlashCalls:
+    """Counts the fused engine's calls that carry an additive mask (the band)."""
+
+    def __init__(self, monkeypatch):
+        from attnkit.kernels import _aten
+
+        self.masked = 0
+        for name in ("flash_forward", "flash_backward"):
+            real = getattr(_aten, name)
+
+            def counted(*a, _real=real, **kw):
+                self.masked += kw.get("attn_mask") is not None
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(_aten, name, counted)
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("kind", BAND_KINDS)
+def test_a_band_bias_runs_on_the_fused_engine_float64(kind, mask_name, monkeypatch):
+    from attnkit.kernels import _aten
+
+    q = randn(B, HQ, L, D, dtype=torch.float64, requires_grad=True)
+    k, v = (randn(B, HKV, L, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    the_bias, formula = band_bias(kind, torch.float64, L, L)
+    mask = MASKS[mask_name]()
+    want = oracle(q, k, v, allowed_of(mask, L, L), add=formula)
+    want_grads = _grads(want, [q, k, v])
+    calls = FlashCalls(monkeypatch)
+    out = attnkit.attention(q, k, v, mask, attn_bias=the_bias, kernel="tiled")
+    assert (out - want).abs().max() < 1e-12
+    for got, exp in zip(_grads(out, [q, k, v]), want_grads):
+        assert (got - exp).abs().max() < 1e-10
+    if _aten.AVAILABLE:
+        assert calls.masked > 0, "the band bias should have run on the fused engine"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", BAND_KINDS)
+@pytest.mark.parametrize("mask_name", ["causal", "window", "document"])
+def test_a_band_bias_within_the_oracle_rule(kind, mask_name, dtype):
+    q = randn(B, HQ, L, D, dtype=dtype, requires_grad=True)
+    k, v = (randn(B, HKV, L, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    the_bias, formula = band_bias(kind, dtype, L, L)
+    mask = MASKS[mask_name]()
+    allowed = allowed_of(mask, L, L)
+    gold = oracle(q.double(), k.double(), v.double(), allowed, add=formula)
+    naive = oracle(q, k, v, allowed, add=formula.to(dtype))
+    out = attnkit.attention(q, k, v, mask, attn_bias=the_bias, kernel="tiled")
+    assert_oracle(out, gold, naive, what=f"{kind} {dtype}")
+    for name, o, g, n in zip("qkv", *(_grads(x, [q, k, v]) for x in (out, gold, naive))):
+        assert_oracle(o, g, n, factor=3.0, what=f"d{name} {kind} {dtype}")
+
+
+@pytest.mark.parametrize("lq, lk, align", [(1, 113, "bottom_right"), (7, 300, "bottom_right"), (300, 170, "top_left")])
+def test_a_band_bias_with_other_lengths_offsets_and_per_head_masks(lq, lk, align, monkeypatch):
+    """Lq != Lk in both alignments with int offsets, and a mask whose heads differ (groups of heads)."""
+    q = randn(B, HQ, lq, D, dtype=torch.float64, requires_grad=True)
+    k, v = (randn(B, HKV, lk, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    slopes = bias.alibi_slopes(HQ).double()
+    the_bias = bias.alibi(slopes, align=align, q_offset=3, kv_offset=1)
+    shift = (lk - lq if align == "bottom_right" else 0) + 3 - 1
+    i = torch.arange(lq, dtype=torch.float64)[:, None] + shift
+    j = torch.arange(lk, dtype=torch.float64)[None, :]
+    formula = -slopes.view(-1, 1, 1) * (i - j).abs()
+    width = torch.tensor([5, 40, 90, 400])
+    mask = masks.from_fn(lambda b, h, qi, kj: (qi + (lk - lq) - kj).abs() <= width.to(qi.device)[h], num_heads=HQ)
+    allowed = allowed_of(mask, lq, lk)
+    want = oracle(q, k, v, allowed, add=formula)
+    out = attnkit.attention(q, k, v, mask, attn_bias=the_bias, kernel="tiled")
+    assert (out - want).abs().max() < 1e-12
+    for got, exp in zip(_grads(out, [q, k, v]), _grads(want, [q, k, v])):
+        assert (got - exp).abs().max() < 1e-10
+
+
+def test_a_band_with_minus_infinity_or_per_sequence_offsets_stays_exact():
+    """A table entry of -inf empties rows (the fused engine would answer them 0 with lse 0):
+    such a band, and per-sequence offsets, run on the math engine and stay exact."""
+    q = randn(B, HQ, L, D, dtype=torch.float64)
+    k, v = (randn(B, HKV, L, D, dtype=torch.float64) for _ in range(2))
+    table = torch.randn(32, HQ, dtype=torch.float64)
+    table[:, 1] = float("-inf")  # head 1: every pair hidden
+    mask = masks.sliding_window(16)
+    out, lse = attnkit.attention(q, k, v, mask, attn_bias=bias.relative(table), return_lse=True)
+    want = oracle(q, k, v, allowed_of(mask, L, L), add=relative_formula(table, L, L))
+    assert (out - want).abs().max() < 1e-12
+    assert torch.isneginf(lse[:, 1]).all() and (out[:, 1] == 0).all()
+    slopes = bias.alibi_slopes(HQ).double()
+    offsets = torch.tensor([0, 9])
+    got = attnkit.attention(q, k, v, mask, attn_bias=bias.alibi(slopes, q_offset=offsets))
+    for b in range(B):
+        want = oracle(
+            q[b : b + 1],
+            k[b : b + 1],
+            v[b : b + 1],
+            allowed_of(mask, L, L),
+            add=alibi_formula(slopes, L, L, q_offset=int(offsets[b])),
+        )
+        assert (got[b : b + 1] - want).abs().max() < 1e-12
+
+
+def test_band_of_a_bias_is_its_distance_function():
+    """``Bias.band`` column t is the bias of every pair with kv - q = t - (Lq - 1)."""
+    slopes = bias.alibi_slopes(HQ).double()
+    table = torch.randn(32, HQ, dtype=torch.float64)
+    for the_bias in (bias.alibi(slopes), bias.relative(table) + bias.alibi(slopes, causal=True, kv_offset=4)):
+        for lq, lk in ((9, 9), (3, 20), (20, 3)):
+            band = the_bias.band(HQ, lq, lk)
+            dense = the_bias.dense(1, HQ, lq, lk, "cpu")[0]
+            i, j = torch.meshgrid(torch.arange(lq), torch.arange(lk), indexing="ij")
+            assert torch.equal(band[:, j - i + lq - 1], dense)
+    assert bias.from_fn(lambda b, h, i, j: (i - j).double()).band(HQ, 4, 4) is None
+    assert bias.dense(torch.randn(4, 4)).band(HQ, 4, 4) is None
+    assert bias.alibi(slopes, q_offset=torch.tensor([1, 2])).band(HQ, 4, 4) is None
+
+
 def test_rank_2_and_3_inputs():
     q, k, v = (randn(37, 8, dtype=torch.float64) for _ in range(3))
     slopes = torch.tensor([0.3], dtype=torch.float64)

@@ -57,6 +57,8 @@ CASES = {
     # equal head sizes: the fused CPU kernel runs (one call per causal square), also with an lse gradient
     "causal_fused": (300, 300, 2, 2, lambda L, K: masks.causal(), {"dv": 8}),
     "window_fused_lse": (290, 290, 2, 1, lambda L, K: masks.sliding_window(40), {"dv": 8, "lse": True}),
+    # a fixed ALiBi on the fused kernel as a band (forward and each part's backward)
+    "alibi_window_fused": (260, 260, 4, 2, lambda L, K: masks.sliding_window(50), {"dv": 8, "alibi_fixed": True}),
 }
 
 
@@ -75,6 +77,8 @@ def _case(name: str):
     if extra.get("alibi"):
         params["slopes"] = bias.alibi_slopes(hq).requires_grad_()
         kwargs["attn_bias"] = bias.alibi(params["slopes"], causal=True)
+    if extra.get("alibi_fixed"):
+        kwargs["attn_bias"] = bias.alibi(bias.alibi_slopes(hq))
     if extra.get("relative"):
         params["table"] = (0.5 * torch.randn(8, hq, generator=g)).requires_grad_()
         kwargs["attn_bias"] = bias.relative(params["table"], num_buckets=8, max_distance=16)

@@ -69,6 +69,15 @@ class Bias:
         """A short name for :func:`attnkit.explain`."""
         return type(self).__name__.lower()
 
+    def band(self, num_heads: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """The bias as a function of ``kv_idx - q_idx`` alone, when it is one; else None.
+
+        Returns ``(num_heads or 1, q_len + kv_len - 1)`` float values, column ``t`` the bias
+        of every pair with ``kv_idx - q_idx = t - (q_len - 1)`` in every sequence. Kernels lay
+        a tile of it out as a strided view (a Toeplitz matrix costs no memory of its own).
+        """
+        return None
+
     def _in_cache(self, start: torch.Tensor) -> Bias:
         """This bias for queries at key positions ``start[b] + i`` (see :func:`cached`)."""
         return self
@@ -171,6 +180,15 @@ class _Sum(Bias):
     def describe(self):
         return " + ".join(part.describe() for part in self.parts)
 
+    def band(self, num_heads, q_len, kv_len):
+        bands = [part.band(num_heads, q_len, kv_len) for part in self.parts]
+        if any(b is None for b in bands):
+            return None
+        total = bands[0]
+        for b in bands[1:]:
+            total = total + b
+        return total
+
 
 # --- positions -------------------------------------------------------------------------
 
@@ -214,6 +232,17 @@ class _Positional(Bias):
     def _by_distance(self, distance: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``(Hs, m)`` bias of each head for each ``key position - query position``."""
         raise NotImplementedError
+
+    #: Whether the bias depends on the distance alone (``_by_distance`` is defined).
+    _of_distance = False
+
+    def band(self, num_heads, q_len, kv_len):
+        if not self._of_distance or isinstance(self.q_offset, torch.Tensor) or isinstance(self.kv_offset, torch.Tensor):
+            return None  # per-sequence offsets: each sequence has its own band
+        device = self.params()[0].device if self.params() else None
+        shift = self.kv_offset - self.q_offset - (kv_len - q_len if self.align == "bottom_right" else 0)
+        distance = torch.arange(shift - (q_len - 1), shift + kv_len, device=device)  # kv - q = -(Lq - 1) .. Lk - 1
+        return self._by_distance(distance, torch.arange(num_heads, device=device))
 
     def elements(self, b, h, q_idx, kv_idx, q_len, kv_len):
         # A bias of the distance alone is a Toeplitz matrix per head: evaluate it on the
@@ -308,6 +337,13 @@ class Alibi(_Positional):
     def params(self) -> tuple[torch.Tensor, ...]:
         return (self.slopes,)
 
+    _of_distance = True
+
+    def _by_distance(self, distance: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        d = distance.to(self.slopes.dtype)  # the same arithmetic as elements()
+        penalty = d.neg() if self.causal else d.abs()
+        return penalty[None, :] * -self.slopes[h][:, None]
+
     def elements(
         self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len: int
     ) -> torch.Tensor:
@@ -397,6 +433,8 @@ class _Relative(_Positional):
 
     def params(self):
         return (self.table,)
+
+    _of_distance = True
 
     def _bucket(self, distance):
         return relative_buckets(distance, self.num_buckets, self.max_distance, self.bidirectional)

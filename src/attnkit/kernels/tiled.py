@@ -56,6 +56,19 @@ def dropout_keep_mask(
     return torch.rand(shape, generator=g, device=device) >= call.dropout_p
 
 
+def engine(q, k, v, bias, softcap, score_mod, dropout_p) -> tuple[bool, torch.Tensor | None]:
+    """``(fused, band)``: whether the fused engine runs a call's forward, and the band of its bias.
+
+    A bias of ``kv_idx - q_idx`` alone (ALiBi, T5's relative bias, their sums) runs on the
+    fused engine as its additive mask, a strided view of one band per head
+    (:func:`tiles.band_mask`); other biases, soft-capping, score_mods and dropout run on the
+    math engine, tile by tile. 4-D inputs.
+    """
+    plain = dropout_p == 0.0 and softcap is None and score_mod is None and fused_available(q, v)
+    band = tiles.band_for(bias, q, k) if plain else None
+    return plain and (bias is None or band is not None), band
+
+
 def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q, k, v):
     """``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` of one group's inputs."""
     b, hq, lq, _ = q.shape
@@ -71,12 +84,17 @@ def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Selec
         parts = []
         for run in row.runs:
             qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
-            bias_tile = tiles.bias_tile(call, sel, row, run, hq, k.shape[1])
-            if call.fused:
+            if call.fused and call.band is not None:  # the bias as the fused engine's additive mask
+                per_kv = hq // k.shape[1]
+                mask = tiles.band_mask(call, sel, row, run, tile, hq, k.shape[1])
+                o, lse_r = _aten.flash_forward(tiles.flip_rows(qf, per_kv), kr, vr, attn_mask=mask, scale=call.scale)
+                o, lse_r = tiles.flip_rows(o, per_kv), tiles.flip_rows(lse_r, per_kv)
+            elif call.fused:
                 o, lse_r = _aten.flash_forward(
                     qf, kr, vr, attn_mask=None if tile is None else tile.additive, scale=call.scale
                 )
             else:
+                bias_tile = tiles.bias_tile(call, sel, row, run, hq, k.shape[1])
                 s, _, _ = tiles.scores(call, qf, kr, tile, bias_tile, where=(sel, row, run))
                 m = s.amax(dim=-1, keepdim=True)
                 dead = m == tiles.NEG_INF  # rows with no finite score here (hidden, or a -inf bias on every key)
@@ -104,7 +122,9 @@ def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Selec
 def _one_fused_call(call: tiles.TileCall, q, k) -> bool | None:
     """``is_causal`` when one call of the fused kernel computes the whole result (no mask, or
     a causal one that is exactly SDPA's), else None. It returns the lse, which SDPA does not."""
-    if not call.fused or not call.scale > 0.0 or q.shape[1] != k.shape[1] or q.shape[2] == 0 or k.shape[2] == 0:
+    if not call.fused or call.bias is not None or not call.scale > 0.0:
+        return None
+    if q.shape[1] != k.shape[1] or q.shape[2] == 0 or k.shape[2] == 0:
         return None
     p = call.prepared
     if p.hides_nothing:
@@ -156,21 +176,25 @@ def _backward_group(
         if fused:
             of = tiles.fold(out[:, :, rows], hkv)
             dqf: torch.Tensor | None = None  # (B, Hkv, g*n, D), summed over the runs in place
+            per_kv = hq // hkv
+            if call.band is not None:  # reversed query order: see tiles.band_mask
+                go, of, lf = (tiles.flip_rows(t, per_kv) for t in (go, of, lf))
             for run in row.runs:
                 qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
+                mask: torch.Tensor | None
+                if call.band is not None:
+                    qf, mask = tiles.flip_rows(qf, per_kv), tiles.band_mask(call, sel, row, run, tile, hq, hkv)
+                else:
+                    mask = None if tile is None else tile.additive
                 g_q, g_k, g_v = _aten.flash_backward(
-                    go.contiguous(),
-                    qf,
-                    kr,
-                    vr,
-                    of,
-                    lf,
-                    attn_mask=None if tile is None else tile.additive,
-                    scale=call.scale,
+                    go.contiguous(), qf, kr, vr, of, lf, attn_mask=mask, scale=call.scale
                 )
                 dqf = g_q.to(ct) if dqf is None else dqf.add_(g_q)
                 dk[:, :, run.k0 : run.k1] += g_k.to(ct)
                 dv[:, :, run.k0 : run.k1] += g_v.to(ct)
+            if call.band is not None:
+                assert dqf is not None, "a row block with runs"
+                dqf = tiles.flip_rows(dqf, per_kv)
         else:
             gl = None if grad_lse is None else tiles.fold(grad_lse[:, :, rows, None].to(ct), hkv)
             # the row's delta from its own weights, or (the keys being a part) from the merged output
@@ -387,12 +411,11 @@ def attention(
         seed = draw_seed()
     # one copy here rather than one per run: the fused engine needs unit-stride rows
     q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
-    # With a bias the math engine is as fast or faster: the fused kernel would take the
-    # bias as an additive mask tile, and biases that grow with distance (ALiBi) push its
-    # exp() into subnormal numbers, which the math engine floors (see EXP_FLOOR).
-    fused = dropout_p == 0.0 and softcap is None and bias is None and score_mod is None and fused_available(q, v)
+    fused, band = engine(q, k, v, bias, softcap, score_mod, dropout_p)
     params = (() if bias is None else tuple(bias.params())) + (() if score_mod is None else score_mod.params)
-    call = tiles.TileCall(prepared, scale, dropout_p, seed or 0, fused, bias, softcap, params, score_mod=score_mod)
+    call = tiles.TileCall(
+        prepared, scale, dropout_p, seed or 0, fused, bias, softcap, params, score_mod=score_mod, band=band
+    )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
         return _TiledAttention.apply(q, k, v, call, *params)
     return _forward(call, q, k, v)
@@ -420,9 +443,9 @@ def backward_part(
     4-D inputs as :func:`attention`'s; ``prepared`` is this key set's mask; ``grad_lse``
     is the gradient of the merged lse (or None). Bias parameters get no gradient here.
     """
-    fused = softcap is None and bias is None and fused_available(q, v)
-    call = tiles.TileCall(prepared, scale, 0.0, 0, fused, bias, softcap, (), own_lse=False)
     q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
+    fused, band = engine(q, k, v, bias, softcap, None, 0.0)
+    call = tiles.TileCall(prepared, scale, 0.0, 0, fused, bias, softcap, (), own_lse=False, band=band)
     return _backward(call, q, k, v, out, lse, grad_out, grad_lse, {})
 
 
@@ -557,7 +580,22 @@ class TiledKernel(Kernel):
 
         if call.score_mods():
             p = prepared()
-            return True, lambda: f"{p.kept:.0%} of blocks kept, the modifications applied per tile"
+
+            def how() -> str:
+                lead = (1,) * (4 - s.rank)
+                q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))
+                _, band = engine(q4, k4, v4, call.bias, call.softcap, call.score_mod, call.dropout_p)
+                parts = []
+                if call.bias is not None:
+                    on = "the fused kernel's additive mask (a band of kv - q)" if band is not None else "each tile"
+                    parts.append(f"attn_bias on {on}")
+                if call.softcap is not None or call.score_mod is not None:
+                    parts.append("softcap/score_mod on each tile")
+                if call.sinks is not None:
+                    parts.append("sinks from the lse")
+                return f"{p.kept:.0%} of blocks kept, " + ", ".join(parts)
+
+            return True, how
         if call.dropout_p > 0.0 or call.return_lse:
             p = prepared()
             why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"

@@ -163,6 +163,7 @@ class TileCall:
     params: tuple = ()  # the bias's and score_mod's tensors, inputs of the autograd function
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
+    band: torch.Tensor | None = None  # (Hq or 1, Lq + Lk - 1): a bias of kv_idx - q_idx alone (Bias.band)
 
     @property
     def indexed(self) -> bool:
@@ -267,6 +268,60 @@ def run_inputs(
     if tile is not None and tile.hidden_rows is not None:  # junk (NaN) in queries that see no key here
         qf = torch.where(tile.hidden_rows[..., None], q.new_zeros(()), qf)
     return qf, kr, vr, tile
+
+
+def band_for(bias: Bias | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``bias.band`` in the dtype the fused engine adds it in (float32, or float64 for float64
+    inputs), contiguous; None without a bias or for one that is not a band."""
+    if bias is None:
+        return None
+    values = bias.band(q.shape[1], q.shape[2], k.shape[2])
+    if values is None or q.device.type != "cpu":
+        return None
+    values = values.detach().to(device=q.device, dtype=compute_dtype(q.dtype)).contiguous()
+    # the fused engine answers a row with no finite score with 0 and lse 0, not -inf: a band
+    # with -inf in it (a learned table can hold one) stays on the math engine. One read of
+    # Lq + Lk - 1 values in host memory, once per call.
+    return values if bool(torch.isfinite(values).all()) else None
+
+
+def flip_rows(t: torch.Tensor, group: int) -> torch.Tensor:
+    """Reverse the query order within each head of folded rows ``(B, Hkv, group * n, ...)``."""
+    b, hkv, rows = t.shape[:3]
+    return t.reshape(b, hkv, group, rows // group, *t.shape[3:]).flip(3).reshape(t.shape)
+
+
+def band_mask(
+    call: TileCall, sel: Select, row: RowBlock, run: Run, tile: Tile | None, hq: int, hkv: int
+) -> torch.Tensor:
+    """The additive mask of one run for the fused engine: the bias (and -inf where the tile hides),
+    laid out like folded queries ``(Bm or 1, Hkv, g*n, S)`` *in reversed query order*.
+
+    A bias of ``kv_idx - q_idx`` alone is constant along the diagonals of a tile; with the rows
+    reversed it is constant along its anti-diagonals, which a strided view of the band with row
+    and column strides 1 reads without a copy (callers reverse the queries with
+    :func:`flip_rows`, and the outputs back).
+    """
+    band = call.band
+    assert band is not None, "band_mask is for calls with TileCall.band"
+    if band.shape[0] > 1 and sel.h_idx is not None and sel.q_heads is not None:
+        band = band.index_select(0, sel.h_idx.view(-1)).contiguous()  # the group's query heads
+    heads, width = band.shape
+    group = hq // hkv
+    n, span = row.q1 - row.q0, run.k1 - run.k0
+    # reversed row r holds query q1 - 1 - r: its key k0 + c is at kv - q = k0 - q1 + 1 + r + c
+    first = run.k0 - row.q1 + 1 + (call.prepared.q_len - 1)  # column of (r, c) = (0, 0)
+    if heads == 1:  # one band for every head
+        view = band.as_strided((1, 1, n, span), (width, width, 1, 1), band.storage_offset() + first)
+        view = view.repeat(1, 1, group, 1) if group > 1 else view
+    else:
+        view = band.as_strided(
+            (heads // group, group, n, span), (group * width, width, 1, 1), band.storage_offset() + first
+        )
+        view = view.reshape(1, heads // group, group * n, span)  # a view when group == 1
+    if tile is None:
+        return view
+    return view.masked_fill(~flip_rows(tile.allowed, group), NEG_INF)
 
 
 def bias_tile(call: TileCall, sel: Select, row: RowBlock, run: Run, hq: int, hkv: int) -> torch.Tensor | None:
