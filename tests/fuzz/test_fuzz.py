@@ -163,10 +163,18 @@ def test_score_modifications_against_the_reference(sizes, data, kernel, seed):
         mods["sinks"] = torch.randn(hq, generator=g, dtype=torch.float64)
     note(f"{sizes} {kernel} {what} {mods}")
     q, k, v = _tensors(sizes, torch.float64, seed, scale=data.draw(st.sampled_from([1.0, 10.0])))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     want = attnkit.attention(q, k, v, _dense(mask, lq, lk), kernel="reference", **mods)
     got = attnkit.attention(q, k, v, mask, kernel=kernel, **mods)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
+    # gradients too (a fixed ALiBi or relative bias runs its backward on the fused kernel)
+    upstream = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for name, a, w in zip(
+        "qkv", torch.autograd.grad(got, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)
+    ):
+        assert torch.isfinite(a).all(), name
+        assert (a - w).abs().max() <= 1e-9 * max(1.0, w.abs().max().item()), f"d{name} {kernel} {what} {mods}"
 
 
 @given(
