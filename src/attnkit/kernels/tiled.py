@@ -56,7 +56,15 @@ def dropout_keep_mask(
     return torch.rand(shape, generator=g, device=device) >= call.dropout_p
 
 
-def engine(q, k, v, bias, softcap, score_mod, dropout_p) -> tuple[bool, torch.Tensor | None]:
+def engine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Bias | None,
+    softcap: float | None,
+    score_mod: ScoreMod | None,
+    dropout_p: float,
+) -> tuple[bool, torch.Tensor | None]:
     """``(fused, band)``: whether the fused engine runs a call's forward, and the band of its bias.
 
     A bias of ``kv_idx - q_idx`` alone (ALiBi, T5's relative bias, their sums) runs on the
