@@ -93,15 +93,20 @@ def _value(x):
         return x
     if x.device.type != "cpu" or x.numel() > KEY_ELEMENTS:
         return None
-    if x.numel() <= 64:  # a decoding step's lengths: tolist is 3x faster than a byte copy
-        return (tuple(x.shape), x.dtype, tuple(x.reshape(-1).tolist()))
+    if x.dim() == 1 and x.numel() <= 64:  # a decoding step's lengths: tolist is 3x faster than a byte copy
+        return (x.shape, x.dtype, tuple(x.tolist()))
     return (tuple(x.shape), x.dtype, x.contiguous().numpy().tobytes())
 
 
 def _values(*xs):
     """``tuple(_value(x) for x in xs)``, or None if one cannot be keyed."""
-    out = tuple(_value(x) for x in xs)
-    return None if any(v is None for v, x in zip(out, xs) if x is not None) else out
+    out = []
+    for x in xs:
+        value = _value(x)
+        if value is None and x is not None:
+            return None
+        out.append(value)
+    return tuple(out)
 
 
 def _batch_of(*values) -> int | None:
