@@ -116,6 +116,41 @@ def test_a_registered_kernel_is_picked_by_auto(toy):
     assert attnkit.explain(q, k, v, masks.causal(), kernel=toy).kernel == "toy"
 
 
+class LongKeysKernel(ToyKernel):
+    """Takes unmasked calls from 100 keys on: its choice depends on Lk."""
+
+    name = "long_keys"
+
+    def _reasons(self, call):
+        return [] if call.mask is None else ["unmasked calls only"]
+
+    def prefers(self, call):
+        return call.shapes.lk >= 100, "100 keys or more"
+
+    def run(self, call):
+        ToyKernel.runs += 1
+        s = call.q @ call.k.transpose(-2, -1) * call.scale
+        return torch.softmax(s, -1) @ call.v, torch.logsumexp(s, -1) if call.return_lse else None
+
+
+def test_a_registered_kernel_sees_every_length_of_a_growing_cache():
+    """The lean path's any-length entries are for the built-in registry only: a kernel whose
+    choice depends on Lk gets the calls it prefers as the cache grows."""
+    q, keys, values = randn(1, 2, 1, 16), randn(1, 2, 130, 16), randn(1, 2, 130, 16)
+    with torch.no_grad():
+        attnkit.attention(q, keys[:, :, :60], values[:, :, :60])  # the built-in registry: SDPA, any length
+        kernel = register_kernel(LongKeysKernel())
+        try:
+            before = ToyKernel.runs
+            for n in range(90, 110):
+                out = attnkit.attention(q, keys[:, :, :n], values[:, :, :n])
+                gold, naive = gold_and_naive(q, keys[:, :, :n], values[:, :, :n], None)
+                assert_oracle(out, gold, naive)
+            assert ToyKernel.runs - before == 10  # Lk = 100 .. 109
+        finally:
+            unregister_kernel(kernel)
+
+
 def test_register_kernel_places_and_replaces():
     first = register_kernel(ToyKernel(), after="sdpa")
     try:

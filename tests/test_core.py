@@ -535,6 +535,26 @@ def test_a_prepared_mask_reused_makes_no_host_sync():
     assert not any("_local_scalar_dense" in name for name in ops.names)
 
 
+def test_decoding_over_a_growing_cache_is_validated_once(monkeypatch):
+    """An unmasked step over a cache one key longer each time reuses the first step's checks and
+    choice (SDPA's runner is the same for any Lk >= 1); wrong lengths and Lk = 0 still get theirs."""
+    import attnkit.functional as fn
+
+    validated = []
+    real = fn._call
+    monkeypatch.setattr(fn, "_call", lambda *a, **kw: validated.append(1) or real(*a, **kw))
+    q, keys, values = randn(1, 4, 1, 24), randn(1, 2, 90, 24), randn(1, 2, 90, 24)
+    with torch.no_grad():
+        for n in range(40, 90):
+            out = attnkit.attention(q, keys[:, :, :n], values[:, :, :n])
+            gold, naive = gold_and_naive(q, keys[:, :, :n], values[:, :, :n], None)
+            assert_oracle(out, gold, naive, what=f"Lk={n}")
+        assert len(validated) <= 1
+        with pytest.raises(ValueError, match="same length Lk"):
+            attnkit.attention(q, keys[:, :, :50], values[:, :, :49])
+        assert torch.equal(attnkit.attention(q, keys[:, :, :0], values[:, :, :0]), torch.zeros(1, 4, 1, 24))
+
+
 def test_kv_cache_append_makes_no_host_sync_while_it_has_room():
     cache = attnkit.KVCache(2, 2, 64, 8)
     with Ops() as ops:

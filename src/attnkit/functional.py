@@ -36,7 +36,7 @@ from attnkit._validate import (
 )
 from attnkit.kernels import Call, Kernel, Plan, choose, run
 from attnkit.kernels.reference import run_with_weights
-from attnkit.kernels.registry import registry_state
+from attnkit.kernels.registry import builtin_registry, registry_state
 from attnkit.prepare import PreparedMask
 from attnkit.score_mods import as_score_mod
 
@@ -343,6 +343,11 @@ def attention(
 LEAN_ENTRIES = 32
 _lean: OrderedDict = OrderedDict()
 _lean_lock = threading.Lock()
+#: The same for unmasked rank-4 calls keyed without their key length: a decoding step over a
+#: growing cache has a new Lk every step, and only its first layer would find no entry. Filled
+#: only when the built-in registry chose SDPA, whose choice and runner are the same for any
+#: Lk >= 1 there.
+_lean_any_length: OrderedDict = OrderedDict()
 
 
 def _lean_key(q, k, v, mask, scale):
@@ -380,6 +385,13 @@ def _lean_key(q, k, v, mask, scale):
     )
 
 
+def _any_length_key(key: tuple, q, k, v) -> tuple | None:
+    """``key`` without the key length, for an unmasked rank-4 call with Lk >= 1 (else None)."""
+    if key[9] is not None or q.dim() != 4 or k.shape[2] != v.shape[2] or k.shape[2] == 0:
+        return None
+    return (key[0], k.shape[:2] + k.shape[3:], v.shape[:2] + v.shape[3:], *key[3:])
+
+
 def _lean_runner(q, k, v, mask, scale):
     """A cached runner for this call's signature (made on the first call of it), or None."""
     key = _lean_key(q, k, v, mask, scale)
@@ -388,14 +400,24 @@ def _lean_runner(q, k, v, mask, scale):
     found = _lean.get(key)
     if found is not None:
         return found
+    any_length = _any_length_key(key, q, k, v)
+    if any_length is not None:
+        found = _lean_any_length.get(any_length)
+        if found is not None:
+            return found
     call = _call(q, k, v, mask, scale, 0.0, False)  # raises as the full path does
-    runner = choose(call).chosen.runner(call)
+    chosen = choose(call).chosen
+    runner = chosen.runner(call)
     if runner is None:
         return None
     with _lean_lock:
         _lean[key] = runner
         while len(_lean) > LEAN_ENTRIES:
             _lean.popitem(last=False)
+        if any_length is not None and chosen.name == "sdpa" and builtin_registry():
+            _lean_any_length[any_length] = runner
+            while len(_lean_any_length) > LEAN_ENTRIES:
+                _lean_any_length.popitem(last=False)
     return runner
 
 

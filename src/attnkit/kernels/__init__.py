@@ -12,6 +12,7 @@ Shared pieces: :mod:`attnkit.kernels.tiles` (walking a prepared mask's tiles) an
 :mod:`attnkit.kernels.lse` (the log-sum-exp merge).
 """
 
+from attnkit.kernels import registry
 from attnkit.kernels.reference import ReferenceKernel
 from attnkit.kernels.registry import (
     KERNELS,
@@ -34,6 +35,7 @@ REFERENCE = register_kernel(ReferenceKernel())
 SDPA = register_kernel(SDPAKernel())
 TILED = register_kernel(TiledKernel())
 TRITON = register_kernel(TritonKernel())
+registry.BUILTIN_STATE.append(registry.registry_state())
 
 __all__ = [
     "KERNELS",

@@ -290,6 +290,16 @@ PRIORITY: list[Kernel] = []
 _GENERATION = [0]  # bumped by every change to the registry
 
 
+#: registry_state() right after attnkit registered its own kernels (set by attnkit.kernels).
+BUILTIN_STATE: list[tuple] = []
+
+
+def builtin_registry() -> bool:
+    """Whether the registry holds attnkit's own kernels as registered, with no use_kernels active:
+    then an unmasked call's choice depends only on its device, dtypes and rank, not on its lengths."""
+    return bool(BUILTIN_STATE) and registry_state() == BUILTIN_STATE[0]
+
+
 def registry_state() -> tuple:
     """What the choice of a kernel depends on besides the call: the registry's version and the
     innermost use_kernels (keys of cached choices)."""
