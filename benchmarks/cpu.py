@@ -50,7 +50,7 @@ def cases(length: int):
         "document": (masks.document(ids), lambda b, h, i, j: (i // doc) == (j // doc), "mask"),
         "window": (masks.sliding_window(256), lambda b, h, i, j: (j <= i) & (i - j <= 256), "mask"),
         "prefix": (
-            masks.prefix_lm(length // 4) & masks.causal(),
+            masks.prefix_lm(length // 4),  # a bidirectional prefix, causal after it
             lambda b, h, i, j: (j < length // 4) | (j <= i),
             "mask",
         ),

@@ -34,7 +34,7 @@ def cases(length: int) -> dict[str, masks.Mask]:
     """The masked cases of ``benchmarks/cpu.py``, by name."""
     return {
         "window": masks.sliding_window(256),
-        "prefix": masks.prefix_lm(length // 4) & masks.causal(),
+        "prefix": masks.prefix_lm(length // 4),
         "document": masks.document(torch.arange(length) // (length // 8)),
         "causal": masks.causal(),
     }

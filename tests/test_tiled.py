@@ -387,9 +387,22 @@ def test_lse_gradient_through_merged_row_blocks():
         torch.testing.assert_close(got, want)
 
 
+def planned_fused_calls(mask, length: int, heads: int = 8) -> int:
+    """Fused calls of one forward: one per run, and one or two per causal square."""
+    plan = attnkit.prepare(mask, length, length, block_size=tiled.BLOCK_SIZE)
+    q = torch.zeros(1, heads, length, 64)
+    call = tiles.TileCall(plan, 0.125, 0.0, 0, True)
+    calls = 0
+    for group in plan.groups:
+        sel = tiles.select(group, plan, 1, heads, heads, q.device)
+        for step in tiled._steps(call, 0, group, sel, q, q):
+            calls += 1 + (step.c < step.a) if isinstance(step, tiled.Square) else len(step.runs)
+    return calls
+
+
 def test_opstream_benchmark_counts_one_fused_call_per_run(tmp_path):
     """benchmarks/opstream.py (the clock-free comparison of two trees) sees the kernel's plan:
-    one fused call per run forward, one more per run backward."""
+    one fused call per run (or per causal square and its rectangle) forward, as many backward."""
     import json
     import subprocess
     import sys
@@ -406,9 +419,8 @@ def test_opstream_benchmark_counts_one_fused_call_per_run(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {(r["case"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
-    for name, mask in (("window", masks.sliding_window(256)), ("prefix", masks.prefix_lm(256) & masks.causal())):
-        plan = attnkit.prepare(mask, 1024, 1024, block_size=tiled.BLOCK_SIZE)
-        runs = sum(len(row.runs) for group in plan.groups for row in group.rows)
+    for name, mask in (("window", masks.sliding_window(256)), ("prefix", masks.prefix_lm(256))):
+        runs = planned_fused_calls(mask, 1024)
         assert runs > 1
         assert rows[(name, "fwd")]["fused_calls"] == runs
         assert rows[(name, "fwd+bwd")]["fused_calls"] == 2 * runs
@@ -440,3 +452,73 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq):
         for got, w in zip((dq, dk[:, :, :509], dv[:, :, :509]), want):
             torch.testing.assert_close(got.double(), w, atol=tol * w.abs().max().item(), rtol=0)
         assert dk[:, :, 509:].eq(0).all() and dv[:, :, 509:].eq(0).all()
+
+
+# --- causal squares: row blocks that form a causal square run as one is_causal call ---------
+
+SQUARE_CASES = {
+    # rows [384, 1200) (the first whole block after a prefix of 300) see keys [0, 384) entirely
+    # and themselves causally: a square of 816 + a rectangle
+    "prefix_lm": (1200, lambda: masks.prefix_lm(300), 1),
+    "prefix_and_causal": (1100, lambda: masks.prefix_lm(256) & masks.causal(), 1),
+    # documents of 128 and 896 tokens: the long one is a square of its own (no rectangle)
+    "document_causal": (1024, lambda: masks.document(torch.tensor([0] * 128 + [1] * 896)) & masks.causal(), 1),
+    # per-sequence prefixes: one square per sequence's group
+    "prefix_per_sequence": (1024, lambda: masks.prefix_lm(torch.tensor([128, 256])), 2),
+    # a document starting mid-block: its row blocks are not a square (per-run path), still exact
+    "unaligned_document": (1000, lambda: masks.document(torch.tensor([0] * 100 + [1] * 900)) & masks.causal(), 0),
+}
+
+
+class CausalCalls:
+    """Counts the fused kernel's is_causal calls of at least SQUARE_MIN_ROWS queries."""
+
+    def __init__(self, monkeypatch):
+        from attnkit.kernels import _aten
+
+        self.squares = 0
+        for name in ("flash_forward", "flash_backward"):
+            real = getattr(_aten, name)
+
+            def counted(*a, _real=real, **kw):
+                q = a[1] if len(a) > 5 else a[0]  # backward: (grad_out, q, ...)
+                self.squares += kw.get("is_causal", False) and q.shape[2] >= tiled.SQUARE_MIN_ROWS
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(_aten, name, counted)
+
+
+@pytest.mark.parametrize("name", list(SQUARE_CASES))
+def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
+    from attnkit.kernels import _aten
+
+    length, make, squares = SQUARE_CASES[name]
+    mask = make()
+    q, k, v = (randn(2, 2, length, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    calls = CausalCalls(monkeypatch)
+    prepared = attnkit.prepare(mask, length, length)
+    out = attnkit.attention(q, k, v, prepared, kernel="tiled")
+    dense = prepared.materialize()
+    want = naive_attention(q, k, v, dense)[0]
+    assert (out - want).abs().max() < 1e-12
+    upstream = torch.randn_like(want)
+    for got, exp in zip(torch.autograd.grad(out, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
+        assert (got - exp).abs().max() < 1e-10
+    if _aten.AVAILABLE:
+        assert calls.squares == 2 * squares, calls.squares  # forward and backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_squares_within_the_oracle_rule_and_gqa(dtype):
+    mask = masks.prefix_lm(300)
+    for hq, hkv in ((4, 4), (4, 2)):  # grouped heads keep the per-run path
+        q = randn(1, hq, 1200, 32, dtype=dtype, requires_grad=True)
+        k, v = (randn(1, hkv, 1200, 32, dtype=dtype, requires_grad=True) for _ in range(2))
+        dense = mask.materialize(1200, 1200)
+        out = attnkit.attention(q, k, v, mask, kernel="tiled")
+        gold, naive = gold_and_naive(q, k, v, dense)
+        assert_oracle(out, gold, naive, what=f"{dtype} {hq}/{hkv}")
+        upstream = torch.randn(out.shape, dtype=torch.float64)
+        grads = [torch.autograd.grad(o, (q, k, v), upstream.to(o.dtype)) for o in (out, gold, naive)]
+        for name, o, g, n in zip("qkv", *grads):
+            assert_oracle(o, g, n, factor=3.0, what=f"d{name} {dtype} {hq}/{hkv}")

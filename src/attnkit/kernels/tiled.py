@@ -27,6 +27,7 @@ Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +78,100 @@ def engine(
     return plain and (bias is None or band is not None), band
 
 
+@dataclass(frozen=True)
+class Square:
+    """Row blocks ``[a, b)`` that see keys ``[c, a)`` entirely and ``[a, b)`` causally (a document's
+    causal square, a prefix-LM's causal rows): one ``is_causal`` call of the fused kernel over the
+    square and one unmasked call over the rectangle, instead of one call per row block."""
+
+    a: int
+    b: int
+    c: int
+
+
+#: Causal squares from this many rows on run as one ``is_causal`` call: the fused kernel tiles
+#: 256 queries x 512 keys from 768 queries on, and skips the tiles above the diagonal; on
+#: smaller squares its 512-key tiles compute the whole square, and the per-row-block runs win
+#: (benchmarks/cpu.py, documents of 512 vs 768-2048 tokens with a causal mask).
+SQUARE_MIN_ROWS = 768
+
+
+def _is_tril(tile: tiles.Tile | None, left: int) -> bool:
+    """Whether a run's tile ending on the diagonal is ``left`` columns kept entirely, then a
+    lower-triangular square, for every batch row and head."""
+    if tile is None or tile.hidden_rows is not None or tile.used_keys is not None:
+        return False
+    allowed = tile.allowed
+    n = allowed.shape[-2]
+    if allowed.shape[-1] != left + n:
+        return False
+    tril = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril_()
+    return bool(allowed[..., :left].all()) and bool((allowed[..., left:] == tril).all())
+
+
+def _steps(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q, k) -> list[RowBlock | Square]:
+    """The group's row blocks, with runs of row blocks that form a causal square merged into a
+    :class:`Square` (fused engine, no bias, Hq == Hkv). Found from the evaluated diagonal tiles
+    once per prepared mask and kept in its tile cache."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if not call.fused or call.band is not None or hq != hkv or len(group.rows) < 2:
+        return list(group.rows)
+    key = ("squares", gi, hq, hkv, q.dtype, str(q.device))
+    found = call.prepared.tiles.get(key)
+    if found is not None:
+        return found
+
+    def diagonal(row: RowBlock) -> int | None:
+        """c when the row block sees keys [c, q0) fully and [q0, q1) causally, else None."""
+        runs = row.runs
+        if not runs or runs[-1].full or runs[-1].k1 != row.q1 or runs[-1].k0 > row.q0:
+            return None
+        if len(runs) == 2 and runs[0].full and runs[0].k1 == runs[-1].k0:
+            c = runs[0].k0
+        elif len(runs) == 1:
+            c = runs[0].k0
+        else:
+            return None
+        tile = tiles.mask_tile(call, gi, sel, row, runs[-1], hq, hkv, q.dtype, q.device)
+        return c if _is_tril(tile, row.q0 - runs[-1].k0) else None
+
+    steps: list[RowBlock | Square] = []
+    pending: list[RowBlock] = []  # row blocks of the square being built
+    start = 0
+
+    def close() -> None:
+        if pending and pending[-1].q1 - pending[0].q0 >= SQUARE_MIN_ROWS:
+            steps.append(Square(pending[0].q0, pending[-1].q1, start))
+        else:
+            steps.extend(pending)
+        pending.clear()
+
+    for row in group.rows:
+        c = diagonal(row)
+        if c is not None and pending and row.q0 == pending[-1].q1 and c == start:
+            pending.append(row)
+            continue
+        close()
+        if c is not None and c <= row.q0:
+            pending.append(row)
+            start = c
+        else:
+            steps.append(row)
+    close()
+    call.prepared.tiles.put(key, steps, 64 * len(steps))
+    return steps
+
+
+def _forward_square(call: tiles.TileCall, sq: Square, q, k, v):
+    """``(out, lse)`` of a :class:`Square`'s rows: the causal square and the rectangle before it."""
+    rows, square = slice(sq.a, sq.b), slice(sq.a, sq.b)
+    parts = [_aten.flash_forward(q[:, :, rows], k[:, :, square], v[:, :, square], scale=call.scale, is_causal=True)]
+    if sq.c < sq.a:
+        before = slice(sq.c, sq.a)
+        parts.append(_aten.flash_forward(q[:, :, rows], k[:, :, before], v[:, :, before], scale=call.scale))
+    return merge(parts)
+
+
 def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q, k, v):
     """``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` of one group's inputs."""
     b, hq, lq, _ = q.shape
@@ -86,7 +181,12 @@ def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Selec
     if not single:
         out = q.new_zeros(b, hq, lq, v.shape[-1])
         lse = torch.full((b, hq, lq), tiles.NEG_INF, dtype=tiles.compute_dtype(q.dtype), device=q.device)
-    for row in rows:
+    for row in _steps(call, gi, group, sel, q, k) if call.fused else rows:
+        if isinstance(row, Square):
+            o, lse_r = _forward_square(call, row, q, k, v)
+            out[:, :, row.a : row.b] = o
+            lse[:, :, row.a : row.b] = lse_r.to(lse.dtype)
+            continue
         if not row.runs:  # every query of the block is fully masked
             continue
         parts = []
@@ -175,7 +275,25 @@ def _backward_group(
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
     fused = call.fused and grad_lse is None and not call.bias_grad
-    for row in group.rows if fused else tiles.math_rows(group.rows):
+    for row in _steps(call, gi, group, sel, q, k) if fused else tiles.math_rows(group.rows):
+        if isinstance(row, Square):  # as in the forward: the causal square and the rectangle before it
+            rows, go = slice(row.a, row.b), grad_out[:, :, row.a : row.b].contiguous()
+            of, lf = out[:, :, rows], lse_safe[:, :, rows]
+            g_q, g_k, g_v = _aten.flash_backward(
+                go, q[:, :, rows], k[:, :, rows], v[:, :, rows], of, lf, scale=call.scale, is_causal=True
+            )
+            dq[:, :, rows] += g_q.to(ct)
+            dk[:, :, rows] += g_k.to(ct)
+            dv[:, :, rows] += g_v.to(ct)
+            if row.c < row.a:
+                before = slice(row.c, row.a)
+                g_q, g_k, g_v = _aten.flash_backward(
+                    go, q[:, :, rows], k[:, :, before], v[:, :, before], of, lf, scale=call.scale
+                )
+                dq[:, :, rows] += g_q.to(ct)
+                dk[:, :, before] += g_k.to(ct)
+                dv[:, :, before] += g_v.to(ct)
+            continue
         if not row.runs:
             continue
         rows = slice(row.q0, row.q1)
