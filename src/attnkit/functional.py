@@ -387,7 +387,9 @@ def _lean_key(q, k, v, mask, scale):
 
 def _any_length_key(key: tuple, q, k, v) -> tuple | None:
     """``key`` without the key length, for an unmasked rank-4 call with Lk >= 1 (else None)."""
-    if key[9] is not None or q.dim() != 4 or k.shape[2] != v.shape[2] or k.shape[2] == 0:
+    if key[9] is not None or not q.dim() == k.dim() == v.dim() == 4:
+        return None
+    if k.shape[2] != v.shape[2] or k.shape[2] == 0:
         return None
     return (key[0], k.shape[:2] + k.shape[3:], v.shape[:2] + v.shape[3:], *key[3:])
 
