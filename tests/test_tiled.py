@@ -320,15 +320,17 @@ def test_dispatch_weighs_dtype_and_backward():
         q = torch.empty(batch, 2, 2048, 16, dtype=dtype, requires_grad=grad)
         return attnkit.explain(q, q, q, mask).kernel
 
-    prefix = masks.prefix_lm(512) & masks.causal()  # about half the blocks, masked diagonal tiles
-    assert kernel(prefix, torch.float32, False) == "tiled"
-    assert kernel(prefix, torch.float32, True) == "tiled"
-    assert kernel(prefix, torch.bfloat16, True) == "sdpa"  # masked tiles are slow in bf16 backward
+    window = masks.sliding_window(1024)  # 42% of the blocks, masked diagonal tiles, no causal square
+    assert kernel(window, torch.float32, False) == "tiled"
+    assert kernel(window, torch.float32, True) == "tiled"
+    assert kernel(window, torch.bfloat16, True) == "sdpa"  # masked tiles are slow in bf16 backward
+    square = masks.prefix_lm(512) & masks.causal()  # causal: one causal square of 2048 rows
+    assert kernel(square, torch.bfloat16, True) == "tiled"
     padding = masks.padding(torch.tensor([1024, 1500]))  # full blocks only
     assert kernel(padding, torch.bfloat16, True, batch=2) == "tiled"
     with torch.no_grad():
         q = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
-        assert attnkit.explain(q, q, q, prefix).kernel == "tiled"  # no backward under no_grad
+        assert attnkit.explain(q, q, q, window).kernel == "tiled"  # no backward under no_grad
 
 
 # --- memory --------------------------------------------------------------------------------
@@ -522,3 +524,29 @@ def test_causal_squares_within_the_oracle_rule_and_gqa(dtype):
         grads = [torch.autograd.grad(o, (q, k, v), upstream.to(o.dtype)) for o in (out, gold, naive)]
         for name, o, g, n in zip("qkv", *grads):
             assert_oracle(o, g, n, factor=3.0, what=f"d{name} {dtype} {hq}/{hkv}")
+
+
+def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blocks():
+    """A prefix-LM in bf16 with a backward keeps 54% of blocks, past the masked-plan limit (30%),
+    but runs as causal squares plus full blocks: auto takes the tiled kernel, says why, and is
+    exact. A prefix ending mid-block leaves a partial row block outside the square: the limit holds."""
+    from attnkit.kernels import _aten
+
+    if not _aten.AVAILABLE:
+        pytest.skip("PyTorch's fused CPU kernel is not available")
+    n = 2048
+    q, k, v = (randn(1, 2, n, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    square = attnkit.explain(q, k, v, masks.prefix_lm(n // 4))
+    assert square.kernel == "tiled" and "causal squares and full blocks" in str(square), square
+    assert attnkit.explain(q, k, v, masks.prefix_lm(n // 4 + 40)).kernel == "sdpa"
+    assert attnkit.explain(q, k, v, masks.sliding_window(n // 2, n // 2)).kernel == "sdpa"  # no square
+    kv = randn(1, 1, n, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert attnkit.explain(q, kv, kv, masks.prefix_lm(n // 4)).kernel == "sdpa"  # GQA: no squares
+    out = attnkit.attention(q, k, v, masks.prefix_lm(n // 4))
+    dense = masks.prefix_lm(n // 4).materialize(n, n)
+    gold, naive = gold_and_naive(q, k, v, dense)
+    assert_oracle(out, gold, naive)
+    upstream = torch.randn(out.shape, dtype=torch.float64)
+    grads = [torch.autograd.grad(o, (q, k, v), upstream.to(o.dtype)) for o in (out, gold, naive)]
+    for name, o, g, n_ in zip("qkv", *grads):
+        assert_oracle(o, g, n_, factor=3.0, what=f"d{name}")

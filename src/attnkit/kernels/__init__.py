@@ -35,7 +35,7 @@ REFERENCE = register_kernel(ReferenceKernel())
 SDPA = register_kernel(SDPAKernel())
 TILED = register_kernel(TiledKernel())
 TRITON = register_kernel(TritonKernel())
-registry.BUILTIN_STATE.append(registry.registry_state())
+registry.BUILTIN_STATE.append(tuple(registry.PRIORITY))
 
 __all__ = [
     "KERNELS",

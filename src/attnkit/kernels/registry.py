@@ -290,14 +290,16 @@ PRIORITY: list[Kernel] = []
 _GENERATION = [0]  # bumped by every change to the registry
 
 
-#: registry_state() right after attnkit registered its own kernels (set by attnkit.kernels).
+#: PRIORITY right after attnkit registered its own kernels (set by attnkit.kernels).
 BUILTIN_STATE: list[tuple] = []
 
 
 def builtin_registry() -> bool:
     """Whether the registry holds attnkit's own kernels as registered, with no use_kernels active:
     then an unmasked call's choice depends only on its device, dtypes and rank, not on its lengths."""
-    return bool(BUILTIN_STATE) and registry_state() == BUILTIN_STATE[0]
+    if not BUILTIN_STATE or _ACTIVE or len(PRIORITY) != len(BUILTIN_STATE[0]):
+        return False
+    return all(a is b for a, b in zip(PRIORITY, BUILTIN_STATE[0]))  # a kernel registered and removed again: True
 
 
 def registry_state() -> tuple:
