@@ -192,17 +192,29 @@ def _forward_group(call: tiles.TileCall, gi: int, group: Group, sel: tiles.Selec
     b, hq, lq, _ = q.shape
     rows = list(group.rows if call.fused else tiles.math_rows(group.rows))
     single = len(rows) == 1 and rows[0].q0 == 0 and rows[0].q1 == lq and rows[0].runs
+    steps = _steps(call, gi, group, sel, q, k) if call.fused else rows
     out = lse = torch.empty(0)
+    covered = False
     if not single:
-        out = q.new_zeros(b, hq, lq, v.shape[-1])
-        lse = torch.full((b, hq, lq), tiles.NEG_INF, dtype=tiles.compute_dtype(q.dtype), device=q.device)
-    for row in _steps(call, gi, group, sel, q, k) if call.fused else rows:
+        # row blocks are disjoint: where they cover every query, each row is written once below
+        covered = sum(s.b - s.a if isinstance(s, Square) else s.q1 - s.q0 for s in steps) == lq
+        lse_dtype = tiles.compute_dtype(q.dtype)
+        if covered:
+            out = q.new_empty(b, hq, lq, v.shape[-1])
+            lse = torch.empty((b, hq, lq), dtype=lse_dtype, device=q.device)
+        else:
+            out = q.new_zeros(b, hq, lq, v.shape[-1])
+            lse = torch.full((b, hq, lq), tiles.NEG_INF, dtype=lse_dtype, device=q.device)
+    for row in steps:
         if isinstance(row, Square):
             o, lse_r = _forward_square(call, row, q, k, v)
             out[:, :, row.a : row.b] = o
             lse[:, :, row.a : row.b] = lse_r.to(lse.dtype)
             continue
         if not row.runs:  # every query of the block is fully masked
+            if covered:
+                out[:, :, row.q0 : row.q1] = 0.0
+                lse[:, :, row.q0 : row.q1] = tiles.NEG_INF
             continue
         parts = []
         for run in row.runs:
