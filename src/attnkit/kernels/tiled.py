@@ -291,73 +291,116 @@ def _forward(call: tiles.TileCall, q, k, v):
     return out, lse
 
 
+class _Sums:
+    """A gradient summed over runs along dim 2 without a zero fill: each position is copied on
+    its first write and added to after; :meth:`done` zeroes what no run wrote."""
+
+    def __init__(self, like: torch.Tensor, dtype: torch.dtype):
+        self.t = torch.empty(like.shape, dtype=dtype, device=like.device)
+        self.written = bytearray(like.shape[2])
+
+    def add(self, i: int, j: int, src: torch.Tensor) -> None:
+        seen, at = self.written, i
+        while at < j:
+            state = seen[at]
+            end = seen.find(b"\x00" if state else b"\x01", at, j)
+            end = j if end < 0 else end
+            dst, part = self.t[:, :, at:end], src[:, :, at - i : end - i]
+            dst.add_(part) if state else dst.copy_(part)
+            at = end
+        seen[i:j] = b"\x01" * (j - i)
+
+    def done(self) -> torch.Tensor:
+        seen, at, n = self.written, 0, len(self.written)
+        while at < n:
+            start = seen.find(b"\x00", at)
+            if start < 0:
+                break
+            end = seen.find(b"\x01", start)
+            end = n if end < 0 else end
+            self.t[:, :, start:end] = 0.0
+            at = end
+        return self.t
+
+
 def _backward_group(
     call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads
 ):
     """``(dq, dk, dv)`` of one group; bias gradients are added to ``grads`` (by tensor id)."""
+    lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
+    if call.fused and grad_lse is None and not call.bias_grad:
+        return _fused_backward_group(call, gi, group, sel, q, k, v, out, lse_safe, grad_out)
     hq, hkv = q.shape[1], k.shape[1]
     ct = tiles.compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
-    lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
-    fused = call.fused and grad_lse is None and not call.bias_grad
-    for row in _steps(call, gi, group, sel, q, k) if fused else tiles.math_rows(group.rows):
+    for row in tiles.math_rows(group.rows):
+        if not row.runs:
+            continue
+        rows = slice(row.q0, row.q1)
+        go = tiles.fold(grad_out[:, :, rows], hkv).to(ct)  # (B, Hkv, g*n, Dv)
+        lf = tiles.fold(lse_safe[:, :, rows, None], hkv)[..., 0]  # (B, Hkv, g*n)
+        gl = None if grad_lse is None else tiles.fold(grad_lse[:, :, rows, None].to(ct), hkv)
+        # the row's delta from its own weights, or (the keys being a part) from the merged output
+        delta = None if call.own_lse else (go * tiles.fold(out[:, :, rows], hkv).to(ct)).sum(-1, keepdim=True)
+        dqf = _math_backward_row(call, gi, sel, q, k, v, row, go, lf, gl, delta, dk, dv, grads)
+        dq[:, :, rows] = tiles.unfold(dqf, hq)
+    return dq, dk, dv
+
+
+def _fused_backward_group(call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse_safe, grad_out):
+    """``(dq, dk, dv)`` of one group on the fused engine: one fused backward call per run (or per
+    causal square and its rectangle), summed into :class:`_Sums`."""
+    hq, hkv = q.shape[1], k.shape[1]
+    ct = tiles.compute_dtype(q.dtype)
+    dq, dk, dv = _Sums(q, ct), _Sums(k, ct), _Sums(v, ct)
+    per_kv = hq // hkv
+    for row in _steps(call, gi, group, sel, q, k):
         if isinstance(row, Square):  # as in the forward: the causal square and the rectangle before it
             rows, go = slice(row.a, row.b), grad_out[:, :, row.a : row.b].contiguous()
             of, lf = out[:, :, rows], lse_safe[:, :, rows]
             g_q, g_k, g_v = _aten.flash_backward(
                 go, q[:, :, rows], k[:, :, rows], v[:, :, rows], of, lf, scale=call.scale, is_causal=True
             )
-            dq[:, :, rows] += g_q.to(ct)
-            dk[:, :, rows] += g_k.to(ct)
-            dv[:, :, rows] += g_v.to(ct)
+            dq.add(row.a, row.b, g_q)
+            dk.add(row.a, row.b, g_k)
+            dv.add(row.a, row.b, g_v)
             if row.c < row.a:
                 before = slice(row.c, row.a)
                 g_q, g_k, g_v = _aten.flash_backward(
                     go, q[:, :, rows], k[:, :, before], v[:, :, before], of, lf, scale=call.scale
                 )
-                dq[:, :, rows] += g_q.to(ct)
-                dk[:, :, before] += g_k.to(ct)
-                dv[:, :, before] += g_v.to(ct)
+                dq.add(row.a, row.b, g_q)
+                dk.add(row.c, row.a, g_k)
+                dv.add(row.c, row.a, g_v)
             continue
         if not row.runs:
             continue
         rows = slice(row.q0, row.q1)
         go = tiles.fold(grad_out[:, :, rows], hkv)  # (B, Hkv, g*n, Dv)
         lf = tiles.fold(lse_safe[:, :, rows, None], hkv)[..., 0]  # (B, Hkv, g*n)
-        if fused:
-            of = tiles.fold(out[:, :, rows], hkv)
-            dqf: torch.Tensor | None = None  # (B, Hkv, g*n, D), summed over the runs in place
-            per_kv = hq // hkv
-            if call.band is not None:  # reversed query order: see tiles.band_mask
-                go, of, lf = (tiles.flip_rows(t, per_kv) for t in (go, of, lf))
-            for run in row.runs:
-                qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
-                mask: torch.Tensor | None
-                if call.band is not None:
-                    qf, mask = tiles.flip_rows(qf, per_kv), tiles.band_mask(call, sel, row, run, tile, hq, hkv)
-                else:
-                    mask = None if tile is None else tile.additive
-                g_q, g_k, g_v = _aten.flash_backward(
-                    go.contiguous(), qf, kr, vr, of, lf, attn_mask=mask, scale=call.scale
-                )
-                dqf = g_q.to(ct) if dqf is None else dqf.add_(g_q)
-                dk[:, :, run.k0 : run.k1] += g_k.to(ct)
-                dv[:, :, run.k0 : run.k1] += g_v.to(ct)
+        of = tiles.fold(out[:, :, rows], hkv)
+        if call.band is not None:  # reversed query order: see tiles.band_mask
+            go, of, lf = (tiles.flip_rows(t, per_kv) for t in (go, of, lf))
+        go = go.contiguous()
+        dqf: torch.Tensor | None = None  # (B, Hkv, g*n, D), summed over the runs in place
+        for run in row.runs:
+            qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
+            mask: torch.Tensor | None
             if call.band is not None:
-                assert dqf is not None, "a row block with runs"
-                dqf = tiles.flip_rows(dqf, per_kv)
-        else:
-            gl = None if grad_lse is None else tiles.fold(grad_lse[:, :, rows, None].to(ct), hkv)
-            # the row's delta from its own weights, or (the keys being a part) from the merged output
-            delta = (
-                None if call.own_lse else (go.to(ct) * tiles.fold(out[:, :, rows], hkv).to(ct)).sum(-1, keepdim=True)
-            )
-            dqf = _math_backward_row(call, gi, sel, q, k, v, row, go.to(ct), lf, gl, delta, dk, dv, grads)
+                qf, mask = tiles.flip_rows(qf, per_kv), tiles.band_mask(call, sel, row, run, tile, hq, hkv)
+            else:
+                mask = None if tile is None else tile.additive
+            g_q, g_k, g_v = _aten.flash_backward(go, qf, kr, vr, of, lf, attn_mask=mask, scale=call.scale)
+            dqf = g_q.to(ct) if dqf is None else dqf.add_(g_q)
+            dk.add(run.k0, run.k1, g_k)
+            dv.add(run.k0, run.k1, g_v)
         assert dqf is not None, "a row block with runs"
-        dq[:, :, rows] = tiles.unfold(dqf, hq)
-    return dq, dk, dv
+        if call.band is not None:
+            dqf = tiles.flip_rows(dqf, per_kv)
+        dq.add(row.q0, row.q1, tiles.unfold(dqf, hq))
+    return dq.done(), dk.done(), dv.done()
 
 
 def _math_backward_row(
