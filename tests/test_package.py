@@ -178,19 +178,21 @@ def test_private_flash_ops_are_probed():
         assert out.shape == q.shape and lse.shape == (1, 1, 4)
 
 
-@pytest.mark.parametrize("mask", ["document_causal", "window", "padding", "causal"])
+@pytest.mark.parametrize("mask", ["document_causal", "window", "padding", "causal", "prefix_lm"])
 def test_tiled_kernel_without_the_private_ops(monkeypatch, mask):
     """With the fused CPU ops unavailable (another PyTorch build), the tiled kernel runs its math
-    engine: the same answers, forward and backward."""
+    engine: the same answers, forward and backward (a prefix-LM of 900 rows would run causal
+    squares on the fused kernel: here its row blocks run on the math engine)."""
     from attnkit.kernels import _aten
 
     monkeypatch.setattr(_aten, "AVAILABLE", False)
-    length = 300
+    length = 900 if mask == "prefix_lm" else 300
     m = {
         "document_causal": masks.document(torch.arange(length) // 70) & masks.causal(),
         "window": masks.sliding_window(40),
         "padding": masks.padding(torch.tensor([300, 170])),
         "causal": masks.causal(),
+        "prefix_lm": masks.prefix_lm(100),
     }[mask]
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, length, 32, generator=g, requires_grad=True)
