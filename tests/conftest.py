@@ -66,6 +66,34 @@ def assert_oracle(out, gold, naive, factor: float = 2.0, what: str = ""):
     assert err <= bound, f"max error {err:.3e} exceeds bound {bound:.3e} ({out.dtype}) {what}"
 
 
+class FusedCalls:
+    """Records the fused CPU engine's calls (``attnkit.kernels._aten``), forward and backward:
+    whether each had an additive mask, whether it was causal, and its number of queries."""
+
+    def __init__(self, monkeypatch):
+        from attnkit.kernels import _aten
+
+        self.calls: list[tuple[bool, bool, int]] = []
+        for name in ("flash_forward", "flash_backward"):
+            real = getattr(_aten, name)
+
+            def counted(*a, _real=real, _backward=name == "flash_backward", **kw):
+                q = a[1] if _backward else a[0]  # backward: (grad_out, q, ...)
+                self.calls.append((kw.get("attn_mask") is not None, bool(kw.get("is_causal", False)), q.shape[2]))
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(_aten, name, counted)
+
+    @property
+    def masked(self) -> int:
+        """Calls that carried an additive mask."""
+        return sum(masked for masked, _, _ in self.calls)
+
+    def causal(self, min_rows: int) -> int:
+        """is_causal calls of at least ``min_rows`` queries."""
+        return sum(causal and rows >= min_rows for _, causal, rows in self.calls)
+
+
 def randn(*shape, dtype=torch.float32, requires_grad=False):
     return torch.randn(*shape, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_oracle, randn
+from conftest import FusedCalls, assert_oracle, randn
 from test_tiled import MaxNumel
 
 import attnkit
@@ -234,23 +234,6 @@ def band_bias(kind, dtype, lq, lk):
     return parts[kind]
 
 
-class FlashCalls:
-    """Counts the fused engine's calls that carry an additive mask (the band)."""
-
-    def __init__(self, monkeypatch):
-        from attnkit.kernels import _aten
-
-        self.masked = 0
-        for name in ("flash_forward", "flash_backward"):
-            real = getattr(_aten, name)
-
-            def counted(*a, _real=real, **kw):
-                self.masked += kw.get("attn_mask") is not None
-                return _real(*a, **kw)
-
-            monkeypatch.setattr(_aten, name, counted)
-
-
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("kind", BAND_KINDS)
 def test_a_band_bias_runs_on_the_fused_engine_float64(kind, mask_name, monkeypatch):
@@ -262,7 +245,7 @@ def test_a_band_bias_runs_on_the_fused_engine_float64(kind, mask_name, monkeypat
     mask = MASKS[mask_name]()
     want = oracle(q, k, v, allowed_of(mask, L, L), add=formula)
     want_grads = _grads(want, [q, k, v])
-    calls = FlashCalls(monkeypatch)
+    calls = FusedCalls(monkeypatch)
     out = attnkit.attention(q, k, v, mask, attn_bias=the_bias, kernel="tiled")
     assert (out - want).abs().max() < 1e-12
     for got, exp in zip(_grads(out, [q, k, v]), want_grads):

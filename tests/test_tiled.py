@@ -3,7 +3,7 @@ dropout, dispatch choices and O(L) memory."""
 
 import pytest
 import torch
-from conftest import assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
+from conftest import FusedCalls, assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -472,24 +472,6 @@ SQUARE_CASES = {
 }
 
 
-class CausalCalls:
-    """Counts the fused kernel's is_causal calls of at least SQUARE_MIN_ROWS queries."""
-
-    def __init__(self, monkeypatch):
-        from attnkit.kernels import _aten
-
-        self.squares = 0
-        for name in ("flash_forward", "flash_backward"):
-            real = getattr(_aten, name)
-
-            def counted(*a, _real=real, **kw):
-                q = a[1] if len(a) > 5 else a[0]  # backward: (grad_out, q, ...)
-                self.squares += kw.get("is_causal", False) and q.shape[2] >= tiled.SQUARE_MIN_ROWS
-                return _real(*a, **kw)
-
-            monkeypatch.setattr(_aten, name, counted)
-
-
 @pytest.mark.parametrize("name", list(SQUARE_CASES))
 def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
     from attnkit.kernels import _aten
@@ -497,7 +479,7 @@ def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
     length, make, squares = SQUARE_CASES[name]
     mask = make()
     q, k, v = (randn(2, 2, length, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    calls = CausalCalls(monkeypatch)
+    calls = FusedCalls(monkeypatch)
     prepared = attnkit.prepare(mask, length, length)
     out = attnkit.attention(q, k, v, prepared, kernel="tiled")
     dense = prepared.materialize()
@@ -507,7 +489,8 @@ def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
     for got, exp in zip(torch.autograd.grad(out, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
         assert (got - exp).abs().max() < 1e-10
     if _aten.AVAILABLE:
-        assert calls.squares == 2 * squares, calls.squares  # forward and backward
+        found = calls.causal(tiled.SQUARE_MIN_ROWS)
+        assert found == 2 * squares, found  # forward and backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -550,3 +533,27 @@ def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blo
     grads = [torch.autograd.grad(o, (q, k, v), upstream.to(o.dtype)) for o in (out, gold, naive)]
     for name, o, g, n_ in zip("qkv", *grads):
         assert_oracle(o, g, n_, factor=3.0, what=f"d{name}")
+
+
+def test_causal_squares_with_strided_inputs_sinks_and_the_lse(monkeypatch):
+    """Squares beside the other features: (B, L, H, D) tensors viewed as (B, H, L, D), sinks added
+    from the merged lse, return_lse; forward and gradients equal the float64 formula."""
+    n, prefix = 1000, 100  # rows [128, 1000): one square of 872 rows
+    q, k, v = (randn(2, n, 2, 16, dtype=torch.float64).transpose(1, 2).requires_grad_() for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    calls = FusedCalls(monkeypatch)
+    out, lse = attnkit.attention(q, k, v, masks.prefix_lm(prefix), kernel="tiled", sinks=sinks, return_lse=True)
+    allowed = masks.prefix_lm(prefix).materialize(n, n)
+    s = (q @ k.transpose(-2, -1) * 16**-0.5).masked_fill(~allowed, float("-inf"))
+    s = torch.cat([s, sinks.view(1, 2, 1, 1).expand(2, 2, n, 1)], dim=-1)
+    want, want_lse = torch.softmax(s, dim=-1)[..., :n] @ v, torch.logsumexp(s, dim=-1)
+    assert (out - want).abs().max() < 1e-12 and (lse - want_lse).abs().max() < 1e-12
+    upstream = torch.randn_like(want)
+    for got, exp in zip(torch.autograd.grad(out, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
+        assert (got - exp).abs().max() < 1e-10
+    from attnkit.kernels import _aten
+
+    if _aten.AVAILABLE:
+        # the forward ran the square; the backward of a call with sinks gets the lse's gradient,
+        # which the fused engine's backward does not take: the math engine runs it
+        assert calls.causal(tiled.SQUARE_MIN_ROWS) == 1
