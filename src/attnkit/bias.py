@@ -184,10 +184,7 @@ class _Sum(Bias):
         bands = [part.band(num_heads, q_len, kv_len) for part in self.parts]
         if any(b is None for b in bands):
             return None
-        total = bands[0]
-        for b in bands[1:]:
-            total = total + b
-        return total
+        return sum(bands[1:], start=bands[0])
 
 
 # --- positions -------------------------------------------------------------------------

@@ -739,6 +739,7 @@ MAX_KEPT_FULL = 0.85
 
 
 def _as4d(call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The call's q, k and v as (B, H, L, D) views."""
     lead = (1,) * (4 - call.shapes.rank)
     return tuple(t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))  # type: ignore[return-value]
 
@@ -785,8 +786,7 @@ class TiledKernel(Kernel):
             p = prepared()
 
             def how() -> str:
-                lead = (1,) * (4 - s.rank)
-                q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))
+                q4, k4, v4 = _as4d(call)
                 _, band = engine(q4, k4, v4, call.bias, call.softcap, call.score_mod, call.dropout_p)
                 parts = []
                 if call.bias is not None:
@@ -846,8 +846,7 @@ class TiledKernel(Kernel):
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = call.shapes
-        lead = (1,) * (4 - s.rank)
-        q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (call.q, call.k, call.v))  # (B, H, L, D)
+        q4, k4, v4 = _as4d(call)
         if call.compiling:
             assert isinstance(call.mask, PreparedMask), "compiled calls carry a PreparedMask"
             out, lse = compiled_forward(q4, k4, v4, call.mask.handle, call.scale, call.softcap or 0.0)
