@@ -386,8 +386,8 @@ def _lean_key(q, k, v, mask, scale):
 
 
 def _any_length_key(key: tuple, q, k, v) -> tuple | None:
-    """``key`` without the key length, for an unmasked rank-4 call with Lk >= 1 (else None)."""
-    if key[9] is not None or not q.dim() == k.dim() == v.dim() == 4:
+    """``key`` without the key length, for a rank-4 call with Lk >= 1 (else None)."""
+    if not q.dim() == k.dim() == v.dim() == 4:
         return None
     if k.shape[2] != v.shape[2] or k.shape[2] == 0:
         return None
@@ -402,7 +402,7 @@ def _lean_runner(q, k, v, mask, scale):
     found = _lean.get(key)
     if found is not None:
         return found
-    any_length = _any_length_key(key, q, k, v)
+    any_length = _any_length_key(key, q, k, v) if mask is None else None
     if any_length is not None:
         found = _lean_any_length.get(any_length)
         if found is not None:
