@@ -4,7 +4,8 @@
                                   [--dtype float32] [--modes fwd fwd+bwd] [--out FILE]
 
 Times on a shared 2-core machine move by 10-40% between processes; the operations a
-call dispatches do not. For each case this records every ATen operation of one call
+call dispatches do not. It runs the tiled kernel's PyTorch engines (the native engine is
+turned off: its work is one opaque call, whose own operations this cannot see). For each case this records every ATen operation of one call
 (after a warm-up call, so plans and mask tiles are cached) with its input shapes, and
 counts them. Two trees that dispatch the same operations on the same shapes do the same
 arithmetic: run it with ``PYTHONPATH`` on each tree and compare the JSON files (the
@@ -24,6 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import masks
+from attnkit.kernels import native
+
+native.ENABLED = False  # the PyTorch engines' operations are what this counts
 
 B, H, D = 1, 8, 64
 RESULTS = Path(__file__).parent / "results"

@@ -66,12 +66,34 @@ def assert_oracle(out, gold, naive, factor: float = 2.0, what: str = ""):
     assert err <= bound, f"max error {err:.3e} exceeds bound {bound:.3e} ({out.dtype}) {what}"
 
 
+ENGINES = ["native", "fused", "math"]
+
+
+def pin_engine(monkeypatch, engine: str) -> None:
+    """Make the tiled kernel run ``engine`` where it can: "native" (skips the test where the C++
+    engine cannot be built), "fused" (native turned off) or "math" (native and fused turned off)."""
+    from attnkit.kernels import _aten, native
+
+    if engine == "native":
+        if not native.available():
+            pytest.skip(native.status()[1])
+        return
+    monkeypatch.setattr(native, "ENABLED", False)
+    if engine == "fused" and not _aten.AVAILABLE:
+        pytest.skip("PyTorch's fused CPU kernel is not available")
+    if engine == "math":
+        monkeypatch.setattr(_aten, "AVAILABLE", False)
+
+
 class FusedCalls:
     """Records the fused CPU engine's calls (``attnkit.kernels._aten``), forward and backward:
-    whether each had an additive mask, whether it was causal, and its number of queries."""
+    whether each had an additive mask, whether it was causal, and its number of queries.
+    It pins the fused engine (the native one turned off)."""
 
     def __init__(self, monkeypatch):
         from attnkit.kernels import _aten
+
+        pin_engine(monkeypatch, "fused")
 
         self.calls: list[tuple[bool, bool, int]] = []
         for name in ("flash_forward", "flash_backward"):

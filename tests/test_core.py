@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._python_dispatch
-from conftest import assert_oracle, gold_and_naive, naive_attention, randn
+from conftest import assert_oracle, gold_and_naive, naive_attention, pin_engine, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -582,8 +582,7 @@ def test_kv_cache_append_makes_no_host_sync_while_it_has_room():
 def test_tiled_causal_square_with_equal_offsets_is_one_fused_call_forward_and_backward(offsets, monkeypatch):
     from attnkit.kernels import _aten
 
-    if not _aten.AVAILABLE:
-        pytest.skip("PyTorch's fused CPU kernel is not available")
+    pin_engine(monkeypatch, "fused")
     calls = {"forward": 0, "backward": 0}
     for name in calls:
         real = getattr(_aten, f"flash_{name}")

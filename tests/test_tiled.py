@@ -3,7 +3,7 @@ dropout, dispatch choices and O(L) memory."""
 
 import pytest
 import torch
-from conftest import FusedCalls, assert_oracle, gold_and_naive, naive_attention, randn, rounding_atol
+from conftest import ENGINES, FusedCalls, assert_oracle, gold_and_naive, naive_attention, pin_engine, randn, rounding_atol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -204,12 +204,14 @@ def test_poison_in_skipped_and_partial_blocks_does_not_leak():
     assert torch.equal(attnkit.attention(q, k, v, mask, kernel="tiled"), clean)
 
 
-@pytest.mark.parametrize("engine", ["fused", "math"])
-def test_poison_in_keys_and_queries_no_pair_uses_inside_partial_tiles_does_not_leak(engine):
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_poison_in_keys_and_queries_no_pair_uses_inside_partial_tiles_does_not_leak(engine, bias, monkeypatch):
     """Keys no query attends and queries that attend no key, inside partial tiles: junk (NaN,
-    inf) there is zeroed before the tile's scores are computed."""
+    inf) there never reaches the output or the gradients, on every engine, with and without a bias."""
+    pin_engine(monkeypatch, engine)
     mask = masks.from_fn(lambda b, h, q, kv: (kv % 3 != 0) & (q % 5 != 0) & (kv <= q + 40))
-    extra = {} if engine == "fused" else {"attn_bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(2))}
+    extra = {"attn_bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(2))} if bias else {}
     q, k, v = (randn(1, 2, 300, 16, requires_grad=True) for _ in range(3))
     clean = attnkit.attention(q, k, v, mask, kernel="tiled", **extra)
     (dq, dk, dv) = torch.autograd.grad(clean.sum(), (q, k, v))
@@ -232,6 +234,7 @@ def test_mask_tiles_past_the_cache_bound_are_kept_as_bool_and_never_evaluated_ag
     of a group whose tiles agree are kept once."""
     import importlib
 
+    pin_engine(monkeypatch, "fused")  # the cache of evaluated tiles is the PyTorch engines'
     prepare_module = importlib.import_module("attnkit.prepare")  # the module (attnkit.prepare is the function)
     calls = {"n": 0}
 
@@ -290,7 +293,11 @@ def test_tiled_dropout_kept_fraction_and_reproducibility():
 # --- dispatch ----------------------------------------------------------------------------
 
 
-def test_dispatch_choices():
+def test_dispatch_choices(monkeypatch):
+    """Where the native engine does not run (no compiler, ATTNKIT_NATIVE=0): SDPA where PyTorch's
+    fused kernel beats the per-run tiled engines."""
+    pin_engine(monkeypatch, "fused")
+
     def plan(mask, length=2048, dropout_p=0.0, dtype=torch.float32):
         q = torch.empty(1, 2, length, 16, dtype=dtype)
         return attnkit.explain(q, q, q, mask, dropout_p=dropout_p)
@@ -298,7 +305,9 @@ def test_dispatch_choices():
     assert str(plan(None)) == "sdpa: no mask"
     assert str(plan(masks.causal())) == "sdpa: is_causal"
     doc = plan(masks.document(torch.arange(2048) // 256))
-    assert doc.kernel == "tiled" and str(doc) == "tiled: 12% of blocks kept, all full"
+    assert doc.kernel == "tiled" and str(doc) == (
+        "tiled: 12% of blocks kept, all full; fused engine (native engine turned off by ATTNKIT_NATIVE=0)"
+    )
     assert plan(masks.sliding_window(128)).kernel == "tiled"
     one_length = plan(masks.padding(torch.tensor([1024])))  # every sequence's keys end at 1024: a cut, no mask
     assert one_length.reason == "sdpa: every sequence's keys end at 1024: no mask over the first 1024 keys"
@@ -315,7 +324,38 @@ def test_dispatch_choices():
     assert attnkit.explain(q, q, q).kernel == "reference"
 
 
-def test_dispatch_weighs_dtype_and_backward():
+def test_dispatch_with_the_native_engine(monkeypatch):
+    """With the native engine: the tiled kernel takes unmasked, causal and masked calls of at least
+    NATIVE_MIN_QUERIES query rows (it beats SDPA there) whatever their key length; decoding steps,
+    small calls, tensor masks and float64 keep the rules of the PyTorch engines; explain says
+    which engine runs."""
+    pin_engine(monkeypatch, "native")
+
+    def plan(mask, b=1, h=2, lq=2048, lk=2048, dtype=torch.float32):
+        q, k = torch.empty(b, h, lq, 16, dtype=dtype), torch.empty(b, h, lk, 16, dtype=dtype)
+        return attnkit.explain(q, k, k, mask)
+
+    rows = tiled.NATIVE_MIN_QUERIES
+    for mask in (None, masks.causal(), masks.sliding_window(128), masks.padding(torch.tensor([1000]))):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = plan(mask, dtype=dtype)
+            assert got.kernel == "tiled" and str(got).endswith("native engine (C++)"), got
+    assert str(plan(None)).startswith("tiled: no mask, 4096 query rows")
+    for lk in (1, 16, 5000):  # the choice for an unmasked call does not depend on Lk
+        assert plan(None, h=1, lq=rows, lk=lk).kernel == "tiled"
+        assert plan(None, h=1, lq=rows - 1, lk=lk).kernel == "sdpa"
+    assert plan(None, b=rows // 16, h=1, lq=16).kernel == "tiled"
+    assert plan(None, b=rows, h=1, lq=tiled.NATIVE_MIN_ROWS - 1).kernel == "sdpa"  # decoding steps
+    assert plan(masks.causal(), h=8, lq=1, lk=4096).kernel == "sdpa"
+    assert plan(None, dtype=torch.float64).kernel == "sdpa"
+    assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask: 100% of blocks kept"
+    window = plan(masks.sliding_window(128), dtype=torch.float64)
+    assert window.kernel == "tiled" and "fused engine (torch.float64 on cpu" in str(window), window
+
+
+def test_dispatch_weighs_dtype_and_backward(monkeypatch):
+    pin_engine(monkeypatch, "fused")
+
     def kernel(mask, dtype, grad, batch=1):
         q = torch.empty(batch, 2, 2048, 16, dtype=dtype, requires_grad=grad)
         return attnkit.explain(q, q, q, mask).kernel
@@ -430,15 +470,19 @@ def test_opstream_benchmark_counts_one_fused_call_per_run(tmp_path):
 
 
 @pytest.mark.parametrize("lq", [1, 300])
-def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq):
+@pytest.mark.parametrize("engine", ["native", "fused"])
+def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, monkeypatch):
     """Every sequence's keys ending at the same n: SDPA over the first n keys with no mask (a
-    decoding step over a cache with room left), forward and backward against the float64
-    oracle; junk past n is never read; GQA and bfloat16 too."""
+    decoding step over a cache with room left; the native engine's key limit where it runs),
+    forward and backward against the float64 oracle; junk past n is never read; GQA and
+    bfloat16 too."""
+    pin_engine(monkeypatch, engine)
+    expected = "tiled" if engine == "native" and lq >= tiled.NATIVE_MIN_ROWS else "sdpa"
     for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.float32, 4, 2), (torch.bfloat16, 4, 1)):
         q = randn(2, hq, lq, 16, dtype=dtype, requires_grad=True)
         k, v = (randn(2, hkv, 700, 16, dtype=dtype, requires_grad=True) for _ in range(2))
         mask = masks.padding(torch.tensor([509, 509]))
-        assert attnkit.explain(q, k, v, mask).kernel == "sdpa"
+        assert attnkit.explain(q, k, v, mask).kernel == expected
         with torch.no_grad():
             k[:, :, 509:] = float("nan")  # never read
             v[:, :, 509:] = float("inf")
@@ -493,8 +537,11 @@ def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
         assert found == 2 * squares, found  # forward and backward
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_squares_within_the_oracle_rule_and_gqa(dtype):
+def test_causal_squares_within_the_oracle_rule_and_gqa(dtype, engine, monkeypatch):
+    """A prefix-LM long enough for causal squares (the fused engine), on every engine."""
+    pin_engine(monkeypatch, engine)
     mask = masks.prefix_lm(300)
     for hq, hkv in ((4, 4), (4, 2)):  # grouped heads keep the per-run path
         q = randn(1, hq, 1200, 32, dtype=dtype, requires_grad=True)
@@ -509,14 +556,11 @@ def test_causal_squares_within_the_oracle_rule_and_gqa(dtype):
             assert_oracle(o, g, n, factor=3.0, what=f"d{name} {dtype} {hq}/{hkv}")
 
 
-def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blocks():
+def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blocks(monkeypatch):
     """A prefix-LM in bf16 with a backward keeps 54% of blocks, past the masked-plan limit (30%),
     but runs as causal squares plus full blocks: auto takes the tiled kernel, says why, and is
     exact. A prefix ending mid-block leaves a partial row block outside the square: the limit holds."""
-    from attnkit.kernels import _aten
-
-    if not _aten.AVAILABLE:
-        pytest.skip("PyTorch's fused CPU kernel is not available")
+    pin_engine(monkeypatch, "fused")  # the limits of the per-run engines (the native one takes every plan)
     n = 2048
     q, k, v = (randn(1, 2, n, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     square = attnkit.explain(q, k, v, masks.prefix_lm(n // 4))

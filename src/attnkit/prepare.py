@@ -199,6 +199,37 @@ class PreparedMask:
             self.tiles.put(key, found, found[0].numel() + 4 * found[1].numel())
         return found
 
+    def packed_partial_bits(self, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The element masks of the partial blocks key-major, eight queries a byte: for kernels
+        that read one key's mask over a run of queries as a word of bits.
+
+        Returns ``bits (T, bk, bq // 8) uint8``, where bit ``r % 8`` of byte ``r // 8`` in key
+        ``c``'s row of tile ``t`` is ``partial_bits()[0][t, r, c]`` (1 = may attend), and
+        ``tile_ids`` as :meth:`partial_bits` gives them. One bit a pair; computed once per
+        prepared mask and device. Needs ``bq`` a multiple of 8.
+
+        >>> import attnkit
+        >>> p = attnkit.prepare(attnkit.masks.causal(), 16, 16, block_size=(8, 8))
+        >>> bits, ids = p.packed_partial_bits()
+        >>> bits.shape, bin(int(bits[0, 2, 0]))  # key 2 of the first diagonal tile: queries 2..7
+        (torch.Size([2, 8, 1]), '0b11111100')
+        """
+        device = torch.device(device) if device is not None else self.device
+        bq, bk = self.block_size
+        if bq % 8:
+            raise AttnkitValueError(f"packed_partial_bits needs a block of queries that is a multiple of 8, not {bq}.")
+        key = ("packed_partial_bits", str(device))
+        found = self.tiles.get(key)
+        if found is None:
+            rows = self.tiles.get(("partial_bits", str(device)))  # not kept by this call: 8x the bytes
+            bits, tile_ids = rows if rows is not None else _partial_bits(self, device)
+            weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=bits.device)
+            keys = bits.transpose(1, 2).reshape(bits.shape[0], bk, bq // 8, 8).to(torch.uint8)  # (T, bk, bq/8, 8)
+            packed = (keys * weights).sum(-1).to(torch.uint8).contiguous()  # distinct powers of two: no carry
+            found = (packed, tile_ids)
+            self.tiles.put(key, found, packed.numel() + 4 * tile_ids.numel())
+        return found
+
     @property
     def lead_shape(self) -> tuple[int, int]:
         return (self.codes.shape[0], self.codes.shape[1])
@@ -340,7 +371,8 @@ def prepare(
 
 
 def _partial_bits(prepared: PreparedMask, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :meth:`PreparedMask.partial_bits` (one host sync: which blocks are partial)."""
+    """See :meth:`PreparedMask.partial_bits` (one host sync: which blocks are partial). The mask
+    is evaluated once per row block, over the key blocks partial in some sequence or head."""
     from attnkit._indexing import as4d
 
     codes = prepared.codes
@@ -348,23 +380,25 @@ def _partial_bits(prepared: PreparedMask, device) -> tuple[torch.Tensor, torch.T
     bm, hm, nq, nk = codes.shape
     ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
     tiles: list[torch.Tensor] = []
-    by_block: dict = {}
+    by_row: dict = {}
     for b, h, i, j in (codes == _masks.PARTIAL).nonzero().tolist():
-        by_block.setdefault((i, j), []).append((b, h))
+        by_row.setdefault(i, {}).setdefault(j, []).append((b, h))
     last_q, last_k = max(prepared.q_len - 1, 0), max(prepared.kv_len - 1, 0)
     mask = prepared.mask
-    for (i, j), where in by_block.items():
+    for i, blocks in by_row.items():
         assert mask is not None, "partial blocks come from a mask"
+        columns = sorted(blocks)
         q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
-        kv_idx = torch.arange(j * bk, (j + 1) * bk)[None, :]
+        kv_idx = (torch.tensor(columns)[:, None] * bk + torch.arange(bk)[None, :]).reshape(1, -1)  # (1, n * bk)
         inside = (q_idx < prepared.q_len) & (kv_idx < prepared.kv_len)
         e = as4d(
             mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k), prepared.q_len, prepared.kv_len)
         ).cpu()
-        e = e.expand(*e.shape[:2], bq, bk) & inside
-        for b, h in where:
-            ids[b, h, i, j] = len(tiles)
-            tiles.append(e[min(b, e.shape[0] - 1), min(h, e.shape[1] - 1)])
+        e = e.expand(*e.shape[:2], bq, kv_idx.shape[1]) & inside  # (Bm or 1, Hm or 1, bq, n * bk)
+        for n, j in enumerate(columns):
+            for b, h in blocks[j]:
+                ids[b, h, i, j] = len(tiles)
+                tiles.append(e[min(b, e.shape[0] - 1), min(h, e.shape[1] - 1), :, n * bk : (n + 1) * bk])
     bits = torch.stack(tiles).to(torch.int8) if tiles else torch.ones(1, bq, bk, dtype=torch.int8)
     listed = ids.gather(-1, prepared.kv_indices.long().cpu().clamp(min=0))
     return bits.to(device).contiguous(), listed.to(device).contiguous()

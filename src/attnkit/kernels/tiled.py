@@ -8,14 +8,21 @@ returns its output and row log-sum-exp; runs merge exactly by log-sum-exp. Keys 
 a sequence's limit (padding, empty cache slots) are never read. Nothing of size
 ``Lq x Lk`` is allocated: the largest tile is ``bq x Lk``.
 
-Two engines compute a run:
+Three engines compute it:
 
-- ``fused``: PyTorch's CPU flash-attention kernel (:mod:`attnkit.kernels._aten`),
-  used when there is no dropout, the inputs are on the CPU and Dv == D;
+- ``native``: attnkit's C++ kernel (:mod:`attnkit.kernels.native`), which walks the
+  prepared block lists itself and applies the mask, soft-capping and a bias of ``kv - q``
+  inside its tile loop, forward and backward, in float32 (half-precision inputs widened).
+  It runs every CPU call without dropout or a general bias or ``score_mod`` once it is
+  built (at first use, once per machine), with at least :data:`NATIVE_MIN_ROWS` queries;
+- ``fused``: PyTorch's CPU flash-attention kernel (:mod:`attnkit.kernels._aten`) called
+  once per run, used where the native engine is not (no compiler, ``ATTNKIT_NATIVE=0``,
+  decoding steps) when there is no dropout, the inputs are on the CPU and Dv == D;
 - ``math``: matmul, softmax statistics in float32 or float64, matmul; used for
   dropout (a keep-mask drawn per run from a generator seeded once per call from the
   global generator, so ``torch.manual_seed`` reproduces it), off the CPU, for
-  Dv != D, and for gradients that flow through the log-sum-exp.
+  Dv != D and float64 off the native engine, and for gradients of a bias's own tensors
+  or through the log-sum-exp off the native engine.
 
 Backward recomputes each run from the saved log-sum-exp (FlashAttention's scheme),
 so training memory stays O(L). Grouped-query attention folds the Hq/Hkv query heads
@@ -26,13 +33,14 @@ Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from attnkit.kernels import _aten, tiles
+from attnkit.kernels import _aten, native, tiles
 from attnkit.kernels.lse import merge
 from attnkit.kernels.registry import Call, Kernel, Reason, Runner, double_backward_error, first_derivative_only
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run, from_handle
@@ -57,25 +65,91 @@ def dropout_keep_mask(
     return torch.rand(shape, generator=g, device=device) >= call.dropout_p
 
 
+#: The native engine runs calls with at least this many queries: it computes 32 query rows
+#: at a time, so a decoding step would do 32x its work (the fused engine runs those).
+NATIVE_MIN_ROWS = 16
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_runs(q: torch.Tensor, prepared: PreparedMask) -> bool:
+    """Whether the native engine can run a call with these queries and this prepared mask."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in NATIVE_DTYPES
+        and q.shape[2] >= NATIVE_MIN_ROWS
+        and prepared.block_size[0] % 32 == 0
+        and native.available()
+    )
+
+
+#: The native engine is preferred to SDPA for calls with at least this many query rows in all
+#: (B * Hq * Lq; benchmarks/cpu.py and benchmarks/core.py: unmasked calls 0.76-0.92x SDPA's time
+#: from 2048 rows on, causal 0.5-0.75x; at 1024 rows, unmasked, 1.04x). It does not depend on Lk,
+#: so a decoding step's choice stays the same as its cache grows (the lean path relies on it).
+NATIVE_MIN_QUERIES = 2048
+
+
+def native_prefers(call: Call) -> bool:
+    """Whether the native engine runs ``call`` and is faster than SDPA would be: a mask object
+    or none (a tensor mask is prepared again on every call), no dropout, enough queries."""
+    s = call.shapes
+    q = call.q
+    return (
+        call.dropout_p == 0.0
+        and not call.tensor_mask
+        and q.device.type == "cpu"
+        and q.dtype in NATIVE_DTYPES
+        and s.lq >= NATIVE_MIN_ROWS
+        and math.prod(s.batch) * s.hq * s.lq >= NATIVE_MIN_QUERIES
+        and native.available()
+    )
+
+
 def engine(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    prepared: PreparedMask,
     bias: Bias | None,
     softcap: float | None,
     score_mod: ScoreMod | None,
     dropout_p: float,
-) -> tuple[bool, torch.Tensor | None]:
-    """``(fused, band)``: whether the fused engine runs a call's forward, and the band of its bias.
+) -> tuple[bool, bool, torch.Tensor | None]:
+    """``(native, fused, band)``: whether the native engine runs a call, whether the fused one
+    would (where the native one does not), and the band of its bias.
 
-    A bias of ``kv_idx - q_idx`` alone (ALiBi, T5's relative bias, their sums) runs on the
-    fused engine as its additive mask, a strided view of one band per head
-    (:func:`tiles.band_mask`); other biases, soft-capping, score_mods and dropout run on the
-    math engine, tile by tile. 4-D inputs.
+    A bias of ``kv_idx - q_idx`` alone (ALiBi, T5's relative bias, their sums) is one band
+    per head (:meth:`attnkit.bias.Bias.band`): the native engine adds it inside its tile loop,
+    the fused engine takes it as its additive mask, a strided view (:func:`tiles.band_mask`).
+    Other biases, ``score_mod``s and dropout run on the math engine, tile by tile; so does
+    soft-capping where the native engine does not run. 4-D inputs.
     """
-    plain = dropout_p == 0.0 and softcap is None and score_mod is None and fused_available(q, v)
-    band = tiles.band_for(bias, q, k) if plain else None
-    return plain and (bias is None or band is not None), band
+    simple = dropout_p == 0.0 and score_mod is None
+    band = tiles.band_for(bias, q, k) if simple else None
+    modifiable = simple and (bias is None or band is not None)
+    fused = modifiable and softcap is None and fused_available(q, v)
+    return modifiable and native_runs(q, prepared), fused, band
+
+
+def engine_words(call: Call, prepared: PreparedMask) -> str:
+    """Which engine runs a call, and why not the native one, in words (for ``explain``)."""
+    q, k, v = _as4d(call)
+    nat, fused, band = engine(q, k, v, prepared, call.bias, call.softcap, call.score_mod, call.dropout_p)
+    if nat:
+        return "native engine (C++)"
+    if call.dropout_p > 0.0:
+        why = f"dropout_p={call.dropout_p}"
+    elif call.score_mod is not None:
+        why = "a score_mod"
+    elif call.bias is not None and band is None:
+        why = "a bias that is not a function of kv - q alone"
+    elif q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES:
+        why = f"{q.dtype} on {q.device.type}; the native engine takes float32/bfloat16/float16 on the CPU"
+    elif q.shape[2] < NATIVE_MIN_ROWS:
+        why = f"{q.shape[2]} queries; the native engine runs from {NATIVE_MIN_ROWS}"
+    else:
+        why = native.status()[1]
+    return f"{'fused' if fused else 'math'} engine ({why})"
 
 
 @dataclass(frozen=True)
@@ -271,6 +345,8 @@ def _one_fused_call(call: tiles.TileCall, q, k) -> bool | None:
 
 def _forward(call: tiles.TileCall, q, k, v):
     """Returns ``out: (B, Hq, Lq, Dv)`` and ``lse: (B, Hq, Lq)`` (-inf for fully masked rows)."""
+    if call.native:  # the whole call in one native call: every group, row block and run
+        return native.forward(q, k, v, call.prepared, scale=call.scale, softcap=call.softcap, band=call.band)
     hq, hkv = q.shape[1], k.shape[1]
     causal = _one_fused_call(call, q, k)
     if causal is not None:  # the fused kernel's own causal/full loop: no per-run calls
@@ -508,6 +584,10 @@ def _backward(call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse, grads
         dead = lse == tiles.NEG_INF
         grad_out = grad_out.masked_fill(dead[..., None], 0.0)
         grad_lse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
+    if call.native and not call.bias_grad:  # a bias's own tensors want the scores' gradient: the math engine
+        return native.backward(
+            q, k, v, call.prepared, out, lse, grad_out, grad_lse, scale=call.scale, softcap=call.softcap, band=call.band
+        )
     causal = _one_fused_call(call, q, k) if grad_lse is None else None
     if causal is not None:  # as in _forward: the fused kernel's own loop, one call
         dq, dk, dv = _aten.flash_backward(
@@ -607,10 +687,10 @@ def attention(
         seed = draw_seed()
     # one copy here rather than one per run: the fused engine needs unit-stride rows
     q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
-    fused, band = engine(q, k, v, bias, softcap, score_mod, dropout_p)
+    nat, fused, band = engine(q, k, v, prepared, bias, softcap, score_mod, dropout_p)
     params = (() if bias is None else tuple(bias.params())) + (() if score_mod is None else score_mod.params)
     call = tiles.TileCall(
-        prepared, scale, dropout_p, seed or 0, fused, bias, softcap, params, score_mod=score_mod, band=band
+        prepared, scale, dropout_p, seed or 0, fused, bias, softcap, params, score_mod=score_mod, band=band, native=nat
     )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
         return _TiledAttention.apply(q, k, v, call, *params)
@@ -640,8 +720,8 @@ def backward_part(
     is the gradient of the merged lse (or None). Bias parameters get no gradient here.
     """
     q, k, v = (_aten.rows_contiguous(t) for t in (q, k, v))
-    fused, band = engine(q, k, v, bias, softcap, None, 0.0)
-    call = tiles.TileCall(prepared, scale, 0.0, 0, fused, bias, softcap, (), own_lse=False, band=band)
+    nat, fused, band = engine(q, k, v, prepared, bias, softcap, None, 0.0)
+    call = tiles.TileCall(prepared, scale, 0.0, 0, fused, bias, softcap, (), own_lse=False, band=band, native=nat)
     return _backward(call, q, k, v, out, lse, grad_out, grad_lse, {})
 
 
@@ -658,7 +738,8 @@ BLOCK_SIZE = (128, 64)
 def _compiled_call(handle, q, v, scale: float, softcap: float) -> tiles.TileCall:
     prepared = from_handle(handle).with_block_size(BLOCK_SIZE)
     capped = softcap if softcap > 0.0 else None
-    return tiles.TileCall(prepared, scale, 0.0, 0, capped is None and fused_available(q, v), None, capped)
+    fused = capped is None and fused_available(q, v)
+    return tiles.TileCall(prepared, scale, 0.0, 0, fused, None, capped, native=native_runs(q, prepared))
 
 
 @torch.library.custom_op("attnkit::tiled_forward", mutates_args=())
@@ -767,6 +848,16 @@ class TiledKernel(Kernel):
         return reasons
 
     def prefers(self, call: Call) -> tuple[bool, Reason]:
+        yes, why = self._prefers(call)
+        if not yes or call.compiling:
+            return yes, why
+
+        def with_engine() -> str:
+            return f"{why if isinstance(why, str) else why()}; {engine_words(call, call.prepared_at(self.block_size))}"
+
+        return True, with_engine
+
+    def _prefers(self, call: Call) -> tuple[bool, Reason]:
         s = call.shapes
         if call.compiling:  # the user prepared the mask for this: no host reads while tracing
             return True, "under torch.compile: block-sparse through a custom op over the PreparedMask"
@@ -787,11 +878,10 @@ class TiledKernel(Kernel):
 
             def how() -> str:
                 q4, k4, v4 = _as4d(call)
-                _, band = engine(q4, k4, v4, call.bias, call.softcap, call.score_mod, call.dropout_p)
+                _, _, band = engine(q4, k4, v4, p, call.bias, call.softcap, call.score_mod, call.dropout_p)
                 parts = []
                 if call.bias is not None:
-                    on = "the fused kernel's additive mask (a band of kv - q)" if band is not None else "each tile"
-                    parts.append(f"attn_bias on {on}")
+                    parts.append(f"attn_bias {'as a band of kv - q' if band is not None else 'on each tile'}")
                 if call.softcap is not None or call.score_mod is not None:
                     parts.append("softcap/score_mod on each tile")
                 if call.sinks is not None:
@@ -803,6 +893,11 @@ class TiledKernel(Kernel):
             p = prepared()
             why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"
             return True, lambda: f"{why}, {p.kept:.0%} of blocks kept"
+        if native_prefers(call):
+            p = prepared()
+            rows = math.prod(s.batch) * s.hq * s.lq
+            what = "no mask" if call.mask is None else f"{p.kept:.0%} of blocks kept"
+            return True, lambda: f"{what}, {rows} query rows (from {NATIVE_MIN_QUERIES} the native engine beats SDPA)"
         if call.mask is None:
             return False, "no mask: SDPA's fused kernel"
         if call.causal_shift() == 0 and call.scale > 0.0:

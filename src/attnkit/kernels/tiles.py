@@ -164,6 +164,7 @@ class TileCall:
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
     band: torch.Tensor | None = None  # (Hq or 1, Lq + Lk - 1): a bias of kv_idx - q_idx alone (Bias.band)
+    native: bool = False  # the native engine runs the forward (and the backward unless bias_grad)
 
     @property
     def indexed(self) -> bool:
