@@ -5,12 +5,12 @@
 
 Times on a shared 2-core machine move by 10-40% between processes; the operations a
 call dispatches do not. It runs the tiled kernel's PyTorch engines (the native engine is
-turned off: its work is one opaque call, whose own operations this cannot see). For each case this records every ATen operation of one call
-(after a warm-up call, so plans and mask tiles are cached) with its input shapes, and
-counts them. Two trees that dispatch the same operations on the same shapes do the same
-arithmetic: run it with ``PYTHONPATH`` on each tree and compare the JSON files (the
-summary line counts the fused attention calls and all operations). Writes
-``benchmarks/results/opstream.json``.
+turned off: its work is one opaque call, whose operations this cannot see). For each case
+this records every ATen operation of one call (after a warm-up call, so plans and mask
+tiles are cached) with its input shapes, and counts them. Two trees that dispatch the same
+operations on the same shapes do the same arithmetic: run it with ``PYTHONPATH`` on each
+tree and compare the JSON files (the summary line counts the fused attention calls and
+all operations). Writes ``benchmarks/results/opstream.json``.
 """
 
 from __future__ import annotations

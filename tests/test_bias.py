@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import FusedCalls, assert_oracle, randn
+from conftest import FusedCalls, alibi_formula, assert_oracle, oracle, randn, relative_formula, t5_bucket
 from test_tiled import MaxNumel
 
 import attnkit
@@ -21,26 +21,6 @@ B, HQ, HKV, L, D = 2, 4, 2, 150, 16  # 150: several row blocks (128) and key blo
 
 
 # --- the formulas, written plainly -------------------------------------------------------
-
-
-def oracle(q, k, v, allowed=None, add=None, softcap=None, sinks=None, scale=None):
-    """softmax over [scores, sink] of (softcap(q k^T * scale) + add, masked) @ v; empty rows 0."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    group = q.shape[-3] // k.shape[-3]
-    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    s = q @ k.transpose(-2, -1) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap  # Gemma 2: before the mask
-    if add is not None:
-        s = s + add
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:  # gpt-oss: the sink is one more logit per head, its value 0
-        s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
-    w = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    if sinks is not None:
-        w = w[..., :-1]
-    return w @ v
 
 
 def bloom_slopes(n):
@@ -54,37 +34,6 @@ def bloom_slopes(n):
         return geometric(n)
     below = 2 ** math.floor(math.log2(n))
     return geometric(below) + geometric(2 * below)[0::2][: n - below]
-
-
-def alibi_formula(slopes, lq, lk, causal=False, q_offset=0, kv_offset=0):
-    i = torch.arange(lq, dtype=torch.float64)[:, None] + (lk - lq) + q_offset
-    j = torch.arange(lk, dtype=torch.float64)[None, :] + kv_offset
-    d = (i - j) if causal else (i - j).abs()
-    return -slopes.double().view(-1, 1, 1) * d  # (H, Lq, Lk)
-
-
-def t5_bucket(rel, num_buckets, max_distance, bidirectional):
-    """T5's bucket of one relative position (key minus query), one integer at a time."""
-    out = 0
-    if bidirectional:
-        num_buckets //= 2
-        if rel > 0:
-            out += num_buckets
-        n = abs(rel)
-    else:
-        n = max(-rel, 0)
-    exact = num_buckets // 2
-    if n < exact:
-        return out + n
-    far = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
-    return out + min(far, num_buckets - 1)
-
-
-def relative_formula(table, lq, lk, num_buckets=32, max_distance=128, bidirectional=True):
-    idx = torch.tensor(
-        [[t5_bucket(j - (i + lk - lq), num_buckets, max_distance, bidirectional) for j in range(lk)] for i in range(lq)]
-    )
-    return table.double()[idx].permute(2, 0, 1)  # (Lq, Lk, H) -> (H, Lq, Lk)
 
 
 MASKS = {
@@ -176,13 +125,14 @@ def test_low_precision_within_the_oracle_rule(kind, dtype):
     ours, theirs, learned = make_mods(kind, dtype)
     mask = masks.sliding_window(40)
     allowed = allowed_of(mask, L, L)
-    gold = oracle(q.double(), k.double(), v.double(), allowed, **theirs)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))  # gold's gradients in float64
+    gold = oracle(q64, k64, v64, allowed, **theirs)
     naive = oracle(
         q, k, v, allowed, **{n: (t.to(dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()}
     )
     out = attnkit.attention(q, k, v, mask, **ours)
     assert_oracle(out, gold, naive, what=f"{kind} {dtype}")
-    gold_g, naive_g, out_g = (_grads(o, [q, k, v]) for o in (gold, naive, out))
+    gold_g, naive_g, out_g = _grads(gold, [q64, k64, v64]), _grads(naive, [q, k, v]), _grads(out, [q, k, v])
     for name, o, g, n in zip("qkv", out_g, gold_g, naive_g):
         assert_oracle(o, g, n, factor=3.0, what=f"d{name} {kind} {dtype}")
 

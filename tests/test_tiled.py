@@ -3,7 +3,16 @@ dropout, dispatch choices and O(L) memory."""
 
 import pytest
 import torch
-from conftest import ENGINES, FusedCalls, assert_oracle, gold_and_naive, naive_attention, pin_engine, randn, rounding_atol
+from conftest import (
+    ENGINES,
+    FusedCalls,
+    assert_oracle,
+    gold_and_naive,
+    naive_attention,
+    pin_engine,
+    randn,
+    rounding_atol,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -340,7 +349,7 @@ def test_dispatch_with_the_native_engine(monkeypatch):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             got = plan(mask, dtype=dtype)
             assert got.kernel == "tiled" and str(got).endswith("native engine (C++)"), got
-    assert str(plan(None)).startswith("tiled: no mask, 4096 query rows")
+    assert str(plan(None)) == "tiled: no mask, 4096 query rows; native engine (C++)"
     for lk in (1, 16, 5000):  # the choice for an unmasked call does not depend on Lk
         assert plan(None, h=1, lq=rows, lk=lk).kernel == "tiled"
         assert plan(None, h=1, lq=rows - 1, lk=lk).kernel == "sdpa"

@@ -6,7 +6,9 @@ PyTorch that is running: ``-O3 -march=native``, OpenMP through PyTorch's own run
 shares PyTorch's threads and follows ``torch.set_num_threads``. The library is kept in
 ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``) under a key of the source, the compiler,
 PyTorch and the CPU, and is called through :mod:`ctypes` with raw pointers: no Python
-extension module, no pybind11, nothing compiled per mask or shape.
+extension module, no pybind11, nothing compiled per mask or shape. ``ATTNKIT_NATIVE_ARCH``
+replaces ``native`` in ``-march=`` (``-mcpu=`` off x86), e.g. ``x86-64-v3`` for a build that
+runs on any AVX2 machine.
 
 Where there is no compiler, the build fails, or ``ATTNKIT_NATIVE=0`` is set, :func:`status`
 says why and the tiled kernel runs its PyTorch engines instead (``attnkit.explain`` shows
@@ -47,7 +49,7 @@ __all__ = ["ENABLED", "SOURCE", "available", "backward", "build", "forward", "st
 
 SOURCE = Path(__file__).with_name("native.cpp")
 #: The interface version of the source this module speaks to (``attnkit_native_version()``).
-VERSION = 3
+VERSION = 4
 #: Whether the engine may be used at all: ``ATTNKIT_NATIVE=0`` turns it off for the process
 #: (the tiled kernel then runs its PyTorch engines); tests set this attribute.
 ENABLED = os.environ.get("ATTNKIT_NATIVE", "1") != "0"
@@ -92,6 +94,7 @@ class _Args(ctypes.Structure):
         ("chunks", _I64),
         ("Dp", _I64),
         ("Dvp", _I64),
+        ("delta_from_out", _I64),
     ]
 
 
@@ -140,7 +143,8 @@ def _cpu_key() -> str:
 def _command(compiler: str, out: Path, obj: Path) -> tuple[list[str], list[str]]:
     """The compile and link commands."""
     torch_dir = Path(torch.__file__).parent
-    arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64", "i686") else ["-mcpu=native"]
+    target = os.environ.get("ATTNKIT_NATIVE_ARCH", "native")  # e.g. x86-64-v3: a build for other machines
+    arch = [f"-march={target}"] if platform.machine() in ("x86_64", "AMD64", "i686") else [f"-mcpu={target}"]
     openmp = _openmp()
     compile_ = [
         compiler,
@@ -182,6 +186,7 @@ def _library_path(compiler: str) -> Path:
         key.update(part)
         key.update(b"\0")
     key.update(_cpu_key().encode())
+    key.update(os.environ.get("ATTNKIT_NATIVE_ARCH", "native").encode())
     return cache_dir() / f"native-{key.hexdigest()[:20]}" / "libattnkit_native.so"
 
 
@@ -372,12 +377,15 @@ def backward(
     scale: float,
     softcap: float | None = None,
     band: torch.Tensor | None = None,
+    own_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes, recomputed from the saved ``lse``.
 
-    ``out`` and ``lse`` are the forward's (or, for a part of the keys, the merged output and
-    log-sum-exp: the gradient of this part is the same formula); ``grad_lse``: (B, Hq, Lq) or
-    None. Arguments as :func:`forward`'s.
+    ``out`` and ``lse`` are the forward's, or with ``own_lse=False`` (a part of the keys: ring
+    attention) the merged output and log-sum-exp: the gradient of this part is the same formula
+    with ``delta = rowsum(grad_out * out)``; a call's own keys use the sum of ``P * dP`` over
+    them (the softmax's own backward). ``grad_lse``: (B, Hq, Lq) or None. Arguments as
+    :func:`forward`'s.
     """
     loaded = _load()
     assert loaded.lib is not None, "backward() needs the engine: check available() first"
@@ -399,7 +407,7 @@ def backward(
     a = _args(loaded, qf, kf, vf, prepared, scale, softcap, band)
     a.lse, a.grad_out, a.gs, a.fwd_out, a.ofs = _ptr(lse32), _ptr(go), _strides(go), _ptr(of), _strides(of)
     a.grad_lse, a.dq, a.dk_acc, a.dv_acc = _ptr(gl), _ptr(dq), _ptr(dk_acc), _ptr(dv_acc)
-    a.chunks, a.Dp, a.Dvp = chunks, dp, dvp
+    a.chunks, a.Dp, a.Dvp, a.delta_from_out = chunks, dp, dvp, int(not own_lse)
     _checked(loaded.lib.attnkit_native_backward(ctypes.byref(a)), "backward")
     dk_sum = dk_acc[:, :, 0] if chunks == 1 else dk_acc.sum(2)
     dv_sum = dv_acc[:, :, 0] if chunks == 1 else dv_acc.sum(2)

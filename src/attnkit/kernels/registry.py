@@ -270,6 +270,10 @@ class Kernel:
         its thresholds here."""
         return True, "the kernel can run this call"
 
+    def engine(self, call: Call) -> str | None:
+        """Which of its engines runs ``call``, in words, for :func:`attnkit.explain` (None: it has one)."""
+        return None
+
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
@@ -482,9 +486,14 @@ def choose(call: Call, kernel: Kernel | str = "auto") -> Plan:
             f"kernel={chosen.name!r} cannot run this call: {'; '.join(reasons)}. "
             "Use kernel='auto' to let attnkit choose."
         )
-    why = "forced by kernel="
-    if chosen.block_size is not None and not call.empty and not call.compiling:
-        why += f", {call.prepared_at(chosen.block_size).kept:.0%} of blocks kept"
+
+    def why() -> str:
+        words = "forced by kernel="
+        if chosen.block_size is not None and not call.empty and not call.compiling:
+            words += f", {call.prepared_at(chosen.block_size).kept:.0%} of blocks kept"
+        engine = None if call.empty or call.compiling else chosen.engine(call)
+        return words if engine is None else f"{words}; {engine}"
+
     return _plan(chosen, why, call, {chosen.name: []})
 
 

@@ -586,7 +586,18 @@ def _backward(call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse, grads
         grad_lse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
     if call.native and not call.bias_grad:  # a bias's own tensors want the scores' gradient: the math engine
         return native.backward(
-            q, k, v, call.prepared, out, lse, grad_out, grad_lse, scale=call.scale, softcap=call.softcap, band=call.band
+            q,
+            k,
+            v,
+            call.prepared,
+            out,
+            lse,
+            grad_out,
+            grad_lse,
+            scale=call.scale,
+            softcap=call.softcap,
+            band=call.band,
+            own_lse=call.own_lse,
         )
     causal = _one_fused_call(call, q, k) if grad_lse is None else None
     if causal is not None:  # as in _forward: the fused kernel's own loop, one call
@@ -847,13 +858,16 @@ class TiledKernel(Kernel):
                 reasons.append("under torch.compile: no attn_bias, score_mod or dropout (they run eagerly only)")
         return reasons
 
+    def engine(self, call: Call) -> str | None:
+        return engine_words(call, call.prepared_at(self.block_size))
+
     def prefers(self, call: Call) -> tuple[bool, Reason]:
         yes, why = self._prefers(call)
         if not yes or call.compiling:
             return yes, why
 
         def with_engine() -> str:
-            return f"{why if isinstance(why, str) else why()}; {engine_words(call, call.prepared_at(self.block_size))}"
+            return f"{why if isinstance(why, str) else why()}; {self.engine(call)}"
 
         return True, with_engine
 
@@ -897,7 +911,7 @@ class TiledKernel(Kernel):
             p = prepared()
             rows = math.prod(s.batch) * s.hq * s.lq
             what = "no mask" if call.mask is None else f"{p.kept:.0%} of blocks kept"
-            return True, lambda: f"{what}, {rows} query rows (from {NATIVE_MIN_QUERIES} the native engine beats SDPA)"
+            return True, lambda: f"{what}, {rows} query rows"
         if call.mask is None:
             return False, "no mask: SDPA's fused kernel"
         if call.causal_shift() == 0 and call.scale > 0.0:

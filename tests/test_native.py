@@ -1,0 +1,425 @@
+"""The native engine of the tiled kernel (attnkit.kernels.native) against the float64 oracle, and its build.
+
+Every test here pins the native engine (skipped where it cannot be built); the PyTorch engines
+keep their own tests, and the whole suite runs once more with ATTNKIT_NATIVE=0 (make test-torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    alibi_formula,
+    assert_oracle,
+    gold_and_naive,
+    naive_attention,
+    oracle,
+    pin_engine,
+    randn,
+    relative_formula,
+)
+
+import attnkit
+from attnkit import bias, masks
+from attnkit.kernels import native, tiled
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _native(monkeypatch):
+    pin_engine(monkeypatch, "native")
+
+
+class Spy:
+    """Counts the native engine's forward and backward calls."""
+
+    def __init__(self, monkeypatch):
+        self.forward = self.backward = 0
+        real_forward, real_backward = native.forward, native.backward
+
+        def forward(*a, **kw):
+            self.forward += 1
+            return real_forward(*a, **kw)
+
+        def backward(*a, **kw):
+            self.backward += 1
+            return real_backward(*a, **kw)
+
+        monkeypatch.setattr(native, "forward", forward)
+        monkeypatch.setattr(native, "backward", backward)
+
+
+def check_forward_and_gradients(q, k, v, mask, what, scale=None, theirs=None, **ours):
+    """attnkit (tiled) against the oracle in float64 and in the inputs' dtype: out 2x, gradients 3x.
+    ``ours``: attnkit's modification arguments; ``theirs``: the oracle's (float64 tensors)."""
+    theirs = theirs or {}
+    allowed = allowed_of(mask, q.shape[2], k.shape[2])
+    out = attnkit.attention(q, k, v, mask, kernel="tiled", scale=scale, **ours)
+    q64, k64, v64 = (t.detach().double().requires_grad_(q.requires_grad) for t in (q, k, v))
+    gold = oracle(q64, k64, v64, allowed, scale=scale, **theirs)
+    low = {n: (t.to(q.dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()}
+    naive = oracle(q, k, v, allowed, scale=scale, **low)
+    assert_oracle(out, gold, naive, what=what)
+    if not q.requires_grad:
+        return
+    up = torch.randn(out.shape, dtype=torch.float64)
+    got, naive_grads = (torch.autograd.grad(o, (q, k, v), up.to(o.dtype)) for o in (out, naive))
+    want = torch.autograd.grad(gold, (q64, k64, v64), up)  # float64 leaves: gold's gradients unrounded
+    for name, o, g, n in zip("qkv", got, want, naive_grads):
+        assert_oracle(o, g, n, factor=3.0, what=f"d{name} {what}")
+
+
+MASKS = {
+    "none": lambda b, h, lq, lk: None,
+    "causal": lambda b, h, lq, lk: masks.causal(),
+    "causal_top_left": lambda b, h, lq, lk: masks.causal("top_left"),
+    "window": lambda b, h, lq, lk: masks.sliding_window(37),
+    "window_two_sided": lambda b, h, lq, lk: masks.sliding_window(50, 20),
+    "document": lambda b, h, lq, lk: masks.document(torch.arange(lk) // 61, q_offset=lk - lq),
+    "document_causal": lambda b, h, lq, lk: masks.document(torch.arange(lk) // 61, q_offset=lk - lq) & masks.causal(),
+    "prefix_lm": lambda b, h, lq, lk: masks.prefix_lm(70),
+    "padding": lambda b, h, lq, lk: masks.padding(torch.tensor([lk, 0, lk // 3, 1][:b])),
+    "padding_causal": lambda b, h, lq, lk: masks.padding(torch.tensor([lk - 5, 9][:b])) & masks.causal(),
+    "from_fn_per_head": lambda b, h, lq, lk: masks.from_fn(
+        lambda bb, hh, i, j: ((i - j) % (hh + 2) == 0) | (j < 3), num_heads=h
+    ),
+    "dense_random": lambda b, h, lq, lk: torch.rand(b, 1, lq, lk) > 0.6,
+    "union": lambda b, h, lq, lk: masks.sliding_window(10) | masks.prefix_lm(20),
+}
+
+
+def allowed_of(mask, lq, lk):
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        return mask
+    return attnkit.prepare(mask, lq, lk).materialize()
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_mask_forward_and_gradients(name, dtype, monkeypatch):
+    spy = Spy(monkeypatch)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 333, 32
+    q = randn(b, hq, lq, d, dtype=dtype, requires_grad=True)
+    k, v = (randn(b, hkv, lk, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    check_forward_and_gradients(q, k, v, MASKS[name](b, hq, lq, lk), f"{name} {dtype}")
+    assert spy.forward == 1 and spy.backward == 1
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["alibi", "alibi_causal", "relative_fixed", "softcap", "sinks", "alibi_softcap_sinks", "relative_learned"],
+)
+@pytest.mark.parametrize("mask_name", ["causal", "window", "document", "padding"])
+def test_score_modifications_forward_and_gradients(kind, mask_name, monkeypatch):
+    """A bias of kv - q (fixed), soft-capping and sinks run inside the native engine, forward and
+    backward; a bias whose own tensors want gradients runs its backward on the math engine."""
+    spy = Spy(monkeypatch)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 200, 200, 16
+    q = randn(b, hq, lq, d, requires_grad=True)
+    k, v = (randn(b, hkv, lk, d, requires_grad=True) for _ in range(2))
+    slopes = bias.alibi_slopes(hq)
+    table = 0.5 * torch.randn(32, hq)
+    sinks = torch.randn(hq)
+    alibi, alibi_causal = alibi_formula(slopes, lq, lk), alibi_formula(slopes, lq, lk, causal=True)
+    ours, theirs = {
+        "alibi": ({"attn_bias": bias.alibi(slopes)}, {"add": alibi}),
+        "alibi_causal": ({"attn_bias": bias.alibi(slopes, causal=True)}, {"add": alibi_causal}),
+        "relative_fixed": ({"attn_bias": bias.relative(table)}, {"add": relative_formula(table, lq, lk)}),
+        "softcap": ({"softcap": 2.5}, {"softcap": 2.5}),
+        "sinks": ({"sinks": sinks}, {"sinks": sinks.double()}),
+        "alibi_softcap_sinks": (
+            {"attn_bias": bias.alibi(slopes), "softcap": 4.0, "sinks": sinks},
+            {"add": alibi, "softcap": 4.0, "sinks": sinks.double()},
+        ),
+        "relative_learned": (
+            {"attn_bias": bias.relative(table.clone().requires_grad_())},
+            {"add": relative_formula(table, lq, lk)},
+        ),
+    }[kind]
+    mask = MASKS["window_two_sided" if mask_name == "window" else mask_name](b, hq, lq, lk)
+    check_forward_and_gradients(q, k, v, mask, f"{kind} {mask_name}", theirs=theirs, **ours)
+    assert spy.forward == 1
+    assert spy.backward == (0 if kind == "relative_learned" else 1)
+
+
+def test_sink_and_bias_gradients_reach_their_tensors():
+    """The lse's gradient (sinks) and the scores' gradient through tanh run in the native backward:
+    the sink logits' own gradient equals the formula's."""
+    q = randn(1, 4, 150, 16, requires_grad=True)
+    k, v = (randn(1, 4, 150, 16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, requires_grad=True)
+    out = attnkit.attention(q, k, v, masks.causal(), kernel="tiled", sinks=sinks, softcap=3.0)
+    s64 = sinks.detach().double().requires_grad_()
+    gold = oracle(q.double(), k.double(), v.double(), masks.causal().materialize(150, 150), softcap=3.0, sinks=s64)
+    up = torch.randn(out.shape, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, sinks, up.float())
+    (want,) = torch.autograd.grad(gold, s64, up)
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize(
+    "lq, lk, d, dv", [(1, 1, 8, 8), (7, 113, 40, 8), (113, 7, 80, 80), (1023, 1025, 8, 40), (17, 300, 128, 64)]
+)
+def test_awkward_sizes_and_head_dims(lq, lk, d, dv):
+    """Lengths that are no multiple of any block, head dims 8-128 and Dv != D (forced to the tiled
+    kernel: the native engine runs from 16 queries, the fused one below)."""
+    q = randn(2, 2, lq, d, requires_grad=True)
+    k, v = randn(2, 1, lk, d, requires_grad=True), randn(2, 1, lk, dv, requires_grad=True)
+    for mask in (None, masks.causal(), masks.sliding_window(5)):
+        check_forward_and_gradients(q, k, v, mask, f"{lq}x{lk} d={d} dv={dv} {mask!r}")
+
+
+def test_grouped_heads_equal_repeated_kv():
+    q = randn(2, 8, 200, 32)
+    k, v = randn(2, 2, 200, 32), randn(2, 2, 200, 32)
+    for mask in (None, masks.causal(), masks.document(torch.arange(200) // 50)):
+        grouped = attnkit.attention(q, k, v, mask, kernel="tiled")
+        repeated = attnkit.attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), mask, kernel="tiled")
+        torch.testing.assert_close(grouped, repeated, atol=1e-6, rtol=1e-5)
+
+
+def test_strided_transposed_and_expanded_inputs_equal_contiguous():
+    """(B, L, H, D) views, expanded K/V heads and a strided last dimension give the contiguous
+    result (the last one is copied: the engine reads rows as memory)."""
+    base = randn(2, 160, 4, 64)  # (B, L, H, D)
+    q = base.transpose(1, 2)  # (B, H, L, D), non-contiguous
+    kv = randn(2, 1, 160, 64).expand(2, 4, 160, 64)
+    strided = randn(2, 4, 160, 128)[..., ::2]
+    mask = masks.sliding_window(40)
+    for args in ((q, kv, kv), (strided, q, kv), (q, strided, strided)):
+        got = attnkit.attention(*args, mask, kernel="tiled")
+        want = attnkit.attention(*(t.contiguous() for t in args), mask, kernel="tiled")
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        gold, naive = gold_and_naive(*args, allowed_of(mask, 160, 160))
+        assert_oracle(got, gold, naive)
+
+
+def test_junk_in_unread_keys_and_queries_never_leaks():
+    """NaN and inf in keys past a sequence's length, in keys no query may attend and in queries that
+    attend no key: the output and the gradients are those of the clean inputs, bit for bit."""
+    mask = masks.padding(torch.tensor([150, 41])) & masks.from_fn(lambda b, h, i, j: (j % 7 != 3) & (i % 9 != 2))
+    q, k, v = (randn(2, 2, 200, 16) for _ in range(3))
+    dout = randn(2, 2, 200, 16)
+
+    def run(q, k, v):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = attnkit.attention(q, k, v, mask, kernel="tiled")
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    clean = run(q, k, v)
+    pq, pk, pv = q.clone(), k.clone(), v.clone()
+    pk[0, :, 150:], pv[0, :, 150:] = float("nan"), float("inf")
+    pk[1, :, 41:], pv[1, :, 41:] = float("inf"), float("nan")
+    pk[:, :, 3::7], pv[:, :, 3::7] = float("nan"), float("nan")
+    pq[:, :, 2::9] = float("nan")
+    poisoned = run(pq, pk, pv)
+    for a, b in zip(clean[:2], poisoned[:2]):
+        assert torch.equal(a, b)
+    used = allowed_of(mask, 200, 200).any(dim=2)[:, :, :, None]  # (B, 1, Lk, 1): keys some query uses
+    for a, b in zip(clean[2:], poisoned[2:]):
+        assert torch.equal(torch.where(used, a, 0.0), torch.where(used, b, 0.0))
+        assert (b.masked_select(~used.expand_as(b)) == 0).all()
+
+
+def test_rows_that_see_no_key_give_zeros_and_minus_infinity():
+    q = randn(2, 2, 100, 16, requires_grad=True)
+    k, v = (randn(2, 2, 100, 16, requires_grad=True) for _ in range(2))
+    mask = masks.padding(torch.tensor([0, 60])) & masks.causal("top_left")
+    out, lse = attnkit.attention(q, k, v, mask, kernel="tiled", return_lse=True)
+    assert (out[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+    assert torch.isfinite(lse[1]).all()
+    (out.sum() + lse[1].sum()).backward()
+    assert (q.grad[0] == 0).all() and (k.grad[0] == 0).all() and (v.grad[0] == 0).all()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_lse_and_its_gradient_equal_the_formula():
+    q = randn(1, 4, 260, 32, requires_grad=True)
+    k, v = (randn(1, 2, 300, 32, requires_grad=True) for _ in range(2))
+    mask = masks.sliding_window(70)
+    out, lse = attnkit.attention(q, k, v, mask, kernel="tiled", return_lse=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = (q64 @ k64.repeat_interleave(2, 1).transpose(-2, -1) * 32**-0.5).masked_fill(
+        ~allowed_of(mask, 260, 300), float("-inf")
+    )
+    lse64 = s.logsumexp(-1)
+    assert (lse.double() - lse64).abs().max() < 1e-5
+    up_o, up_l = torch.randn(out.shape), torch.randn(lse.shape)
+    got = torch.autograd.grad((out * up_o).sum() + (lse * up_l).sum(), (q, k, v))
+    gold = naive_attention(q64, k64, v64, allowed_of(mask, 260, 300))[0]
+    want = torch.autograd.grad((gold * up_o.double()).sum() + (lse64 * up_l.double()).sum(), (q64, k64, v64))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=2e-5 * w.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 1e-4, 100.0])
+def test_large_logits_negative_and_tiny_scales(scale):
+    q = randn(1, 2, 150, 16) * (100 if scale == 100.0 else 1)
+    k, v = randn(1, 2, 150, 16) * (100 if scale == 100.0 else 1), randn(1, 2, 150, 16)
+    mask = masks.causal()
+    out = attnkit.attention(q, k, v, mask, kernel="tiled", scale=scale)
+    gold, naive = gold_and_naive(q, k, v, allowed_of(mask, 150, 150), scale=scale)
+    assert_oracle(out, gold, naive)
+
+
+def test_bfloat16_near_its_largest_values_stays_finite():
+    q, k, v = (randn(1, 2, 130, 16, dtype=torch.bfloat16) * 1e5 for _ in range(3))
+    out = attnkit.attention(q, k, v, masks.causal(), kernel="tiled")
+    assert torch.isfinite(out).all()
+
+
+def test_same_inputs_give_bit_identical_outputs_and_gradients():
+    q = randn(2, 4, 300, 32, requires_grad=True)
+    k, v = (randn(2, 4, 300, 32, requires_grad=True) for _ in range(2))
+
+    def run():
+        out = attnkit.attention(q, k, v, masks.document(torch.arange(300) // 90), kernel="tiled")
+        return (out, *torch.autograd.grad(out.sum(), (q, k, v)))
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+def test_one_and_two_threads_agree():
+    """Different thread counts split dK/dV differently: equal within the oracle rule, not bit for bit."""
+    q = randn(1, 2, 400, 32, requires_grad=True)
+    k, v = (randn(1, 2, 400, 32, requires_grad=True) for _ in range(2))
+    mask = masks.sliding_window(100)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = attnkit.attention(q, k, v, mask, kernel="tiled")
+            results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_inference_mode_no_grad_and_compile():
+    q, k, v = (randn(1, 4, 256, 32) for _ in range(3))
+    prepared = attnkit.prepare(masks.sliding_window(64), 256, 256)
+    eager = attnkit.attention(q, k, v, prepared, kernel="tiled")
+    with torch.inference_mode():
+        assert torch.equal(attnkit.attention(q, k, v, prepared, kernel="tiled"), eager)
+    with torch.no_grad():
+        assert torch.equal(attnkit.attention(q, k, v, prepared, kernel="tiled"), eager)
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, prepared), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), eager, atol=1e-6, rtol=1e-5)
+
+
+def test_explain_names_the_engine_and_why_not():
+    q = randn(1, 2, 64, 16)
+    assert str(attnkit.explain(q, q, q, masks.sliding_window(8), kernel="tiled")).endswith("native engine (C++)")
+    words = tiled.engine_words
+    assert "dropout_p=0.1" in str(attnkit.explain(q, q, q, masks.sliding_window(8), dropout_p=0.1))
+    assert words is tiled.engine_words  # the one place explain's engine words come from
+
+
+# --- the build ------------------------------------------------------------------------------
+
+
+def _python(code: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, timeout=timeout
+    )
+
+
+PROBE = """
+    import json, warnings, torch, attnkit
+    from attnkit import masks
+    from attnkit.kernels import native
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok, why = native.status()
+    q = torch.randn(1, 2, 200, 16, dtype=torch.float64).float()
+    out = attnkit.attention(q, q, q, masks.sliding_window(30), kernel="tiled")
+    ref = attnkit.attention(q, q, q, masks.sliding_window(30), kernel="reference")
+    explained = str(attnkit.explain(q, q, q, masks.sliding_window(30), kernel="tiled"))
+    print(json.dumps({"ok": ok, "why": why, "err": float((out - ref).abs().max()), "explain": explained,
+                      "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_without_a_compiler_the_pytorch_engines_run(tmp_path):
+    env = {"PATH": str(tmp_path), "CXX": "", "ATTNKIT_CACHE": str(tmp_path / "cache"), "ATTNKIT_NATIVE": "1"}
+    done = _python(PROBE, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not got["ok"] and "no C++ compiler found" in got["why"], got
+    assert got["warnings"] == []  # a machine with no compiler is a known case, not a warning
+    assert got["err"] < 1e-5
+    assert "fused engine (native engine unavailable: no C++ compiler found" in got["explain"], got
+
+
+def test_a_build_that_fails_warns_once_and_falls_back(tmp_path):
+    broken = tmp_path / "broken-c++"
+    broken.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    done = _python(PROBE, {"CXX": str(broken), "ATTNKIT_CACHE": str(tmp_path / "cache"), "ATTNKIT_NATIVE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not got["ok"] and "building attnkit's native engine failed" in got["why"]
+    assert len(got["warnings"]) == 1 and "this compiler is broken" in got["warnings"][0]
+    assert got["err"] < 1e-5
+
+
+def test_turned_off_by_the_environment(tmp_path):
+    done = _python(PROBE, {"ATTNKIT_NATIVE": "0", "ATTNKIT_CACHE": str(tmp_path / "cache")})
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {**got, "ok": False, "why": "native engine turned off by ATTNKIT_NATIVE=0"}
+    assert not (tmp_path / "cache").exists()  # nothing is built when it is off
+    assert got["err"] < 1e-5
+
+
+def test_the_build_is_cached_and_reused():
+    first = native.build()
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp
+    assert first.parent.parent == native.cache_dir()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64-v2"])
+def test_other_vector_widths_are_exact(arch, tmp_path):
+    """Built for AVX2 (8 floats a vector) and for SSE4 (4): the same answers within the oracle rule."""
+    code = """
+        import json, torch, attnkit
+        from attnkit import masks
+        from attnkit.kernels import native
+        assert native.available(), native.status()
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 300, 40, requires_grad=True)
+        k, v = (torch.randn(2, 2, 300, 40, requires_grad=True) for _ in range(2))
+        mask = masks.document(torch.arange(300) // 70) & masks.causal()
+        out = attnkit.attention(q, k, v, mask, kernel="tiled", softcap=5.0)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        allowed = attnkit.prepare(mask, 300, 300).materialize()
+        s = 5.0 * torch.tanh(q64 @ k64.repeat_interleave(2, 1).transpose(-2, -1) * 40 ** -0.5 / 5.0)
+        gold = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v64.repeat_interleave(2, 1)
+        want = torch.autograd.grad(gold.sum(), (q64, k64, v64))
+        errs = [float((out.double() - gold).abs().max())]
+        errs += [float((g.double() - w).abs().max()) for g, w in zip(grads, want)]
+        print(json.dumps({"width": native._load().width, "errs": errs}))
+    """
+    done = _python(code, {"ATTNKIT_NATIVE_ARCH": arch, "ATTNKIT_CACHE": str(tmp_path), "ATTNKIT_NATIVE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["width"] == {"x86-64-v3": 8, "x86-64-v2": 4}[arch]
+    assert max(got["errs"]) < 5e-5, got
