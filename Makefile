@@ -42,7 +42,8 @@ test: $(VENV)/.test-installed
 		echo "NOTE: no chromium/chromedriver on PATH: the browser tests will be skipped (apt-get install chromium chromium-driver)"
 	$(BIN)/python -m pytest
 
-# the suite on the newest torch attnkit supports (2.14.1: a CUDA build, run on the CPU), in a venv of its own
+# the suite on the newest torch attnkit supports (2.14.1: a CUDA build, run on the CPU), in a venv of its own,
+# with the native engine turned off: the PyTorch engines, what a machine without a C++ compiler runs
 TORCH_NEXT ?= 2.14.1
 VENV_NEXT := .venv-torch
 $(VENV_NEXT)/.installed: pyproject.toml
@@ -56,7 +57,8 @@ $(VENV_NEXT)/.installed: pyproject.toml
 
 test-torch: $(VENV_NEXT)/.installed
 	$(VENV_NEXT)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
-	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider
+	ATTNKIT_NATIVE=0 $(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_native.py  # the engine built against this torch
 
 # ruff (rules in pyproject.toml) and mypy over src/attnkit
 lint: $(VENV)/.test-installed

@@ -2,6 +2,7 @@
 
     python benchmarks/cpu.py [--lengths 1024 4096 16384] [--dtypes float32 bfloat16]
                              [--modes fwd fwd+bwd] [--repeats 5] [--flex-max-len 4096]
+                             [--threads N] [--sdpa-max-len 16384] [--live]
 
 For every case (mask kind x length x dtype x mode) the implementations run
 interleaved, ``--repeats`` times each, and the median time is reported:
@@ -14,7 +15,13 @@ interleaved, ``--repeats`` times each, and the median time is reported:
 - ``ideal``: dense SDPA time x the fraction of 128 x 128 blocks the mask keeps.
 
 Peak memory is the largest rise of the process's resident memory during one call,
-sampled every 0.5 ms. Writes ``benchmarks/results/cpu.json`` and prints a table of
+sampled every 0.5 ms; with ``--live``, also the exact peak bytes of the tensors one attnkit
+call makes and holds at once (``core.PeakTensors``: O(L) is what the kernel promises).
+Above ``--sdpa-max-len`` SDPA is not run (its dense mask alone is L x L): the ideal is then
+the dense SDPA time of the longest length measured in the same run, scaled by (L / L0)^2.
+"GFLOP/s kept" is the work of the kept 128 x 128 blocks (4 L^2 D per head forward, 14 with
+the backward) over attnkit's time, beside dense SDPA's GFLOP/s. ``--threads`` sets
+``torch.set_num_threads``. Writes ``benchmarks/results/cpu.json`` and prints a table of
 ratios (attnkit / sdpa, attnkit / ideal, attnkit / flex).
 """
 
@@ -127,7 +134,12 @@ def flex_cell(row: dict) -> str:
     return f"{row['flex_ms']:.1f}" if "flex_ms" in row else ("failed" if "flex_error" in row else "-")
 
 
-def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
+def flops(length: int, mode: str) -> float:
+    """Floating-point operations of dense attention: 4 L^2 D per head forward, 10 more backward."""
+    return (4 if mode == "fwd" else 14) * B * H * length * length * D
+
+
+def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa_max_len=None, live=False):
     mask, mask_mod, sdpa_arg = cases(length)[name]
     backward = mode == "fwd+bwd"
     torch.manual_seed(0)
@@ -135,7 +147,9 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
     row = {"case": name, "L": length, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
 
     impls = {"attnkit": lambda q, k, v: attnkit.attention(q, k, v, mask)}
-    if sdpa_arg == "mask":
+    if sdpa_max_len is not None and length > sdpa_max_len:
+        pass  # too long for a dense mask: the ideal is extrapolated (see the module's docstring)
+    elif sdpa_arg == "mask":
         dense_mask = mask.materialize(length, length)
         impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)
     else:
@@ -162,19 +176,35 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times):
     for key, ms in interleaved_medians(steps, repeats).items():
         row[f"{key}_ms"] = ms
     for key in ("attnkit", "sdpa"):
-        with PeakRSS() as peak:
-            steps[key]()
-        row[f"{key}_peak_mib"] = peak.mib
+        if key in steps:
+            with PeakRSS() as peak:
+                steps[key]()
+            row[f"{key}_peak_mib"] = peak.mib
+    if live:  # one more call, untimed: tracking every tensor costs time
+        from core import PeakTensors
+
+        with PeakTensors() as tensors:
+            steps["attnkit"]()
+        row["attnkit_live_mib"] = tensors.peak_mb
 
     q = inputs[0]
     plan = attnkit.explain(q, q, q, mask)
     row["kernel"] = str(plan)
     row["kept_128"] = 1.0 if mask is None else attnkit.prepare(mask, length, length, block_size=(128, 128)).kept
-    if name == "dense":
-        dense_times[(length, row["dtype"], mode)] = row["sdpa_ms"]
-    dense = dense_times.get((length, row["dtype"], mode))
+    key = (row["dtype"], mode)
+    if name == "dense" and "sdpa_ms" in row:
+        dense_times[(length, *key)] = row["sdpa_ms"]
+    dense = dense_times.get((length, *key))
+    if dense is None:  # not measured at this length: the longest measured, scaled by (L / L0)^2
+        measured = [n for (n, *k) in dense_times if tuple(k) == key]
+        if measured:
+            base = max(measured)
+            dense = dense_times[(base, *key)] * (length / base) ** 2
+            row["ideal_from_L"] = base
     if dense is not None:
         row["ideal_ms"] = dense * row["kept_128"]
+        row["sdpa_dense_gflops"] = flops(length, mode) / dense / 1e6
+    row["attnkit_gflops_kept"] = flops(length, mode) * row["kept_128"] / row["attnkit_ms"] / 1e6
     return row
 
 
@@ -185,17 +215,23 @@ def fmt_ratio(a, b):
 def table(rows) -> str:
     head = (
         "| case | L | dtype | mode | attnkit ms | sdpa ms | attnkit/sdpa | ideal ms | attnkit/ideal "
-        "| flex ms | attnkit/flex | peak MiB attnkit / sdpa | kernel |"
+        "| GFLOP/s kept / dense SDPA | flex ms | attnkit/flex | peak MiB attnkit / sdpa | live MiB | kernel |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         flex = flex_cell(r)
+        sdpa = f"{r['sdpa_ms']:.1f}" if "sdpa_ms" in r else "-"
+        ideal = f"{r['ideal_ms']:.1f}" + (f" (from L={r['ideal_from_L']})" if "ideal_from_L" in r else "")
+        peak = f"{r['attnkit_peak_mib']:.0f} / " + (f"{r['sdpa_peak_mib']:.0f}" if "sdpa_peak_mib" in r else "-")
+        live = f"{r['attnkit_live_mib']:.0f}" if "attnkit_live_mib" in r else "-"
+        gflops = f"{r['attnkit_gflops_kept']:.0f} / " + (
+            f"{r['sdpa_dense_gflops']:.0f}" if "sdpa_dense_gflops" in r else "-"
+        )
         lines.append(
             f"| {r['case']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['attnkit_ms']:.1f} | "
-            f"{r['sdpa_ms']:.1f} | {fmt_ratio(r['attnkit_ms'], r['sdpa_ms'])} | "
-            f"{r.get('ideal_ms', 0):.1f} | {fmt_ratio(r['attnkit_ms'], r.get('ideal_ms'))} | {flex} | "
-            f"{fmt_ratio(r['attnkit_ms'], r.get('flex_ms'))} | "
-            f"{r['attnkit_peak_mib']:.0f} / {r['sdpa_peak_mib']:.0f} | {r['kernel']} |"
+            f"{sdpa} | {fmt_ratio(r['attnkit_ms'], r.get('sdpa_ms'))} | "
+            f"{ideal if 'ideal_ms' in r else '-'} | {fmt_ratio(r['attnkit_ms'], r.get('ideal_ms'))} | {gflops} | "
+            f"{flex} | {fmt_ratio(r['attnkit_ms'], r.get('flex_ms'))} | {peak} | {live} | {r['kernel']} |"
         )
     return "\n".join(lines)
 
@@ -208,8 +244,13 @@ def main():
     parser.add_argument("--cases", nargs="+", default=list(cases(1024)))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--flex-max-len", type=int, default=4096, help="skip FlexAttention above this L")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
+    parser.add_argument("--sdpa-max-len", type=int, default=16384, help="skip SDPA (and dense) above this L")
+    parser.add_argument("--live", action="store_true", help="also the exact peak bytes of attnkit's live tensors")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu.json")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     rows, dense_times = [], {}
     names = ["dense"] + [c for c in args.cases if c != "dense"]  # dense first: the ideal needs it
@@ -220,9 +261,19 @@ def main():
             for mode in args.modes:
                 for name in names:
                     done += 1
+                    if name == "dense" and length > args.sdpa_max_len and name not in args.cases:
+                        continue  # no dense measurement this long: the ideal is extrapolated
                     print(f"[{done}/{total}] {name} L={length} {dtype} {mode}", flush=True)
                     row = run_case(
-                        name, length, getattr(torch, dtype), mode, args.repeats, args.flex_max_len, dense_times
+                        name,
+                        length,
+                        getattr(torch, dtype),
+                        mode,
+                        args.repeats,
+                        args.flex_max_len,
+                        dense_times,
+                        args.sdpa_max_len,
+                        args.live,
                     )
                     if name in args.cases:
                         rows.append(row)

@@ -39,6 +39,14 @@ def cpu(name: str) -> str:
     rows = []
     for r in d["rows"]:
         flex = _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-"
+        ideal = _ratio(r["attnkit_ms"], r.get("ideal_ms"))
+        if "ideal_from_L" in r:
+            ideal += f" (dense from L={r['ideal_from_L']})"
+        gflops = "-"
+        if "attnkit_gflops_kept" in r:
+            dense = r.get("sdpa_dense_gflops")
+            gflops = f"{r['attnkit_gflops_kept']:.0f} / {dense:.0f}" if dense else f"{r['attnkit_gflops_kept']:.0f}"
+        live = f"{r['attnkit_live_mib']:.0f}" if "attnkit_live_mib" in r else "-"
         rows.append(
             [
                 r["case"],
@@ -46,15 +54,18 @@ def cpu(name: str) -> str:
                 r["dtype"],
                 r["mode"],
                 round(r["attnkit_ms"], 2),
-                _ratio(r["attnkit_ms"], r["sdpa_ms"]),
-                _ratio(r["attnkit_ms"], r["ideal_ms"]),
+                _ratio(r["attnkit_ms"], r.get("sdpa_ms")),
+                ideal,
+                gflops,
                 flex,
+                live,
                 r["kernel"],
             ]
         )
     meta = d.get("meta", {})
+    header = ["case", "L", "dtype", "mode", "attnkit ms", "vs SDPA", "vs ideal", "GFLOP/s kept / dense SDPA"]
     return f"*{meta.get('threads', '?')} threads, torch {meta.get('torch', '?')}.*\n\n" + _table(
-        ["case", "L", "dtype", "mode", "attnkit ms", "vs SDPA", "vs ideal", "vs Flex", "kernel"], rows
+        [*header, "vs Flex", "live MiB", "kernel"], rows
     )
 
 
