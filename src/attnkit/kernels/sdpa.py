@@ -8,6 +8,7 @@ may attend to are zeroed first, so NaN or Inf stored there cannot leak.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -81,6 +82,60 @@ def shared_key_limit(call: Call) -> int | None:
     return prepared.kv_limit_value
 
 
+#: Zeroed K/V copies a dense-mask runner keeps for the K/V pairs it saw last (cross-attention over
+#: a fixed memory reads the same tensors at every decoding step, one pair per layer): this many
+#: pairs, of at most REUSED_ZEROED_ELEMENTS elements in all.
+REUSED_PAIRS = 8
+REUSED_ZEROED_ELEMENTS = 1 << 24
+
+
+def _dense_runner(kernel: Kernel, call: Call) -> Runner:
+    """Later calls of this signature with a mask object: its dense form, the keys some query uses
+    and the queries that see some key are fixed by the mask's value (part of the signature), so
+    they are computed here once. Unused K/V rows are zeroed on every call (NaN there must not
+    leak), except that the zeroed copies of the K/V seen last are reused while the same tensors
+    come back unmodified (identity and version counter) and no gradient is wanted."""
+    dense = reference.dense_mask(call)
+    allowed = reference.allowed_pairs(dense)
+    assert allowed is not None, "a masked call"
+    scale, shapes = call.scale, call.shapes
+    if bool(allowed.all()):  # hides nothing here (a decoding step over a cache it fills)
+
+        def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return sdpa(q, k, v, None, scale=scale, dropout_p=0.0, shapes=shapes)
+
+        return first_derivative_only(plain, kernel) if call.backward else plain
+    used = reference.used_keys(allowed, shapes.hkv if shapes.rank >= 3 else None)
+    visible = allowed.any(dim=-1, keepdim=True)  # (..., Lq or 1, 1)
+    all_used, all_visible = bool(used.all()), bool(visible.all())
+    # the K/V seen last (each layer of a decoder has its own): (k, its version, v, its version,
+    # zeroed k, zeroed v), k and v held weakly
+    recent: list[tuple] = []
+
+    def zeroed(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # inference tensors keep no version counter, and a gradient wants a graph of its own
+        tracked = not (k.is_inference() or v.is_inference() or k.requires_grad or v.requires_grad)
+        if tracked:
+            for rk, version_k, rv, version_v, zk, zv in recent:
+                if rk() is k and rv() is v and k._version == version_k and v._version == version_v:
+                    return zk, zv
+        zero = k.new_zeros(())
+        zk, zv = torch.where(used, k, zero), torch.where(used, v, zero)
+        if tracked and k.numel() + v.numel() <= REUSED_ZEROED_ELEMENTS // REUSED_PAIRS:
+            recent.insert(0, (weakref.ref(k), k._version, weakref.ref(v), v._version, zk, zv))
+            del recent[REUSED_PAIRS:]
+        return zk, zv
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not all_used:
+            k, v = zeroed(k, v)
+        if not all_visible:
+            q = torch.where(visible, q, q.new_zeros(()))
+        return sdpa(q, k, v, dense, scale=scale, dropout_p=0.0, shapes=shapes)
+
+    return first_derivative_only(masked, kernel) if call.backward else masked
+
+
 class SDPAKernel(Kernel):
     """``torch.nn.functional.scaled_dot_product_attention``: any device; no lse."""
 
@@ -130,7 +185,9 @@ class SDPAKernel(Kernel):
         elif call.causal_shift() == 0 and call.scale > 0.0:
             causal, limit = True, None
         elif limit is None:
-            return None  # a dense mask: made from the mask's values on every call
+            if call.tensor_mask:
+                return None  # a tensor's values are not part of the signature: made on every call
+            return _dense_runner(self, call)
         scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
         if limit is not None:
 

@@ -60,6 +60,22 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self._keys.device)
         self._start = self.lengths.clone()  # lengths before the latest append
         self._bound = 0  # no sequence holds more than this many entries (a host-side int)
+        self._common = self._common_fill(0)  # every sequence holds the same number of entries
+
+    def _common_fill(self, n: int) -> tuple | None:
+        """``(n, lengths, its version)``: every sequence holds ``n`` entries while ``lengths`` is this
+        tensor, unchanged (a write to it, in place or not, drops the shortcut). None where inference
+        tensors keep no version counter."""
+        if self.lengths.is_inference():
+            return None
+        return (n, self.lengths, self.lengths._version)
+
+    def _common_length(self) -> int | None:
+        """The number of entries every sequence holds, when known without reading ``lengths``."""
+        c = self._common
+        if c is not None and c[1] is self.lengths and c[2] == self.lengths._version:
+            return c[0]
+        return None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -85,6 +101,7 @@ class KVCache:
         self.lengths.zero_()
         self._start.zero_()
         self._bound = 0
+        self._common = self._common_fill(0)
 
     def _check_counts(self, counts, b: int, t: int) -> torch.Tensor | None:
         if counts is None:
@@ -152,6 +169,16 @@ class KVCache:
                     f"and {int(end[worst] - self.lengths[worst])} more do not fit in max_len={self.max_len}. "
                     "Build the cache with a larger max_len, or reset() it."
                 )
+        common = self._common_length() if counts is None else None
+        if common is not None:  # every sequence at the same fill: a slice, no index tensors
+            self._keys[:, :, common : common + t] = k
+            self._values[:, :, common : common + t] = v
+            self._start = self.lengths
+            self.lengths = self.lengths + t
+            self._bound = min(self._bound + t, self.max_len)
+            self._common = self._common_fill(common + t)
+            return
+        self._common = None
         step = torch.arange(t, device=device)
         slot = self.lengths[:, None] + step  # (B, T)
         if counts is not None:

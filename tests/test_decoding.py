@@ -1,0 +1,145 @@
+"""Decoding steps: the SDPA kernel's lean runner for mask objects and the KV cache's common fill.
+
+A decoding step repeats one call signature in every layer and step; the lean path validates and
+chooses once per signature. For a mask object (its value is part of the signature) the SDPA
+kernel's runner makes the dense mask, the used keys and the visible queries once, and reuses the
+zeroed copies of K/V it saw last while the same tensors come back unmodified.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import assert_oracle, gold_and_naive, naive_attention, randn
+
+import attnkit
+from attnkit import functional, masks
+from attnkit.kernels import sdpa
+from attnkit.nn import KVCache
+
+
+def _calls(monkeypatch) -> dict:
+    """Counts the full path's validations (the lean path skips them)."""
+    seen = {"n": 0}
+    real = functional._call
+
+    def counted(*a, **kw):
+        seen["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(functional, "_call", counted)
+    return seen
+
+
+def test_a_padding_mask_of_several_lengths_takes_the_lean_path_exactly(monkeypatch):
+    """Cross-attention of a decoding step over a padded memory: validated once, then the runner;
+    each call equals the formula, and junk in the padded keys never reaches the output."""
+    mask = masks.padding(torch.tensor([5, 22, 13, 1]))
+    k, v = randn(4, 2, 22, 16), randn(4, 2, 22, 16)
+    k[0, :, 5:], v[0, :, 5:] = float("nan"), float("inf")
+    k[3, :, 1:], v[3, :, 1:] = float("inf"), float("nan")
+    calls = _calls(monkeypatch)
+    keep = mask.materialize(1, 22)[:, :, 0, :, None]  # (B, 1, Lk, 1): the keys each sequence holds
+    clean_k, clean_v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+    for step in range(4):
+        q = randn(4, 2, 1, 16)
+        out = attnkit.attention(q, k, v, mask)
+        assert torch.isfinite(out).all()
+        gold, naive = gold_and_naive(q, clean_k, clean_v, mask.materialize(1, 22))
+        assert_oracle(out, gold, naive, what=f"step {step}")
+    assert calls["n"] == 1, calls  # the first call only
+    assert attnkit.explain(q, k, v, mask).kernel == "sdpa"
+
+
+def test_zeroed_keys_are_reused_only_while_the_same_tensors_are_unchanged():
+    mask = masks.padding(torch.tensor([3, 7]))
+    k, v = randn(2, 1, 8, 8), randn(2, 1, 8, 8)
+    q = randn(2, 1, 1, 8)
+    first = attnkit.attention(q, k, v, mask)
+    where_calls = []
+    real_where = torch.where
+
+    def counted(*a, **kw):
+        where_calls.append(1)
+        return real_where(*a, **kw)
+
+    torch.where = counted
+    try:
+        again = attnkit.attention(q, k, v, mask)  # the same K/V: the zeroed copies are reused
+        assert where_calls == []
+        assert torch.equal(first, again)
+        with torch.no_grad():
+            v[0, :, 1] += 1.0  # a kept key changes in place: its version moves, the copies are made again
+        moved = attnkit.attention(q, k, v, mask)
+        assert where_calls, "the zeroed copies were reused after an in-place change"
+        want = naive_attention(q.double(), k.double(), v.double(), mask.materialize(1, 8))[0]
+        torch.testing.assert_close(moved.double(), want, atol=1e-6, rtol=1e-5)
+        with torch.no_grad():
+            k[1, :, 7], v[1, :, 7] = float("nan"), float("nan")  # junk written into a padded key later
+        assert torch.isfinite(attnkit.attention(q, k, v, mask)).all()
+    finally:
+        torch.where = real_where
+
+
+def test_the_lean_dense_runner_keeps_gradients_and_inference_mode():
+    mask = masks.padding(torch.tensor([6, 2])) & masks.causal("top_left")
+    q = randn(2, 2, 3, 8, requires_grad=True)
+    k, v = (randn(2, 2, 8, 8, requires_grad=True) for _ in range(2))
+    dense = mask.materialize(3, 8)
+    for _ in range(2):  # the second call runs the runner
+        out = attnkit.attention(q, k, v, mask)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(naive_attention(q64, k64, v64, dense)[0].sum(), (q64, k64, v64))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        qi, ki, vi = (t.detach().clone() for t in (q, k, v))
+        for _ in range(2):
+            out = attnkit.attention(qi, ki, vi, mask)
+        torch.testing.assert_close(out.double(), naive_attention(qi.double(), ki.double(), vi.double(), dense)[0])
+
+
+def test_a_cached_causal_mask_that_hides_nothing_runs_unmasked(monkeypatch):
+    """Every sequence of the batch at the same fill: the decoding step's causal mask hides nothing,
+    and the runner calls SDPA with no mask."""
+    cache = KVCache(2, 2, 10, 8)
+    seen = []
+    real = sdpa.sdpa
+
+    def spy(q, k, v, mask, **kw):
+        seen.append(mask)
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(sdpa, "sdpa", spy)
+    for _ in range(3):
+        cache.append(randn(2, 2, 1, 8), randn(2, 2, 1, 8))
+        k, v = cache.stored()
+        q = randn(2, 2, 1, 8)
+        out = attnkit.attention(q, k, v, cache.mask(masks.causal()))
+        torch.testing.assert_close(out.double(), naive_attention(q.double(), k.double(), v.double())[0])
+    assert seen[-1] is None
+
+
+def test_the_cache_appends_a_common_fill_as_a_slice_and_mixed_fills_by_index():
+    """Appends while every sequence holds the same number of entries (a slice), then with counts
+    (mixed fills, index writes), then after a reset: the stored entries are the same either way,
+    and a write to ``lengths`` by hand is respected."""
+    fast, slow = KVCache(3, 2, 9, 4), KVCache(3, 2, 9, 4)
+    slow._common = None  # the index path throughout
+    for counts in (None, None, torch.tensor([1, 0, 2]), None):
+        t = 2
+        k, v = randn(3, 2, t, 4), randn(3, 2, t, 4)
+        for cache in (fast, slow):
+            cache.append(k, v, counts)
+        assert torch.equal(fast.lengths, slow.lengths)
+        assert torch.equal(fast.keys, slow.keys) and torch.equal(fast.values, slow.values)
+    fast.reset()
+    k, v = randn(3, 2, 1, 4), randn(3, 2, 1, 4)
+    fast.append(k, v)
+    assert fast._common_length() == 1 and torch.equal(fast.keys[:, :, :1], k)
+    fast.lengths[1] = 0  # a sequence emptied by hand: the common fill is no longer known
+    assert fast._common_length() is None
+    k2, v2 = randn(3, 2, 1, 4), randn(3, 2, 1, 4)
+    fast.append(k2, v2)
+    assert fast.lengths.tolist() == [2, 1, 2]
+    assert torch.equal(fast.keys[1, :, 0], k2[1, :, 0]) and torch.equal(fast.keys[0, :, 1], k2[0, :, 0])
