@@ -55,6 +55,11 @@ def cases(length: int):
         "dense": (None, None, {}),
         "causal": (masks.causal(), lambda b, h, i, j: j <= i, {"is_causal": True}),
         "document": (masks.document(ids), lambda b, h, i, j: (i // doc) == (j // doc), "mask"),
+        "document_causal": (
+            masks.document(ids) & masks.causal(),  # 8 documents of L/8 tokens, each causal
+            lambda b, h, i, j: ((i // doc) == (j // doc)) & (j <= i),
+            "mask",
+        ),
         "window": (masks.sliding_window(256), lambda b, h, i, j: (j <= i) & (i - j <= 256), "mask"),
         "prefix": (
             masks.prefix_lm(length // 4),  # a bidirectional prefix, causal after it

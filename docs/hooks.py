@@ -266,7 +266,9 @@ def captioner(name: str) -> str:
 TABLES = {
     "cpu": cpu,
     "cpu_4096": cpu,
-    "cpu_16384": cpu,
+    "cpu_4096_1thread": cpu,
+    "cpu_4096_flex": cpu,
+    "cpu_long": cpu,
     "core": core,
     "mods": mods,
     "compile": compile_,

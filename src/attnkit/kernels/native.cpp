@@ -290,6 +290,7 @@ struct Step {
     const uint8_t* bits;  // the tile's row of key 0 at these rows' first byte, or null
     bool masked;         // some pair of the step is hidden (bits apply)
     bool all_used;       // every key is seen by some of these rows
+    uint32_t seen;       // bit j: row j sees some key of the step
 };
 
 inline uint32_t first_rows(int64_t n) { return n == 32 ? ~0u : (1u << n) - 1; }
@@ -312,6 +313,25 @@ Scan scan(const AttnArgs& a, const uint8_t* tile, int64_t kn, int64_t n, uint8_t
     }
     sc.any = sc.seen != 0;
     return sc;
+}
+
+// Step i of a plan row for the n <= SB rows at row_in_block of its row block, with ``used`` filled
+// for a partial block; false when the keys are past the limit or these rows see none of them.
+bool open_step(const AttnArgs& a, const int32_t* idx, const int32_t* tid, int64_t i, int64_t end,
+               int64_t row_in_block, int64_t n, uint8_t* used, Step& step) {
+    step = Step{int64_t(idx[i]) * a.bk, 0, nullptr, false, true, first_rows(n)};
+    step.kn = std::min(a.bk, end - step.k0);
+    if (step.kn <= 0) return false;
+    if (tid[i] >= 0) {
+        const uint8_t* bits = a.bits_t + int64_t(tid[i]) * a.bk * (a.bq / 8) + row_in_block / 8;
+        const Scan sc = scan(a, bits, step.kn, n, used);
+        if (!sc.any) return false;
+        step.bits = bits;
+        step.masked = !sc.all;
+        step.all_used = sc.all_used;
+        step.seen = sc.seen;
+    }
+    return true;
 }
 
 // K or V rows [k0, k0 + kn) with the rows no query of the step uses zeroed (NaN there must not
@@ -412,23 +432,15 @@ struct Forward {
             vf m[NVS], l[NVS];
             for (int j = 0; j < NVS; ++j) m[j] = splat(NEG_INF), l[j] = vf{};
             for (int64_t t = 0; t < plan.num; ++t) {
-                Step step{int64_t(plan.idx[t]) * a.bk, 0, nullptr, false, true};
-                step.kn = std::min(a.bk, end - step.k0);
-                if (step.kn <= 0) continue;
+                Step step;
+                if (!open_step(a, plan.idx, plan.tid, t, end, row_in_block, n, st.used.data(), step)) continue;
                 const float* krows = call.krow(b, hk, step.k0);
                 const float* vrows = call.vrow(b, hk, step.k0);
                 const int64_t kstride = a.ks[2];
                 int64_t vstride = a.vs[2];
-                if (plan.tid[t] >= 0) {
-                    const uint8_t* tile = a.bits_t + int64_t(plan.tid[t]) * a.bk * (a.bq / 8) + row_in_block / 8;
-                    const Scan sc = scan(a, tile, step.kn, n, st.used.data());
-                    if (!sc.any) continue;
-                    step.bits = tile;
-                    step.masked = !sc.all;
-                    if (!sc.all_used) {
-                        vrows = clean_rows(vrows, vstride, step.kn, a.Dv, st.used.data(), vc, Dvp);
-                        vstride = Dvp;
-                    }
+                if (!step.all_used) {  // V rows no query of the step uses: zeroed (0 * NaN is NaN)
+                    vrows = clean_rows(vrows, vstride, step.kn, a.Dv, st.used.data(), vc, Dvp);
+                    vstride = Dvp;
                 }
                 scores(call, step, krows, kstride, qt, s, nullptr, band, r0);
                 // the online softmax across the SB rows
@@ -579,27 +591,18 @@ struct Backward {
         float* ps = st.ps.get(plan.num * tile);
         float* dps = st.dps.get(plan.num * tile);
         float* ts = a.softcap > 0.0f ? st.ts.get(plan.num * tile) : nullptr;  // tanh of the scores
-        st.steps.assign(plan.num, Step{0, 0, nullptr, false, true});
+        st.steps.assign(plan.num, Step{0, 0, nullptr, false, true, 0});
         vf total[NVS];
         for (int j = 0; j < NVS; ++j) total[j] = vf{};
         for (int64_t i = 0; i < plan.num; ++i) {
-            Step step{int64_t(plan.idx[i]) * a.bk, 0, nullptr, false, true};
-            step.kn = std::min(a.bk, end - step.k0);
-            if (step.kn <= 0) continue;
+            Step step;
+            if (!open_step(a, plan.idx, plan.tid, i, end, row_in_block, n, st.used.data(), step)) continue;
             const float* krows = call.krow(b, hk, step.k0);
             const float* vrows = call.vrow(b, hk, step.k0);
             int64_t vstride = a.vs[2];
-            if (plan.tid[i] >= 0) {
-                const uint8_t* bits = a.bits_t + int64_t(plan.tid[i]) * a.bk * (a.bq / 8) + row_in_block / 8;
-                const Scan sc = scan(a, bits, step.kn, n, st.used.data());
-                if (!sc.any) continue;
-                step.bits = bits;
-                step.masked = !sc.all;
-                step.all_used = sc.all_used;
-                if (!sc.all_used) {  // V rows no query of the step uses: zeroed (0 * NaN is NaN)
-                    vrows = clean_rows(vrows, vstride, step.kn, a.Dv, st.used.data(), vc, a.Dv);
-                    vstride = a.Dv;
-                }
+            if (!step.all_used) {  // V rows no query of the step uses: zeroed (0 * NaN is NaN)
+                vrows = clean_rows(vrows, vstride, step.kn, a.Dv, st.used.data(), vc, a.Dv);
+                vstride = a.Dv;
             }
             float* si = ps + i * tile;
             float* dpi = dps + i * tile;
@@ -637,21 +640,19 @@ struct Backward {
             const float* krows = call.krow(b, hk, step.k0);
             int64_t kstride = a.ks[2];
             const float* qrows = qr;  // Q rows for dK: rows that see no key of the step zeroed
-            if (step.bits) {
-                const Scan sc = scan(a, step.bits, step.kn, n, st.used.data());
-                if (!sc.all_used) {  // K rows no query of the step uses: zeroed (dQ reads them)
-                    krows = clean_rows(krows, kstride, step.kn, a.D, st.used.data(), kc, a.D);
-                    kstride = a.D;
+            if (!step.all_used) {  // K rows no query of the step uses: zeroed (dQ reads them)
+                scan(a, step.bits, step.kn, n, st.used.data());
+                krows = clean_rows(krows, kstride, step.kn, a.D, st.used.data(), kc, a.D);
+                kstride = a.D;
+            }
+            if (step.seen != first_rows(n)) {
+                for (int64_t j = 0; j < SB; ++j) {
+                    if (j < n && ((step.seen >> j) & 1u))
+                        std::memcpy(qc + j * Dp, qr + j * Dp, Dp * sizeof(float));
+                    else
+                        std::memset(qc + j * Dp, 0, Dp * sizeof(float));
                 }
-                if (sc.seen != first_rows(n)) {
-                    for (int64_t j = 0; j < SB; ++j) {
-                        if (j < n && ((sc.seen >> j) & 1u))
-                            std::memcpy(qc + j * Dp, qr + j * Dp, Dp * sizeof(float));
-                        else
-                            std::memset(qc + j * Dp, 0, Dp * sizeof(float));
-                    }
-                    qrows = qc;
-                }
+                qrows = qc;
             }
             const float* pi = ps + i * tile;
             float* dsi = dps + i * tile;
