@@ -357,6 +357,9 @@ def test_dispatch_with_the_native_engine(monkeypatch):
     assert plan(None, b=rows, h=1, lq=tiled.NATIVE_MIN_ROWS - 1).kernel == "sdpa"  # decoding steps
     assert plan(masks.causal(), h=8, lq=1, lk=4096).kernel == "sdpa"
     assert plan(None, dtype=torch.float64).kernel == "sdpa"
+    grad = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
+    assert attnkit.explain(grad, grad, grad).kernel == "sdpa"  # unmasked bf16 training: SDPA's bf16 backward
+    assert attnkit.explain(grad, grad, grad, masks.causal()).kernel == "tiled"
     assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask: 100% of blocks kept"
     window = plan(masks.sliding_window(128), dtype=torch.float64)
     assert window.kernel == "tiled" and "fused engine (torch.float64 on cpu" in str(window), window
