@@ -292,18 +292,18 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _plan(prepared: PreparedMask) -> tuple:
-    """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` as the kernel reads them, once per prepared mask."""
+    """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` as the kernel reads them, kept on the
+    prepared mask (the bits by ``packed_partial_bits`` itself; anything its cache has no room for
+    is made again on the next call)."""
     key = ("native plan",)
     found = prepared.tiles.get(key)
     if found is None:
-        bits, tile_ids = prepared.packed_partial_bits(torch.device("cpu"))
         limit = None if prepared.kv_limit is None else prepared.kv_limit.cpu().to(torch.int64).contiguous()
         kv_num, kv_indices = (t.cpu().to(torch.int32).contiguous() for t in (prepared.kv_num, prepared.kv_indices))
-        found = (kv_num, kv_indices, tile_ids, bits, limit)
-        size = sum(t.numel() * t.element_size() for t in found if t is not None)
-        if not prepared.tiles.put(key, found, size):
-            pass  # too large to keep: computed again next call (the bits are 1/8 byte a pair)
-    return found
+        found = (kv_num, kv_indices, limit)
+        prepared.tiles.put(key, found, sum(t.numel() * t.element_size() for t in found if t is not None))
+    bits, tile_ids = prepared.packed_partial_bits(torch.device("cpu"))
+    return found[0], found[1], tile_ids, bits, found[2]
 
 
 def _band_rev(band: torch.Tensor | None, rows: int) -> torch.Tensor | None:
