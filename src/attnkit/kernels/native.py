@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnkit.kernels import _aten
+
 if TYPE_CHECKING:
     from attnkit.prepare import PreparedMask
 
@@ -278,9 +280,7 @@ def available() -> bool:
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """float32 with a unit stride in the last dimension (the kernel reads rows as memory)."""
-    if t.dtype != torch.float32:
-        t = t.float()
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    return _aten.rows_contiguous(t.float())
 
 
 def _strides(t: torch.Tensor) -> ctypes.Array:

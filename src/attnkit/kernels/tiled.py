@@ -71,15 +71,14 @@ NATIVE_MIN_ROWS = 16
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _native_takes(q: torch.Tensor, lq: int) -> bool:
+    """Whether the native engine takes these queries: CPU, float32/bf16/fp16, enough of them, built."""
+    return q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and lq >= NATIVE_MIN_ROWS and native.available()
+
+
 def native_runs(q: torch.Tensor, prepared: PreparedMask) -> bool:
-    """Whether the native engine can run a call with these queries and this prepared mask."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in NATIVE_DTYPES
-        and q.shape[2] >= NATIVE_MIN_ROWS
-        and prepared.block_size[0] % 32 == 0
-        and native.available()
-    )
+    """Whether the native engine can run a call with these 4-D queries and this prepared mask."""
+    return prepared.block_size[0] % 32 == 0 and _native_takes(q, q.shape[2])
 
 
 #: The native engine is preferred to SDPA for calls with at least this many query rows in all
@@ -95,16 +94,12 @@ def native_prefers(call: Call) -> bool:
     unmasked half-precision call with a backward stays on SDPA, whose bf16 backward uses bf16
     dot products: the float32 engine measured 0.95-1.07x its time there (masked calls: 0.1-0.9x)."""
     s = call.shapes
-    q = call.q
     return (
         call.dropout_p == 0.0
         and not call.tensor_mask
         and not (call.mask is None and call.half and call.backward)
-        and q.device.type == "cpu"
-        and q.dtype in NATIVE_DTYPES
-        and s.lq >= NATIVE_MIN_ROWS
         and math.prod(s.batch) * s.hq * s.lq >= NATIVE_MIN_QUERIES
-        and native.available()
+        and _native_takes(call.q, s.lq)
     )
 
 

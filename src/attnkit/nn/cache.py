@@ -173,22 +173,18 @@ class KVCache:
         if common is not None:  # every sequence at the same fill: a slice, no index tensors
             self._keys[:, :, common : common + t] = k
             self._values[:, :, common : common + t] = v
-            self._start = self.lengths
-            self.lengths = self.lengths + t
-            self._bound = min(self._bound + t, self.max_len)
-            self._common = self._common_fill(common + t)
-            return
-        self._common = None
-        step = torch.arange(t, device=device)
-        slot = self.lengths[:, None] + step  # (B, T)
-        if counts is not None:
-            slot = torch.where(step < counts[:, None], slot, self.max_len)  # padding goes to the spare slot
-        rows = torch.arange(b, device=device)[:, None]  # (B, 1)
-        self._keys[rows, :, slot] = k.transpose(1, 2)  # (B, T, Hkv, D)
-        self._values[rows, :, slot] = v.transpose(1, 2)
+        else:
+            step = torch.arange(t, device=device)
+            slot = self.lengths[:, None] + step  # (B, T)
+            if counts is not None:
+                slot = torch.where(step < counts[:, None], slot, self.max_len)  # padding goes to the spare slot
+            rows = torch.arange(b, device=device)[:, None]  # (B, 1)
+            self._keys[rows, :, slot] = k.transpose(1, 2)  # (B, T, Hkv, D)
+            self._values[rows, :, slot] = v.transpose(1, 2)
         self._start = self.lengths
         self.lengths = self.lengths + (t if counts is None else counts)
         self._bound = min(self._bound + t, self.max_len)
+        self._common = None if common is None else self._common_fill(common + t)
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(B, Hkv, n, D)`` of the filled part of the keys and values.
