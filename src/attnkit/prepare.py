@@ -230,6 +230,20 @@ class PreparedMask:
             self.tiles.put(key, found, packed.numel() + 4 * tile_ids.numel())
         return found
 
+    def native_plan(self) -> tuple:
+        """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` on the CPU as the native engine's
+        operators read them: int32 block lists, int32 tile ids, the packed partial bits (uint8)
+        and the key limit (int64, or None)."""
+        key = ("native plan",)
+        found = self.tiles.get(key)
+        if found is None:
+            kv_num, kv_indices = (t.cpu().to(torch.int32).contiguous() for t in (self.kv_num, self.kv_indices))
+            bits, tile_ids = self.packed_partial_bits(torch.device("cpu"))
+            limit = None if self.kv_limit is None else self.kv_limit.cpu().to(torch.int64).contiguous()
+            found = (kv_num, kv_indices, tile_ids, bits, limit)
+            self.tiles.put(key, found, sum(t.numel() * t.element_size() for t in found[:2]))
+        return found
+
     @property
     def lead_shape(self) -> tuple[int, int]:
         return (self.codes.shape[0], self.codes.shape[1])

@@ -1,30 +1,57 @@
-// attnkit's native CPU attention kernel: block-sparse flash attention, forward and backward.
+// attnkit's native CPU attention engine: block-sparse flash attention, forward and backward,
+// registered as PyTorch operators:
 //
-// Built once per machine by attnkit/kernels/native.py (g++ -O3 -march=native, linked to the
-// libtorch that is already loaded, so at::parallel_for shares PyTorch's thread pool) and called
-// through ctypes with raw pointers. It walks a PreparedMask's block lists (kv_num, kv_indices and
-// the partial blocks' element bits), computes only the blocks a mask keeps, skips the 32-row parts
-// of partial blocks that keep nothing, and applies the mask, soft-capping and a bias of kv - q
-// (ALiBi, T5's relative bias) inside its tile loop. Everything is float32.
+//   torch.ops.attnkit.native_forward(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band,
+//                                    block_q, block_k, scale, softcap) -> (out, lse)
+//   torch.ops.attnkit.native_backward(grad_out, grad_lse, q, k, v, out, lse, <the plan as above>,
+//                                     block_q, block_k, scale, softcap, delta_from_out) -> (dq, dk, dv)
+//
+// Built once per machine by attnkit/kernels/native.py (the compiler found on the machine, -O3
+// -march=native, against the libtorch that is running: at::parallel_for shares PyTorch's threads)
+// and loaded with torch.ops.load_library; the fake (meta) and autograd registrations of the
+// forward are in native.py. Every argument is checked here (TORCH_CHECK), so a bad call raises
+// a RuntimeError naming the argument instead of reading out of bounds.
+//
+// It walks a PreparedMask's block lists (kv_num, kv_indices and the partial blocks' element bits),
+// computes only the blocks a mask keeps, skips the 32-row parts of partial blocks that keep
+// nothing, and applies the mask, soft-capping and a bias of kv - q (ALiBi, T5's relative bias)
+// inside its tile loop. Softmax statistics and sums are float32; float32 inputs are read in
+// place, bfloat16 and float16 inputs one tile at a time. On CPUs with AVX512-BF16, bfloat16
+// inputs take Q K^T and P V as bfloat16 dot products with float32 sums (vdpbf16ps), as PyTorch's
+// own CPU flash attention does with its bfloat16 GEMMs; elsewhere their tiles are widened to float32.
 //
 // Layout: the scores of one key block against SB query rows are kept key-major, S^T (keys x SB),
-// so K and V are read in place as the broadcast operand of one register-blocked micro-kernel and
-// the online softmax is vector arithmetic across the SB rows (no horizontal reductions).
+// so K and V are the broadcast operand of one register-blocked micro-kernel and the online
+// softmax is vector arithmetic across the SB rows (no horizontal reductions).
 //
-// Shapes (elements; the last dimension of every input has stride 1):
-//   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv),
-//   lse (B, Hq, Lq) float32 contiguous, -inf for a query that sees no key.
+// Shapes (elements):
+//   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv) in q's dtype,
+//   lse (B, Hq, Lq) float32: -inf for a query that sees no key, NaN where a score it sees is NaN.
 // Plan (bq x bk blocks; Bm, Hm are 1 or B, Hq):
-//   kv_num (Bm, Hm, nq) int32, kv_idx (Bm, Hm, nq, nk) int32 (kept blocks first),
-//   tile_ids (Bm, Hm, nq, nk) int32 (-1: a full block, else a tile of bits_t),
-//   bits_t (T, bk, bq / 8) uint8: key-major, bit r % 8 of byte r / 8 of key c's row is query r;
-//   1 = may attend.
+//   kv_num (Bm, Hm, nq) int32, kv_indices (Bm, Hm, nq, nk) int32 (kept blocks first),
+//   tile_ids (Bm, Hm, nq, nk) int32 (-1: a full block, else a tile of bits),
+//   bits (T, bk, bq / 8) uint8: key-major, bit r % 8 of byte r / 8 of key c's row is query r;
+//   1 = may attend. kv_limit (Bl,) int64 or None: keys from kv_limit[b] on are hidden (never read).
+//   band (Hb, Lq + Lk - 1) float32 or None: bias(kv - q) of head h at band[h, kv - q + Lq - 1].
 //
 // Equivalent PyTorch code (forward):
 //   s = (q @ k.transpose(-2, -1)) * scale; s = softcap * tanh(s / softcap); s = s + bias(kv - q)
 //   s = s.masked_fill(~mask, -inf); lse = s.logsumexp(-1); out = softmax(s) @ v  (0 where lse = -inf)
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define ATTNKIT_BF16_DOT 1
+#else
+#define ATTNKIT_BF16_DOT 0
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -33,7 +60,11 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
+
+// The interface version native.py checks before it trusts a build (its VERSION).
+#define ATTNKIT_NATIVE_INTERFACE 5
 
 namespace {
 
@@ -42,15 +73,19 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int W = 16;
 constexpr int MR = 8;  // rows of the micro-kernel: MR x (SB / W) accumulators in registers
+constexpr const char* ISA = "AVX-512";
 #elif defined(__AVX__)
 constexpr int W = 8;
 constexpr int MR = 2;
+constexpr const char* ISA = "AVX2";
 #elif defined(__ARM_NEON) || defined(__aarch64__)
 constexpr int W = 4;
 constexpr int MR = 2;
+constexpr const char* ISA = "NEON";
 #else
 constexpr int W = 4;
 constexpr int MR = 1;
+constexpr const char* ISA = "SSE/portable";
 #endif
 
 // Query rows computed together against one key block: the tiles of one step fit in L1.
@@ -70,9 +105,11 @@ typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float NaN = std::numeric_limits<float>::quiet_NaN();
 // exp() floor of the softmax: weights below exp(-60) of a row's largest are kept at that
 // (far below float32's resolution) so no product is subnormal (x86 computes those slowly).
-// Hidden pairs are still exactly 0. The same floor as the PyTorch engines (tiles.EXP_FLOOR).
+// A score of -inf (a hidden pair) still weighs exactly 0. The same floor as the PyTorch
+// engines (tiles.EXP_FLOOR).
 constexpr float EXP_FLOOR = -60.0f;
 
 inline vf load(const float* p) {
@@ -101,14 +138,24 @@ inline vi kept(uint32_t word, int j) {  // -1 in the lanes of rows j..j+W-1 whos
     const vi bits = vi{} + int32_t(word >> j);
     return (bits & lane_bits()) != 0;
 }
-inline vf vmax(vf x, vf y) { return x > y ? x : y; }
+// max(a, b) where a NaN in either stays NaN (the formula's max is NaN then; a plain x > y ? x : y
+// would drop it and give a finite answer for a row that sees a NaN score).
+inline vf vmax_nan(vf a, vf b) { return (b > a) | (b != b) ? b : a; }
+inline bool any(vi m) {
+    for (int i = 0; i < W; ++i)
+        if (m[i]) return true;
+    return false;
+}
 
-// exp(x) for x in [-87, 88] (callers clamp): Cephes' expf, about 1 ulp.
+// exp(x): Cephes' expf, about 1 ulp. x is clamped to [EXP_FLOOR, 88]; NaN stays NaN and
+// -inf gives exactly 0 (a hidden pair, or a row's max that is -inf).
 inline vf vexp(vf x) {
+    vf c = x < splat(EXP_FLOOR) ? splat(EXP_FLOOR) : x;  // NaN < f is false: NaN passes through
+    c = c > splat(88.0f) ? splat(88.0f) : c;
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    vf t = x * splat(1.44269504088896341f) + magic;
+    vf t = c * splat(1.44269504088896341f) + magic;
     vf n = t - magic;
-    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf r = c - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
     vf p = splat(1.9875691500e-4f);
     p = p * r + splat(1.3981999507e-3f);
     p = p * r + splat(8.3334519073e-3f);
@@ -117,12 +164,13 @@ inline vf vexp(vf x) {
     p = p * r + splat(5.0000001201e-1f);
     p = p * (r * r) + r + splat(1.0f);
     vi e = ((vi)t - (vi)magic) << 23;  // n as an integer, moved into the exponent
-    return (vf)((vi)p + e);
+    vf y = (vf)((vi)p + e);
+    y = x == splat(NEG_INF) ? vf{} : y;
+    return x != x ? x : y;
 }
-inline vf vexp_floor(vf x) { return vexp(vmax(x, splat(EXP_FLOOR))); }
 
 // tanh(x): an odd polynomial below 0.625, (1 - e) / (1 + e) with e = exp(-2|x|) above
-// (Cephes' tanhf, about 2 ulp).
+// (Cephes' tanhf, about 2 ulp); NaN stays NaN.
 inline vf vtanh(vf x) {
     vf ax = x < 0 ? -x : x;
     vf z = x * x;
@@ -132,10 +180,22 @@ inline vf vtanh(vf x) {
     p = p * z + splat(1.33314422036e-1f);
     p = p * z + splat(-3.33332819422e-1f);
     vf small = x + x * z * p;
-    vf e = vexp_floor(splat(-2.0f) * ax);
+    vf e = vexp(splat(-2.0f) * ax);
     vf big = (splat(1.0f) - e) / (splat(1.0f) + e);
     big = x < 0 ? -big : big;
-    return ax < splat(0.625f) ? small : big;
+    vf y = ax < splat(0.625f) ? small : big;
+    return x != x ? x : y;
+}
+
+// ---- element types -------------------------------------------------------------------------
+
+template <typename T>
+inline float widen(T x) {
+    return static_cast<float>(x);
+}
+template <typename T>
+inline T narrow(float x) {
+    return static_cast<T>(x);  // c10::BFloat16 / c10::Half round to nearest even
 }
 
 // ---- the micro-kernel: C[MR x NV*W] (+)= A[MR x K] B[K x NV*W] ----------------------------
@@ -189,98 +249,138 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t ars, int64_t 
     for (; j < N; j += W) rows_of<1, ACC>(M, K, a, ars, aks, b + j, ldb, c + j, ldc);
 }
 
+#if ATTNKIT_BF16_DOT
+// ---- bfloat16 dot products (AVX512-BF16) ----------------------------------------------------
+// C[M x SB] (+)= A[M x K] B[K x SB] with A and B in bfloat16 and float32 sums: vdpbf16ps adds
+// a[i, 2p] b[2p, j] + a[i, 2p + 1] b[2p + 1, j] to lane j. A's pairs along K are adjacent in
+// memory (row i at a + i * lda, K even: a zero pads an odd K); B is "pair-major": the pair p of
+// column j at b2[(p * SB + j) * 2] (what pack_pairs writes).
+
+typedef __m512bh vbh;
+
+template <int R, bool ACC>
+inline void micro_bf16(int64_t pairs, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b2, float* c,
+                       int64_t ldc) {
+    __m512 acc[R][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        const vbh b0 = (vbh)_mm512_loadu_si512(b2 + p * 2 * SB);
+        const vbh b1 = (vbh)_mm512_loadu_si512(b2 + p * 2 * SB + 32);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+            int32_t word;
+            std::memcpy(&word, a + i * lda + 2 * p, 4);
+            const vbh av = (vbh)_mm512_set1_epi32(word);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+        float* ci = c + i * ldc;
+        if (ACC) {
+            _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), acc[i][0]));
+            _mm512_storeu_ps(ci + 16, _mm512_add_ps(_mm512_loadu_ps(ci + 16), acc[i][1]));
+        } else {
+            _mm512_storeu_ps(ci, acc[i][0]);
+            _mm512_storeu_ps(ci + 16, acc[i][1]);
+        }
+    }
+}
+
+// C[M x SB] (+)= A[M x 2 pairs] B (pair-major, SB columns).
+template <bool ACC>
+void gemm_bf16(int64_t M, int64_t pairs, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b2, float* c,
+               int64_t ldc) {
+    constexpr int R = 8;
+    int64_t i = 0;
+    for (; i + R <= M; i += R) micro_bf16<R, ACC>(pairs, a + i * lda, lda, b2, c + i * ldc, ldc);
+    for (; i < M; ++i) micro_bf16<1, ACC>(pairs, a + i * lda, lda, b2, c + i * ldc, ldc);
+}
+
+// Two float32 vectors of SB columns (rows 2p and 2p + 1 of B) as one pair-major row of bfloat16:
+// element 2j is x[j], 2j + 1 is y[j] (round to nearest even).
+inline void pack_pair(const float* x, const float* y, c10::BFloat16* dst) {
+    for (int h = 0; h < SB; h += 16) {
+        const __m512 lo = _mm512_loadu_ps(x + h), hi = _mm512_loadu_ps(y + h);
+        // cvtne2ps: elements 0-15 from the second argument, 16-31 from the first
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // [x0..x15, y0..y15]
+        const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                             6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        _mm512_storeu_si512(dst + 2 * h, _mm512_permutexvar_epi16(idx, both));  // [x0, y0, x1, y1, ...]
+    }
+}
+#endif
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline uint32_t first_rows(int64_t n) { return n == 32 ? ~0u : (1u << n) - 1; }
 
-}  // namespace
+// ---- one call: sizes, plan, modifications --------------------------------------------------
 
-// ---- the arguments, as ctypes passes them (attnkit/kernels/native.py mirrors this) ----------
-
-extern "C" {
-
-struct AttnArgs {
-    int64_t B, Hq, Hkv, Lq, Lk, D, Dv;
-    const float* q;
-    const float* k;
-    const float* v;
-    int64_t qs[3], ks[3], vs[3];  // strides of dims 0-2, in elements
+struct Problem {
+    int64_t B, Hq, Hkv, Lq, Lk, D, Dv, group;
     // the plan
     int64_t Bm, Hm, nq, nk, bq, bk;
     const int32_t* kv_num;
     const int32_t* kv_idx;
     const int32_t* tile_ids;
-    const uint8_t* bits_t;
-    const int64_t* kv_limit;  // (Bl,) or null: keys from kv_limit[b] on are hidden (never read)
+    const uint8_t* bits;
+    const int64_t* kv_limit;
     int64_t Bl;
     // score modifications
     float scale;
-    float softcap;  // 0: none
-    const float* band_rev;  // (band_heads, Lq + Lk - 1 + SB) or null: bias(kv - q) of head h at
+    float softcap;   // 0: none
+    float cap_mul;   // the tanh's argument is s * cap_mul (scale / softcap) ...
+    bool cap_split;  // ... or (s * scale) / softcap where scale / softcap is no normal float32
+    const float* band_rev;  // (band_heads, Lq + Lk - 1 + SB): bias(kv - q) of head h at
     int64_t band_heads;     // band_rev[h, Lk - 1 - kv + q], zero past Lq + Lk - 1
-    // forward: out (B, Hq, Lq, Dv) with strides os; lse (B, Hq, Lq) contiguous
-    float* out;
-    int64_t os[3];
-    float* lse;
-    // backward: lse as above (input); grad_out and the forward's out with strides gs / ofs;
-    // grad_lse (B, Hq, Lq) contiguous or null; dq (B, Hq, Lq, D) contiguous;
-    // dk_acc (B, Hkv, chunks, nk * bk, Dp) and dv_acc (..., Dvp) float32 zeros, summed over chunks after
-    const float* grad_out;
-    int64_t gs[3];
-    const float* fwd_out;
-    int64_t ofs[3];
-    const float* grad_lse;
-    float* dq;
-    float* dk_acc;
-    float* dv_acc;
+    // backward
     int64_t chunks, Dp, Dvp;
-    int64_t delta_from_out;  // 1: delta = rowsum(dO O) (a part of the keys: the merged out and lse), else sum of P dP
+    bool delta_from_out;  // delta = rowsum(dO O): a part of the keys (the merged out and lse)
+
+    int64_t key_end(int64_t b) const {
+        if (!kv_limit) return Lk;
+        return std::max<int64_t>(0, std::min(Lk, kv_limit[Bl == 1 ? 0 : b]));
+    }
+    const float* band_of(int64_t h) const {
+        return band_rev ? band_rev + (band_heads == 1 ? 0 : h) * (Lq + Lk - 1 + SB) : nullptr;
+    }
 };
 
-// What the Python side checks before trusting a build: the interface version and the sizes it must pad for.
-int attnkit_native_version() { return 4; }
-int attnkit_native_rows() { return SB; }
-int attnkit_native_width() { return W; }
+// Where one tensor of the call lives: (B, H, L, X) with a unit stride in X.
+template <typename T>
+struct View {
+    T* p;
+    int64_t s0, s1, s2;
+    T* row(int64_t b, int64_t h, int64_t i) const { return p + b * s0 + h * s1 + i * s2; }
+};
+template <typename T>
+View<T> view_of(const at::Tensor& t) {
+    return {reinterpret_cast<T*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+}
 
-}  // extern "C"
-
-namespace {
-
-inline int64_t padded(int64_t x) { return round_up(x, W); }
-
-// The part of the call one item needs: its plan row, its keys.
+// The part of the plan one row block reads: its listed key blocks and their tiles.
 struct PlanRow {
     int64_t num;
     const int32_t* idx;
     const int32_t* tid;
 };
-
-struct Call {
-    const AttnArgs& a;
-    int64_t group;  // Hq / Hkv
-    float qmul;     // applied to q: scale, or scale / softcap (the tanh's argument)
-
-    explicit Call(const AttnArgs& args)
-        : a(args), group(args.Hq / args.Hkv), qmul(args.softcap > 0.0f ? args.scale / args.softcap : args.scale) {}
-
-    PlanRow plan(int64_t b, int64_t h, int64_t qb) const {
-        const int64_t bm = a.Bm == 1 ? 0 : b, hm = a.Hm == 1 ? 0 : h;
-        const int64_t at = (bm * a.Hm + hm) * a.nq + qb;
-        return {a.kv_num[at], a.kv_idx + at * a.nk, a.tile_ids + at * a.nk};
-    }
-    int64_t key_end(int64_t b) const { return a.kv_limit ? std::min(a.Lk, a.kv_limit[a.Bl == 1 ? 0 : b]) : a.Lk; }
-    const float* krow(int64_t b, int64_t hk, int64_t key) const { return a.k + b * a.ks[0] + hk * a.ks[1] + key * a.ks[2]; }
-    const float* vrow(int64_t b, int64_t hk, int64_t key) const { return a.v + b * a.vs[0] + hk * a.vs[1] + key * a.vs[2]; }
-    const float* band_of(int64_t h) const {
-        return a.band_rev ? a.band_rev + (a.band_heads == 1 ? 0 : h) * (a.Lq + a.Lk - 1 + SB) : nullptr;
-    }
-};
+inline PlanRow plan_row(const Problem& pb, int64_t b, int64_t h, int64_t qb) {
+    const int64_t bm = pb.Bm == 1 ? 0 : b, hm = pb.Hm == 1 ? 0 : h;
+    const int64_t at = (bm * pb.Hm + hm) * pb.nq + qb;
+    return {pb.kv_num[at], pb.kv_idx + at * pb.nk, pb.tile_ids + at * pb.nk};
+}
 
 // Scratch of one thread (aligned to 64 bytes).
+template <typename T = float>
 struct Buffer {
-    std::vector<float> data;
-    float* get(size_t n) {
-        if (data.size() < n + 16) data.resize(n + 16);
+    std::vector<T> data;
+    T* get(size_t n) {
+        const size_t pad = 64 / sizeof(T);
+        if (data.size() < n + pad) data.resize(n + pad);
         uintptr_t p = reinterpret_cast<uintptr_t>(data.data());
-        return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+        return reinterpret_cast<T*>((p + 63) & ~uintptr_t(63));
     }
 };
 
@@ -293,19 +393,17 @@ struct Step {
     uint32_t seen;       // bit j: row j sees some key of the step
 };
 
-inline uint32_t first_rows(int64_t n) { return n == 32 ? ~0u : (1u << n) - 1; }
-
 // Scan a partial tile for n <= SB rows: whether any pair is kept, whether all are, which keys
 // are used (by some row) and which rows see some key (bit j: row j).
 struct Scan {
     bool any, all, all_used;
     uint32_t seen;
 };
-Scan scan(const AttnArgs& a, const uint8_t* tile, int64_t kn, int64_t n, uint8_t* used) {
+Scan scan(const Problem& pb, const uint8_t* tile, int64_t kn, int64_t n, uint8_t* used) {
     const uint32_t rows = first_rows(n);
     Scan sc{false, true, true, 0};
     for (int64_t c = 0; c < kn; ++c) {
-        const uint32_t w = mask_word(tile + c * (a.bq / 8)) & rows;
+        const uint32_t w = mask_word(tile + c * (pb.bq / 8)) & rows;
         used[c] = w != 0;
         sc.seen |= w;
         sc.all &= w == rows;
@@ -317,14 +415,14 @@ Scan scan(const AttnArgs& a, const uint8_t* tile, int64_t kn, int64_t n, uint8_t
 
 // Step i of a plan row for the n <= SB rows at row_in_block of its row block, with ``used`` filled
 // for a partial block; false when the keys are past the limit or these rows see none of them.
-bool open_step(const AttnArgs& a, const int32_t* idx, const int32_t* tid, int64_t i, int64_t end,
-               int64_t row_in_block, int64_t n, uint8_t* used, Step& step) {
-    step = Step{int64_t(idx[i]) * a.bk, 0, nullptr, false, true, first_rows(n)};
-    step.kn = std::min(a.bk, end - step.k0);
+bool open_step(const Problem& pb, const PlanRow& plan, int64_t i, int64_t end, int64_t row_in_block, int64_t n,
+               uint8_t* used, Step& step) {
+    step = Step{int64_t(plan.idx[i]) * pb.bk, 0, nullptr, false, true, first_rows(n)};
+    step.kn = std::min(pb.bk, end - step.k0);
     if (step.kn <= 0) return false;
-    if (tid[i] >= 0) {
-        const uint8_t* bits = a.bits_t + int64_t(tid[i]) * a.bk * (a.bq / 8) + row_in_block / 8;
-        const Scan sc = scan(a, bits, step.kn, n, used);
+    if (plan.tid[i] >= 0) {
+        const uint8_t* bits = pb.bits + int64_t(plan.tid[i]) * pb.bk * (pb.bq / 8) + row_in_block / 8;
+        const Scan sc = scan(pb, bits, step.kn, n, used);
         if (!sc.any) return false;
         step.bits = bits;
         step.masked = !sc.all;
@@ -334,46 +432,72 @@ bool open_step(const AttnArgs& a, const int32_t* idx, const int32_t* tid, int64_
     return true;
 }
 
-// K or V rows [k0, k0 + kn) with the rows no query of the step uses zeroed (NaN there must not
-// leak: 0 * NaN is NaN), into dst (kn x width, row stride ld).
-const float* clean_rows(const float* src, int64_t stride, int64_t kn, int64_t width, const uint8_t* used, float* dst,
-                        int64_t ld) {
+// K or V rows [k0, k0 + kn) of one head as float32 rows: read in place where they are float32
+// and every row is used, else copied into dst (kn x width, row stride ld) with the rows no
+// query of the step uses zeroed (NaN there must not leak: 0 * NaN is NaN). Returns the rows and
+// sets their stride.
+template <typename T>
+const float* rows_f32(const T* src, int64_t stride, int64_t kn, int64_t width, const uint8_t* used, float* dst,
+                      int64_t ld, int64_t& out_stride) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (used == nullptr) {
+            out_stride = stride;
+            return src;
+        }
+    }
     for (int64_t c = 0; c < kn; ++c) {
         float* d = dst + c * ld;
-        if (used[c])
-            std::memcpy(d, src + c * stride, width * sizeof(float));
-        else
+        if (used != nullptr && !used[c]) {
             std::memset(d, 0, width * sizeof(float));
+            continue;
+        }
+        const T* s = src + c * stride;
+        if constexpr (std::is_same_v<T, float>)
+            std::memcpy(d, s, width * sizeof(float));
+        else
+            for (int64_t x = 0; x < width; ++x) d[x] = widen(s[x]);
     }
+    out_stride = ld;
     return dst;
 }
 
-// Scores S^T (kn x SB) of one step: K rows times the scaled Q^T, soft-capped (tanh kept in t when
-// asked), biased, masked with -inf where hidden.
-void scores(const Call& call, const Step& st, const float* krows, int64_t kstride, const float* qt, float* s,
-            float* t, const float* band, int64_t q0) {
-    const AttnArgs& a = call.a;
-    gemm<false>(st.kn, SB, a.D, krows, kstride, 1, qt, SB, s, SB);
-    if (a.softcap > 0.0f) {
-        const vf cap = splat(a.softcap), mul = splat(call.qmul);
-        for (int64_t i = 0; i < st.kn * SB; i += W) {
-            vf th = vtanh(load(s + i) * mul);
-            if (t) store(t + i, th);
-            store(s + i, cap * th);
+// The modifications after Q K^T on S^T (kn x SB): the scale, soft-capping (tanh kept in t when
+// asked), the band, -inf where hidden. One function (never inlined) for the forward and both
+// backward passes: the backward recomputes the forward's scores bit for bit, so a row whose
+// weights are 0 or 1 has P exactly 0 or 1 there and the gradients the formula makes 0 are 0.
+__attribute__((noinline)) void modify_scores(const Problem& pb, const Step& st, float* s, float* t, const float* band,
+                                             int64_t q0) {
+    const int64_t n = st.kn * SB;
+    if (pb.softcap > 0.0f) {
+        const vf cap = splat(pb.softcap);
+        if (pb.cap_split) {  // scale / softcap overflows or is subnormal: two roundings, no inf * 0
+            const vf scale = splat(pb.scale);
+            for (int64_t i = 0; i < n; i += W) {
+                vf th = vtanh(load(s + i) * scale / cap);
+                if (t) store(t + i, th);
+                store(s + i, cap * th);
+            }
+        } else {
+            const vf mul = splat(pb.cap_mul);
+            for (int64_t i = 0; i < n; i += W) {
+                vf th = vtanh(load(s + i) * mul);
+                if (t) store(t + i, th);
+                store(s + i, cap * th);
+            }
         }
     } else {
-        const vf mul = splat(call.qmul);
-        for (int64_t i = 0; i < st.kn * SB; i += W) store(s + i, load(s + i) * mul);
+        const vf mul = splat(pb.scale);
+        for (int64_t i = 0; i < n; i += W) store(s + i, load(s + i) * mul);
     }
     if (band) {  // bias(kv - q) for key k0 + c and query q0 + j: band_rev[Lk - 1 - k0 - c + q0 + j]
         for (int64_t c = 0; c < st.kn; ++c) {
-            const float* br = band + (a.Lk - 1 - st.k0 - c + q0);
+            const float* br = band + (pb.Lk - 1 - st.k0 - c + q0);
             for (int j = 0; j < SB; j += W) store(s + c * SB + j, load(s + c * SB + j) + load(br + j));
         }
     }
     if (st.masked) {
         for (int64_t c = 0; c < st.kn; ++c) {
-            const uint32_t w = mask_word(st.bits + c * (a.bq / 8));
+            const uint32_t w = mask_word(st.bits + c * (pb.bq / 8));
             for (int j = 0; j < SB; j += W) {
                 vf x = load(s + c * SB + j);
                 store(s + c * SB + j, kept(w, j) ? x : splat(NEG_INF));
@@ -381,6 +505,44 @@ void scores(const Call& call, const Step& st, const float* krows, int64_t kstrid
         }
     }
 }
+
+// Q K^T of one step as S^T (kn x SB): K rows (float32, any row stride) times Q^T (D x SB).
+__attribute__((noinline)) void scores_f32(const Problem& pb, const Step& st, const float* krows, int64_t kstride,
+                                          const float* qt, float* s) {
+    gemm<false>(st.kn, SB, pb.D, krows, kstride, 1, qt, SB, s, SB);
+}
+
+#if ATTNKIT_BF16_DOT
+// Q K^T of one step in bfloat16 dot products: K rows as bfloat16 (adjacent dims in pairs) times
+// Q^T packed pair-major (D/2, SB, 2). Shared by the forward and the backward (bit for bit).
+__attribute__((noinline)) void scores_bf16(const Step& st, int64_t dpairs, const c10::BFloat16* krows,
+                                           int64_t kstride, const c10::BFloat16* q2, float* s) {
+    gemm_bf16<false>(st.kn, dpairs, krows, kstride, q2, s, SB);
+}
+
+// K rows [k0, k0 + kn) as bfloat16 rows of an even width: in place when every key is used and D
+// is even, else copied into dst (rows no query of the step uses, and the padding dim, zeroed).
+const c10::BFloat16* bf16_rows(const c10::BFloat16* src, int64_t stride, int64_t kn, int64_t width,
+                               const uint8_t* used, c10::BFloat16* dst, int64_t& out_stride) {
+    if (used == nullptr && width % 2 == 0) {
+        out_stride = stride;
+        return src;
+    }
+    const int64_t ld = round_up(width, 2);
+    for (int64_t c = 0; c < kn; ++c) {
+        c10::BFloat16* d = dst + c * ld;
+        const bool use = used == nullptr || used[c];
+        for (int64_t x = 0; x < ld; ++x) d[x] = use && x < width ? src[c * stride + x] : c10::BFloat16(0.0f);
+    }
+    out_stride = ld;
+    return dst;
+}
+
+// Q^T (rows x SB float32, rows >= D zero) as pair-major bfloat16 (rows / 2, SB, 2).
+void pack_columns(const float* qt, int64_t pairs, c10::BFloat16* q2) {
+    for (int64_t p = 0; p < pairs; ++p) pack_pair(qt + 2 * p * SB, qt + (2 * p + 1) * SB, q2 + p * 2 * SB);
+}
+#endif
 
 struct Item {
     int64_t b, h, qb;  // forward: query head h, row block qb; backward: K/V head h, chunk qb
@@ -401,99 +563,203 @@ void run_items(const std::vector<Item>& items, const Work& work) {
 
 // ---- forward ------------------------------------------------------------------------------
 
+// The row statistics of the online softmax across SB rows, NaN-aware: a NaN score a row sees
+// makes its max, sum, output and lse NaN (the formula's), a row with no finite score keeps
+// m = -inf and l = 0.
+struct Online {
+    vf m[NVS], l[NVS];
+    Online() {
+        for (int j = 0; j < NVS; ++j) m[j] = splat(NEG_INF), l[j] = vf{};
+    }
+    // Turns S^T (kn x SB) into P^T = exp(S^T - m) in place; rescales ot (rows x SB) when the max grew.
+    void step(float* s, int64_t kn, float* ot, int64_t rows) {
+        vf mt[NVS], ms[NVS], alpha[NVS], sum[NVS];
+        for (int j = 0; j < NVS; ++j) mt[j] = splat(NEG_INF), sum[j] = vf{};
+        for (int64_t c = 0; c < kn; ++c)
+            for (int j = 0; j < NVS; ++j) mt[j] = vmax_nan(mt[j], load(s + c * SB + j * W));
+        bool rescale = false;
+        for (int j = 0; j < NVS; ++j) {
+            const vf mn = vmax_nan(m[j], mt[j]);
+            ms[j] = mn == splat(NEG_INF) ? vf{} : mn;
+            alpha[j] = vexp(m[j] - ms[j]);  // 0 while m is -inf, NaN once it is NaN
+            rescale |= any(mt[j] > m[j]);
+            m[j] = mn;
+        }
+        for (int64_t c = 0; c < kn; ++c)
+            for (int j = 0; j < NVS; ++j) {
+                vf p = vexp(load(s + c * SB + j * W) - ms[j]);
+                sum[j] += p;
+                store(s + c * SB + j * W, p);
+            }
+        for (int j = 0; j < NVS; ++j) l[j] = l[j] * alpha[j] + sum[j];
+        if (rescale)
+            for (int64_t d = 0; d < rows; ++d)
+                for (int j = 0; j < NVS; ++j) store(ot + d * SB + j * W, load(ot + d * SB + j * W) * alpha[j]);
+    }
+    float lse(int64_t j) const {
+        const float lj = l[j / W][j % W], mj = m[j / W][j % W];
+        if (lj > 0.0f) return mj + std::log(lj);
+        return lj == 0.0f ? NEG_INF : NaN;
+    }
+    float inverse(int64_t j) const {
+        const float lj = l[j / W][j % W];
+        if (lj > 0.0f) return 1.0f / lj;
+        return lj == 0.0f ? 0.0f : NaN;
+    }
+};
+
+template <typename T>
 struct Forward {
-    const Call& call;
+    const Problem& pb;
+    View<const T> q, k, v;
+    View<T> out;
+    float* lse;
     struct State {
-        Buffer qt, s, o, vc;
+        Buffer<> qt, s, o, kc, vc;
         std::vector<uint8_t> used;
+#if ATTNKIT_BF16_DOT
+        Buffer<c10::BFloat16> q2, p2, v2;
+#endif
     };
 
     void operator()(const Item& it, State& st) const {
-        const AttnArgs& a = call.a;
-        const int64_t b = it.b, h = it.h, hk = h / call.group;
-        const PlanRow plan = call.plan(b, h, it.qb);
-        const int64_t end = call.key_end(b);
-        const int64_t Dvp = padded(a.Dv);
-        const float* band = call.band_of(h);
-        float* qt = st.qt.get(a.D * SB);
-        float* s = st.s.get(a.bk * SB);
-        float* ot = st.o.get(a.Dv * SB);
-        float* vc = st.vc.get(a.bk * Dvp);
-        st.used.resize(a.bk);
-        for (int64_t r0 = it.qb * a.bq; r0 < std::min((it.qb + 1) * a.bq, a.Lq); r0 += SB) {
-            const int64_t n = std::min<int64_t>(SB, a.Lq - r0);
-            const int64_t row_in_block = r0 - it.qb * a.bq;
-            // Q^T (D x SB), scaled; rows past Lq are 0
+        const int64_t b = it.b, h = it.h, hk = h / pb.group;
+        const PlanRow plan = plan_row(pb, b, h, it.qb);
+        const int64_t end = pb.key_end(b);
+        const int64_t Dvp = round_up(pb.Dv, W);
+        const float* band = pb.band_of(h);
+        float* qt = st.qt.get(pb.D * SB);
+        float* s = st.s.get(pb.bk * SB);
+        float* ot = st.o.get(pb.Dv * SB);
+        float* kc = st.kc.get(pb.bk * pb.D);
+        float* vc = st.vc.get(pb.bk * Dvp);
+        st.used.resize(pb.bk);
+        for (int64_t r0 = it.qb * pb.bq; r0 < std::min((it.qb + 1) * pb.bq, pb.Lq); r0 += SB) {
+            const int64_t n = std::min<int64_t>(SB, pb.Lq - r0);
+            const int64_t row_in_block = r0 - it.qb * pb.bq;
+            // Q^T (D x SB); rows past Lq are 0
             for (int64_t j = 0; j < SB; ++j) {
-                const float* qr = a.q + b * a.qs[0] + h * a.qs[1] + (r0 + j) * a.qs[2];
-                for (int64_t d = 0; d < a.D; ++d) qt[d * SB + j] = j < n ? qr[d] : 0.0f;
+                const T* qr = j < n ? q.row(b, h, r0 + j) : nullptr;
+                for (int64_t d = 0; d < pb.D; ++d) qt[d * SB + j] = qr ? widen(qr[d]) : 0.0f;
             }
-            std::fill_n(ot, a.Dv * SB, 0.0f);
-            vf m[NVS], l[NVS];
-            for (int j = 0; j < NVS; ++j) m[j] = splat(NEG_INF), l[j] = vf{};
+            std::fill_n(ot, pb.Dv * SB, 0.0f);
+            Online soft;
             for (int64_t t = 0; t < plan.num; ++t) {
                 Step step;
-                if (!open_step(a, plan.idx, plan.tid, t, end, row_in_block, n, st.used.data(), step)) continue;
-                const float* krows = call.krow(b, hk, step.k0);
-                const float* vrows = call.vrow(b, hk, step.k0);
-                const int64_t kstride = a.ks[2];
-                int64_t vstride = a.vs[2];
-                if (!step.all_used) {  // V rows no query of the step uses: zeroed (0 * NaN is NaN)
-                    vrows = clean_rows(vrows, vstride, step.kn, a.Dv, st.used.data(), vc, Dvp);
-                    vstride = Dvp;
-                }
-                scores(call, step, krows, kstride, qt, s, nullptr, band, r0);
-                // the online softmax across the SB rows
-                vf mt[NVS], mn[NVS], ms[NVS], alpha[NVS], sum[NVS];
-                for (int j = 0; j < NVS; ++j) mt[j] = splat(NEG_INF), sum[j] = vf{};
-                for (int64_t c = 0; c < step.kn; ++c)
-                    for (int j = 0; j < NVS; ++j) mt[j] = vmax(mt[j], load(s + c * SB + j * W));
-                bool rescale = false;
-                for (int j = 0; j < NVS; ++j) {
-                    mn[j] = vmax(m[j], mt[j]);
-                    ms[j] = mn[j] == splat(NEG_INF) ? vf{} : mn[j];
-                    alpha[j] = m[j] == splat(NEG_INF) ? vf{} : vexp_floor(m[j] - mn[j]);
-                    for (int i = 0; i < W; ++i) rescale |= mt[j][i] > m[j][i];
-                    m[j] = mn[j];
-                }
-                for (int64_t c = 0; c < step.kn; ++c)
-                    for (int j = 0; j < NVS; ++j) {
-                        vf x = load(s + c * SB + j * W);
-                        vf p = vexp_floor(x - ms[j]);
-                        if (step.masked) p = x == splat(NEG_INF) ? vf{} : p;
-                        sum[j] += p;
-                        store(s + c * SB + j * W, p);
-                    }
-                for (int j = 0; j < NVS; ++j) l[j] = l[j] * alpha[j] + sum[j];
-                if (rescale)
-                    for (int64_t d = 0; d < a.Dv; ++d)
-                        for (int j = 0; j < NVS; ++j) store(ot + d * SB + j * W, load(ot + d * SB + j * W) * alpha[j]);
+                if (!open_step(pb, plan, t, end, row_in_block, n, st.used.data(), step)) continue;
+                const uint8_t* used = step.all_used ? nullptr : st.used.data();
+                int64_t kstride, vstride;
+                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D, used, kc, pb.D, kstride);
+                const float* vrows = rows_f32(v.row(b, hk, step.k0), v.s2, step.kn, pb.Dv, used, vc, Dvp, vstride);
+                scores_f32(pb, step, krows, kstride, qt, s);
+                modify_scores(pb, step, s, nullptr, band, r0);
+                soft.step(s, step.kn, ot, pb.Dv);
                 // O^T (Dv x SB) += V^T (Dv x kn) P^T (kn x SB)
-                gemm<true>(a.Dv, SB, step.kn, vrows, 1, vstride, s, SB, ot, SB);
+                gemm<true>(pb.Dv, SB, step.kn, vrows, 1, vstride, s, SB, ot, SB);
             }
-            float* lse = a.lse + (b * a.Hq + h) * a.Lq + r0;
-            for (int64_t j = 0; j < n; ++j) {
-                const float lj = l[j / W][j % W], mj = m[j / W][j % W];
-                const float inv = lj > 0.0f ? 1.0f / lj : 0.0f;
-                lse[j] = lj > 0.0f ? mj + std::log(lj) : NEG_INF;
-                float* dst = a.out + b * a.os[0] + h * a.os[1] + (r0 + j) * a.os[2];
-                for (int64_t d = 0; d < a.Dv; ++d) dst[d] = ot[d * SB + j] * inv;
-            }
+            finish(soft, ot, b, h, r0, n);
+        }
+    }
+
+    void finish(const Online& soft, const float* ot, int64_t b, int64_t h, int64_t r0, int64_t n) const {
+        float* l = lse + (b * pb.Hq + h) * pb.Lq + r0;
+        for (int64_t j = 0; j < n; ++j) {
+            l[j] = soft.lse(j);
+            const float inv = soft.inverse(j);
+            T* dst = out.row(b, h, r0 + j);
+            for (int64_t d = 0; d < pb.Dv; ++d) dst[d] = narrow<T>(ot[d * SB + j] * inv);
         }
     }
 };
 
+#if ATTNKIT_BF16_DOT
+// The forward of bfloat16 inputs with bfloat16 dot products: Q K^T from K rows read in place
+// (pairs of adjacent dims) against Q^T packed pair-major, P V from P^T packed pair-major (keys in
+// pairs) against V^T packed key-pair-major per step; statistics as the float32 forward.
+struct ForwardBF16 {
+    const Problem& pb;
+    View<const c10::BFloat16> q, k, v;
+    View<c10::BFloat16> out;
+    float* lse;
+    using State = typename Forward<c10::BFloat16>::State;
+
+    void operator()(const Item& it, State& st) const {
+        using bf16 = c10::BFloat16;
+        const int64_t b = it.b, h = it.h, hk = h / pb.group;
+        const PlanRow plan = plan_row(pb, b, h, it.qb);
+        const int64_t end = pb.key_end(b);
+        const float* band = pb.band_of(h);
+        const int64_t Dpair = (pb.D + 1) / 2, kpairs = (pb.bk + 1) / 2;
+        float* s = st.s.get(2 * kpairs * SB);  // an odd block's last pair padded with a zero row
+        float* ot = st.o.get(pb.Dv * SB);
+        float* qt = st.qt.get(2 * Dpair * SB);
+        bf16* q2 = st.q2.get(Dpair * 2 * SB);      // Q^T pair-major: (D/2, SB, 2)
+        bf16* p2 = st.p2.get(kpairs * 2 * SB);     // P^T pair-major: (kn/2, SB, 2)
+        bf16* v2 = st.v2.get(pb.Dv * kpairs * 2);  // V^T with keys in pairs: (Dv, kn/2, 2)
+        bf16* kc = reinterpret_cast<bf16*>(st.kc.get(pb.bk * (Dpair + 1)));  // K rows, dims padded even
+        st.used.resize(pb.bk);
+        for (int64_t r0 = it.qb * pb.bq; r0 < std::min((it.qb + 1) * pb.bq, pb.Lq); r0 += SB) {
+            const int64_t n = std::min<int64_t>(SB, pb.Lq - r0);
+            const int64_t row_in_block = r0 - it.qb * pb.bq;
+            for (int64_t j = 0; j < SB; ++j) {
+                const bf16* qr = j < n ? q.row(b, h, r0 + j) : nullptr;
+                for (int64_t d = 0; d < 2 * Dpair; ++d) qt[d * SB + j] = qr && d < pb.D ? float(qr[d]) : 0.0f;
+            }
+            pack_columns(qt, Dpair, q2);
+            std::fill_n(ot, pb.Dv * SB, 0.0f);
+            Online soft;
+            for (int64_t t = 0; t < plan.num; ++t) {
+                Step step;
+                if (!open_step(pb, plan, t, end, row_in_block, n, st.used.data(), step)) continue;
+                const bool clean = !step.all_used;
+                int64_t kstride;
+                const bf16* krows =
+                    bf16_rows(k.row(b, hk, step.k0), k.s2, step.kn, pb.D, clean ? st.used.data() : nullptr, kc, kstride);
+                scores_bf16(step, Dpair, krows, kstride, q2, s);
+                modify_scores(pb, step, s, nullptr, band, r0);
+                soft.step(s, step.kn, ot, pb.Dv);
+                // P^T pair-major and V^T with keys in pairs (unused keys 0; an odd kn padded)
+                const int64_t pairs = (step.kn + 1) / 2;
+                for (int64_t p = 0; p < pairs; ++p) {
+                    const int64_t c0 = 2 * p, c1 = 2 * p + 1;
+                    if (c1 >= step.kn) std::fill_n(s + c1 * SB, SB, 0.0f);
+                    pack_pair(s + c0 * SB, s + c1 * SB, p2 + p * 2 * SB);
+                }
+                const bf16* vr = v.row(b, hk, step.k0);
+                for (int64_t p = 0; p < pairs; ++p) {
+                    const int64_t c0 = 2 * p, c1 = 2 * p + 1;
+                    const bool u0 = !clean || st.used[c0], u1 = c1 < step.kn && (!clean || st.used[c1]);
+                    const bf16* a0 = vr + c0 * v.s2;
+                    const bf16* a1 = vr + c1 * v.s2;
+                    for (int64_t d = 0; d < pb.Dv; ++d) {
+                        v2[(d * pairs + p) * 2] = u0 ? a0[d] : bf16(0.0f);
+                        v2[(d * pairs + p) * 2 + 1] = u1 ? a1[d] : bf16(0.0f);
+                    }
+                }
+                gemm_bf16<true>(pb.Dv, pairs, v2, 2 * pairs, p2, ot, SB);
+            }
+            float* l = lse + (b * pb.Hq + h) * pb.Lq + r0;
+            for (int64_t j = 0; j < n; ++j) {
+                l[j] = soft.lse(j);
+                const float inv = soft.inverse(j);
+                bf16* dst = out.row(b, h, r0 + j);
+                for (int64_t d = 0; d < pb.Dv; ++d) dst[d] = bf16(ot[d * SB + j] * inv);
+            }
+        }
+    }
+};
+#endif
+
 // Items (batch row, query head, row block), the costliest first: threads take them in this
 // order (a dynamic schedule), so a causal mask's long last rows do not end the call alone.
-std::vector<Item> forward_items(const Call& call) {
-    const AttnArgs& a = call.a;
+std::vector<Item> forward_items(const Problem& pb) {
     std::vector<Item> items;
     std::vector<int64_t> cost;
-    for (int64_t b = 0; b < a.B; ++b)
-        for (int64_t h = 0; h < a.Hq; ++h)
-            for (int64_t qb = 0; qb < a.nq; ++qb) {
+    for (int64_t b = 0; b < pb.B; ++b)
+        for (int64_t h = 0; h < pb.Hq; ++h)
+            for (int64_t qb = 0; qb < pb.nq; ++qb) {
                 items.push_back({b, h, qb});
-                cost.push_back(call.plan(b, h, qb).num);
+                cost.push_back(plan_row(pb, b, h, qb).num);
             }
     std::vector<int64_t> order(items.size());
     std::iota(order.begin(), order.end(), 0);
@@ -508,143 +774,179 @@ std::vector<Item> forward_items(const Call& call) {
 // One item is a K/V head of one sequence and a chunk of its row blocks, for every query head of
 // its group: dK and dV are summed in the item's own float32 buffer (no two threads write one),
 // dQ of each row is complete at the end of its step loop and written once.
+//
+// P is recomputed as exp(S - lse) and renormalised over the row's keys: the float32 lse carries
+// a rounding of |lse| x 6e-8 into every weight alike, and with delta = sum of P dP (the softmax's
+// own backward) a common error e of P turns into an error e * P * delta of every dS, which grows
+// with |lse| (measured 5-10x the naive formula's dQ/dK error on sharp rows before the fix).
 
+template <typename T>
 struct Backward {
-    const Call& call;
+    const Problem& pb;
+    View<const T> q, k, v, grad_out, fwd_out;
+    const float* lse;
+    const float* grad_lse;
+    T* dq;  // (B, Hq, Lq, D) contiguous
+    float* dk_acc;  // (B, Hkv, chunks, nk * bk, Dp)
+    float* dv_acc;  // (B, Hkv, chunks, nk * bk, Dvp)
     struct State {
-        Buffer qt, qr, qc, dot, dor, ot, dqt, kc, vc, ps, dps, ts;
+        Buffer<> qt, qr, qc, dot, dor, ot, dqt, kc, vc, ps, dps, ts;
         std::vector<uint8_t> used;
         std::vector<Step> steps;
+#if ATTNKIT_BF16_DOT
+        Buffer<c10::BFloat16> q2, kb;
+#endif
     };
+    // bfloat16 inputs recompute the scores with the forward's dot products (bit for bit)
+    static constexpr bool BF16_SCORES = ATTNKIT_BF16_DOT && std::is_same_v<T, c10::BFloat16>;
 
     void operator()(const Item& it, State& st) const {
-        const AttnArgs& a = call.a;
         const int64_t b = it.b, hk = it.h;
-        const int64_t Dp = a.Dp, Dvp = a.Dvp;
-        const int64_t kv_rows = a.nk * a.bk;
-        float* dk = a.dk_acc + ((b * a.Hkv + hk) * a.chunks + it.qb) * kv_rows * Dp;
-        float* dv = a.dv_acc + ((b * a.Hkv + hk) * a.chunks + it.qb) * kv_rows * Dvp;
-        float* qt = st.qt.get(a.D * SB);     // Q^T scaled (for the scores)
-        float* qr = st.qr.get(SB * Dp);      // Q rows, unscaled (for dK)
-        float* qc = st.qc.get(SB * Dp);      // the same, rows that see no key of a step zeroed
-        float* dot = st.dot.get(a.Dv * SB);  // dO^T (for dP^T)
-        float* dor = st.dor.get(SB * Dvp);   // dO rows (for dV)
-        float* dqt = st.dqt.get(a.D * SB);   // dQ^T
-        float* kc = st.kc.get(a.bk * a.D);
-        float* vc = st.vc.get(a.bk * a.Dv);
-        st.used.resize(a.bk);
-        const int64_t end = call.key_end(b);
-        const int64_t qb0 = it.qb * a.nq / a.chunks, qb1 = (it.qb + 1) * a.nq / a.chunks;
-        for (int64_t h = hk * call.group; h < (hk + 1) * call.group; ++h) {
-            const float* band = call.band_of(h);
+        const int64_t kv_rows = pb.nk * pb.bk;
+        float* dk = dk_acc + ((b * pb.Hkv + hk) * pb.chunks + it.qb) * kv_rows * pb.Dp;
+        float* dv = dv_acc + ((b * pb.Hkv + hk) * pb.chunks + it.qb) * kv_rows * pb.Dvp;
+        st.used.resize(pb.bk);
+        const int64_t end = pb.key_end(b);
+        const int64_t qb0 = it.qb * pb.nq / pb.chunks, qb1 = (it.qb + 1) * pb.nq / pb.chunks;
+        for (int64_t h = hk * pb.group; h < (hk + 1) * pb.group; ++h) {
+            const float* band = pb.band_of(h);
             for (int64_t qb = qb0; qb < qb1; ++qb) {
-                const PlanRow plan = call.plan(b, h, qb);
+                const PlanRow plan = plan_row(pb, b, h, qb);
                 if (plan.num == 0) {  // these queries see no key: their gradient is 0
-                    const int64_t q0 = qb * a.bq, q1 = std::min((qb + 1) * a.bq, a.Lq);
-                    std::fill_n(a.dq + ((b * a.Hq + h) * a.Lq + q0) * a.D, (q1 - q0) * a.D, 0.0f);
+                    const int64_t q0 = qb * pb.bq, q1 = std::min((qb + 1) * pb.bq, pb.Lq);
+                    std::fill_n(dq + ((b * pb.Hq + h) * pb.Lq + q0) * pb.D, (q1 - q0) * pb.D, narrow<T>(0.0f));
                     continue;
                 }
-                for (int64_t r0 = qb * a.bq; r0 < std::min((qb + 1) * a.bq, a.Lq); r0 += SB) {
-                    step_rows(st, b, h, hk, qb, r0, plan, end, band, qt, qr, qc, dot, dor, dqt, kc, vc, dk, dv);
-                }
+                for (int64_t r0 = qb * pb.bq; r0 < std::min((qb + 1) * pb.bq, pb.Lq); r0 += SB)
+                    step_rows(st, b, h, hk, qb, r0, plan, end, band, dk, dv);
             }
         }
     }
 
     void step_rows(State& st, int64_t b, int64_t h, int64_t hk, int64_t qb, int64_t r0, const PlanRow& plan,
-                   int64_t end, const float* band, float* qt, float* qr, float* qc, float* dot, float* dor, float* dqt,
-                   float* kc, float* vc, float* dk, float* dv) const {
-        const AttnArgs& a = call.a;
-        const int64_t Dp = a.Dp, Dvp = a.Dvp;
-        const int64_t n = std::min<int64_t>(SB, a.Lq - r0);
-        const int64_t row_in_block = r0 - qb * a.bq;
-        alignas(64) float lse[SB], delta[SB], gl[SB];
-        float* ot = st.ot.get(a.Dv * SB);  // the forward's O^T (for delta)
+                   int64_t end, const float* band, float* dk, float* dv) const {
+        const int64_t Dp = pb.Dp, Dvp = pb.Dvp, D = pb.D, Dv = pb.Dv;
+        const int64_t n = std::min<int64_t>(SB, pb.Lq - r0);
+        const int64_t row_in_block = r0 - qb * pb.bq;
+        const int64_t Dpair = (D + 1) / 2;
+        float* qt = st.qt.get(2 * Dpair * SB);  // Q^T (for the scores), rows past D zero
+        float* qr = st.qr.get(SB * Dp);    // Q rows (for dK)
+        float* qc = st.qc.get(SB * Dp);    // the same, rows that see no key of a step zeroed
+        float* dot = st.dot.get(Dv * SB);  // dO^T (for dP^T)
+        float* dor = st.dor.get(SB * Dvp); // dO rows (for dV)
+        float* dqt = st.dqt.get(D * SB);   // dQ^T
+        float* ot = st.ot.get(Dv * SB);    // the forward's O^T (for delta of a part of the keys)
+        float* kc = st.kc.get(pb.bk * D);
+        float* vc = st.vc.get(pb.bk * Dv);
+        alignas(64) float shift[SB], delta[SB], gl[SB];
+        std::fill_n(qt + D * SB, (2 * Dpair - D) * SB, 0.0f);
         for (int64_t j = 0; j < SB; ++j) {
             const bool in = j < n;
-            const float* q = a.q + b * a.qs[0] + h * a.qs[1] + (r0 + j) * a.qs[2];
-            const float* g = a.grad_out + b * a.gs[0] + h * a.gs[1] + (r0 + j) * a.gs[2];
-            const float* o = a.fwd_out + b * a.ofs[0] + h * a.ofs[1] + (r0 + j) * a.ofs[2];
-            for (int64_t d = 0; d < a.D; ++d) {
-                qt[d * SB + j] = in ? q[d] : 0.0f;
-                qr[j * Dp + d] = in ? q[d] : 0.0f;
+            const T* qj = in ? q.row(b, h, r0 + j) : nullptr;
+            const T* gj = in ? grad_out.row(b, h, r0 + j) : nullptr;
+            for (int64_t d = 0; d < D; ++d) {
+                const float x = in ? widen(qj[d]) : 0.0f;
+                qt[d * SB + j] = x;
+                qr[j * Dp + d] = x;
             }
-            for (int64_t d = a.D; d < Dp; ++d) qr[j * Dp + d] = 0.0f;
-            for (int64_t d = 0; d < a.Dv; ++d) {
-                const float gd = in ? g[d] : 0.0f;
-                dot[d * SB + j] = gd;
-                dor[j * Dvp + d] = gd;
-                ot[d * SB + j] = in ? o[d] : 0.0f;
+            for (int64_t d = D; d < Dp; ++d) qr[j * Dp + d] = 0.0f;
+            for (int64_t d = 0; d < Dv; ++d) {
+                const float g = in ? widen(gj[d]) : 0.0f;
+                dot[d * SB + j] = g;
+                dor[j * Dvp + d] = g;
             }
-            for (int64_t d = a.Dv; d < Dvp; ++d) dor[j * Dvp + d] = 0.0f;
-            const int64_t at = (b * a.Hq + h) * a.Lq + r0 + j;
-            const float x = in ? a.lse[at] : NEG_INF;
-            lse[j] = x == NEG_INF ? 0.0f : x;  // such a row sees no key: its weights are 0 anyway
-            gl[j] = in && a.grad_lse ? a.grad_lse[at] : 0.0f;
+            for (int64_t d = Dv; d < Dvp; ++d) dor[j * Dvp + d] = 0.0f;
+            if (pb.delta_from_out) {
+                const T* oj = in ? fwd_out.row(b, h, r0 + j) : nullptr;
+                for (int64_t d = 0; d < Dv; ++d) ot[d * SB + j] = in ? widen(oj[d]) : 0.0f;
+            }
+            const int64_t at = (b * pb.Hq + h) * pb.Lq + r0 + j;
+            const float x = in ? lse[at] : NEG_INF;
+            shift[j] = x == NEG_INF ? 0.0f : x;  // such a row sees no key: its scores are all -inf
+            gl[j] = in && grad_lse ? grad_lse[at] : 0.0f;
         }
+#if ATTNKIT_BF16_DOT
+        c10::BFloat16* q2 = nullptr;
+        c10::BFloat16* kb = nullptr;
+        if constexpr (BF16_SCORES) {
+            q2 = st.q2.get(Dpair * 2 * SB);
+            kb = st.kb.get(pb.bk * 2 * Dpair);
+            pack_columns(qt, Dpair, q2);
+        }
+#endif
         // Pass 1: every step's P^T = exp(S^T - lse) (0 where hidden) and dP^T = V dO^T, kept in this
-        // thread's row buffers (O(keys of the row) floats), and delta = sum over keys of P dP - grad_lse:
-        // the softmax's own backward, as the naive formula computes it (rowsum(dO O) of the rounded
-        // output measured up to 2.5x the naive formula's error on narrow windows). A part of the keys
-        // (ring attention) has only the merged output: delta = rowsum(dO O) there.
-        const int64_t tile = a.bk * SB;
+        // thread's row buffers (O(keys of the row) floats), with the row sums of P and of P dP.
+        const int64_t tile = pb.bk * SB;
         float* ps = st.ps.get(plan.num * tile);
         float* dps = st.dps.get(plan.num * tile);
-        float* ts = a.softcap > 0.0f ? st.ts.get(plan.num * tile) : nullptr;  // tanh of the scores
+        float* ts = pb.softcap > 0.0f ? st.ts.get(plan.num * tile) : nullptr;  // tanh of the scores
         st.steps.assign(plan.num, Step{0, 0, nullptr, false, true, 0});
-        vf total[NVS];
-        for (int j = 0; j < NVS; ++j) total[j] = vf{};
+        vf sum_p[NVS], sum_pdp[NVS];
+        for (int j = 0; j < NVS; ++j) sum_p[j] = sum_pdp[j] = vf{};
         for (int64_t i = 0; i < plan.num; ++i) {
             Step step;
-            if (!open_step(a, plan.idx, plan.tid, i, end, row_in_block, n, st.used.data(), step)) continue;
-            const float* krows = call.krow(b, hk, step.k0);
-            const float* vrows = call.vrow(b, hk, step.k0);
-            int64_t vstride = a.vs[2];
-            if (!step.all_used) {  // V rows no query of the step uses: zeroed (0 * NaN is NaN)
-                vrows = clean_rows(vrows, vstride, step.kn, a.Dv, st.used.data(), vc, a.Dv);
-                vstride = a.Dv;
-            }
+            if (!open_step(pb, plan, i, end, row_in_block, n, st.used.data(), step)) continue;
+            const uint8_t* used = step.all_used ? nullptr : st.used.data();
+            int64_t kstride, vstride;
+            const float* vrows = rows_f32(v.row(b, hk, step.k0), v.s2, step.kn, Dv, used, vc, Dv, vstride);
             float* si = ps + i * tile;
             float* dpi = dps + i * tile;
-            scores(call, step, krows, a.ks[2], qt, si, ts ? ts + i * tile : nullptr, band, r0);
-            for (int64_t c = 0; c < step.kn; ++c)
-                for (int j = 0; j < SB; j += W) {
-                    vf x = load(si + c * SB + j);
-                    vf p = vexp_floor(x - load(lse + j));
-                    store(si + c * SB + j, step.masked ? (x == splat(NEG_INF) ? vf{} : p) : p);
-                }
-            gemm<false>(step.kn, SB, a.Dv, vrows, vstride, 1, dot, SB, dpi, SB);  // dP^T (kn x SB)
-            if (!a.delta_from_out) {  // this step's sum from zero, then added: a sum of per-step sums
-                vf part[NVS];
-                for (int j = 0; j < NVS; ++j) part[j] = vf{};
-                for (int64_t c = 0; c < step.kn; ++c)
-                    for (int j = 0; j < NVS; ++j) part[j] += load(si + c * SB + j * W) * load(dpi + c * SB + j * W);
-                for (int j = 0; j < NVS; ++j) total[j] += part[j];
+#if ATTNKIT_BF16_DOT
+            if constexpr (BF16_SCORES) {
+                const c10::BFloat16* kr = bf16_rows(k.row(b, hk, step.k0), k.s2, step.kn, D, used, kb, kstride);
+                scores_bf16(step, Dpair, kr, kstride, q2, si);
+            } else
+#endif
+            {
+                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, D, used, kc, D, kstride);
+                scores_f32(pb, step, krows, kstride, qt, si);
             }
+            modify_scores(pb, step, si, ts ? ts + i * tile : nullptr, band, r0);
+            gemm<false>(step.kn, SB, Dv, vrows, vstride, 1, dot, SB, dpi, SB);  // dP^T (kn x SB)
+            vf part_p[NVS], part_pdp[NVS];  // this step's sums from zero, then added: sums of per-step sums
+            for (int j = 0; j < NVS; ++j) part_p[j] = part_pdp[j] = vf{};
+            for (int64_t c = 0; c < step.kn; ++c)
+                for (int j = 0; j < NVS; ++j) {
+                    const vf x = load(si + c * SB + j * W);
+                    vf p = vexp(x - load(shift + j * W));
+                    p = x == splat(NEG_INF) ? vf{} : p;  // hidden: exactly 0, even where the lse is NaN
+                    store(si + c * SB + j * W, p);
+                    part_p[j] += p;
+                    part_pdp[j] += p * load(dpi + c * SB + j * W);
+                }
+            for (int j = 0; j < NVS; ++j) sum_p[j] += part_p[j], sum_pdp[j] += part_pdp[j];
             st.steps[i] = step;
         }
+        // The row's own keys: P / sum(P), delta = sum(P dP) / sum(P). A part of the keys (ring
+        // attention) has the merged output and lse: P as it is, delta = rowsum(dO O).
+        vf norm[NVS];
         for (int j = 0; j < NVS; ++j) {
-            vf d = total[j];
-            if (a.delta_from_out) {  // summed like dP = dO V^T: over one key (O = V) dP - delta is exactly 0
+            vf d;
+            if (pb.delta_from_out) {
+                norm[j] = splat(1.0f);
                 d = vf{};
-                for (int64_t x = 0; x < a.Dv; ++x) d += load(ot + x * SB + j * W) * load(dot + x * SB + j * W);
+                for (int64_t x = 0; x < Dv; ++x) d += load(ot + x * SB + j * W) * load(dot + x * SB + j * W);
+            } else {
+                const vf l = sum_p[j];
+                norm[j] = l > vf{} ? splat(1.0f) / l : (l == vf{} ? vf{} : splat(NaN));
+                d = sum_pdp[j] * norm[j];
             }
             store(delta + j * W, d - load(gl + j * W));
         }
         // Pass 2: dS^T = P^T (dP^T - delta), through the tanh, times the scale; dV, dK and dQ
-        std::fill_n(dqt, a.D * SB, 0.0f);
-        const vf scale = splat(a.scale);
+        std::fill_n(dqt, D * SB, 0.0f);
+        const vf scale = splat(pb.scale);
         for (int64_t i = 0; i < plan.num; ++i) {
             const Step& step = st.steps[i];
             if (step.kn == 0) continue;
-            const float* krows = call.krow(b, hk, step.k0);
-            int64_t kstride = a.ks[2];
-            const float* qrows = qr;  // Q rows for dK: rows that see no key of the step zeroed
+            const uint8_t* used = nullptr;
             if (!step.all_used) {  // K rows no query of the step uses: zeroed (dQ reads them)
-                scan(a, step.bits, step.kn, n, st.used.data());
-                krows = clean_rows(krows, kstride, step.kn, a.D, st.used.data(), kc, a.D);
-                kstride = a.D;
+                scan(pb, step.bits, step.kn, n, st.used.data());
+                used = st.used.data();
             }
+            int64_t kstride;
+            const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, D, used, kc, D, kstride);
+            const float* qrows = qr;  // Q rows for dK: rows that see no key of the step zeroed
             if (step.seen != first_rows(n)) {
                 for (int64_t j = 0; j < SB; ++j) {
                     if (j < n && ((step.seen >> j) & 1u))
@@ -654,56 +956,300 @@ struct Backward {
                 }
                 qrows = qc;
             }
-            const float* pi = ps + i * tile;
+            float* pi = ps + i * tile;
             float* dsi = dps + i * tile;
             const float* ti = ts ? ts + i * tile : nullptr;
             for (int64_t c = 0; c < step.kn; ++c)
                 for (int j = 0; j < SB; j += W) {
                     const int64_t at = c * SB + j;
-                    vf ds = load(pi + at) * (load(dsi + at) - load(delta + j));
+                    const vf p0 = load(pi + at), p = p0 == vf{} ? vf{} : p0 * norm[j / W];  // hidden: 0 * NaN
+                    store(pi + at, p);
+                    vf ds = p * (load(dsi + at) - load(delta + j));
                     if (ti) {
                         vf th = load(ti + at);
                         ds = ds * (splat(1.0f) - th * th);
                     }
+                    ds = p == vf{} ? vf{} : ds;  // a hidden pair has no gradient, whatever delta holds
                     store(dsi + at, ds * scale);
                 }
             // dV[k0:] += P^T (kn x SB) dO (SB x Dvp); dK[k0:] += dS^T (kn x SB) Q (SB x Dp)
             gemm<true>(step.kn, Dvp, SB, pi, SB, 1, dor, Dvp, dv + step.k0 * Dvp, Dvp);
             gemm<true>(step.kn, Dp, SB, dsi, SB, 1, qrows, Dp, dk + step.k0 * Dp, Dp);
             // dQ^T (D x SB) += K^T (D x kn) dS^T (kn x SB)
-            gemm<true>(a.D, SB, step.kn, krows, 1, kstride, dsi, SB, dqt, SB);
+            gemm<true>(D, SB, step.kn, krows, 1, kstride, dsi, SB, dqt, SB);
         }
         for (int64_t j = 0; j < n; ++j) {
-            float* dst = a.dq + ((b * a.Hq + h) * a.Lq + r0 + j) * a.D;
-            for (int64_t d = 0; d < a.D; ++d) dst[d] = dqt[d * SB + j];
+            T* dst = dq + ((b * pb.Hq + h) * pb.Lq + r0 + j) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = narrow<T>(dqt[d * SB + j]);
         }
     }
 };
 
-std::vector<Item> backward_items(const AttnArgs& a) {
+std::vector<Item> backward_items(const Problem& pb) {
     std::vector<Item> items;
-    for (int64_t c = 0; c < a.chunks; ++c)
-        for (int64_t b = 0; b < a.B; ++b)
-            for (int64_t hk = 0; hk < a.Hkv; ++hk) items.push_back({b, hk, c});
+    for (int64_t c = 0; c < pb.chunks; ++c)
+        for (int64_t b = 0; b < pb.B; ++b)
+            for (int64_t hk = 0; hk < pb.Hkv; ++hk) items.push_back({b, hk, c});
     return items;
 }
 
-bool valid(const AttnArgs& a) {
-    return a.Hkv > 0 && a.Hq % a.Hkv == 0 && a.bq % SB == 0 && a.bq % 8 == 0 && a.bk > 0 && a.D > 0 && a.Dv > 0;
+// ---- the operators: every argument checked, then one parallel run ---------------------------
+
+const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+// q/k/v-like: 4-D CPU with the call's dtype; made unit-stride in the last dimension when it is not.
+at::Tensor rows_contiguous(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+    TORCH_CHECK(t.device().is_cpu(), "attnkit.native: ", name, " must be on the CPU, but is on ", t.device());
+    TORCH_CHECK(t.dim() == 4, "attnkit.native: ", name, " must be 4-D (B, H, L, X), but has shape ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == dtype, "attnkit.native: ", name, " must be ", dtype_name(dtype), " like q, but is ",
+                dtype_name(t.scalar_type()));
+    return t.stride(3) == 1 || t.size(3) <= 1 ? t : t.contiguous();
+}
+
+at::Tensor index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+    TORCH_CHECK(t.device().is_cpu(), "attnkit.native: ", name, " must be on the CPU, but is on ", t.device());
+    TORCH_CHECK(t.scalar_type() == dtype, "attnkit.native: ", name, " must be ", dtype_name(dtype), ", but is ",
+                dtype_name(t.scalar_type()));
+    TORCH_CHECK(t.sizes() == shape, "attnkit.native: ", name, " must have shape ", shape, ", but has ", t.sizes());
+    return t.contiguous();
+}
+
+// The problem of one call, with the plan checked entry by entry (indices in range), and the
+// tensors it keeps alive (contiguous copies, the reversed band).
+struct Checked {
+    Problem pb{};
+    at::Tensor q, k, v, kv_num, kv_idx, tile_ids, bits, kv_limit, band_rev;
+};
+
+Checked check_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& kv_num_,
+                   const at::Tensor& kv_idx_, const at::Tensor& tile_ids_, const at::Tensor& bits_,
+                   const std::optional<at::Tensor>& kv_limit_, const std::optional<at::Tensor>& band_,
+                   int64_t block_q, int64_t block_k, double scale, double softcap) {
+    Checked c;
+    const at::ScalarType dtype = q_.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "attnkit.native: q must be float32, bfloat16 or float16, but is ", dtype_name(dtype));
+    c.q = rows_contiguous(q_, "q", dtype);
+    c.k = rows_contiguous(k_, "k", dtype);
+    c.v = rows_contiguous(v_, "v", dtype);
+    Problem& pb = c.pb;
+    pb.B = c.q.size(0), pb.Hq = c.q.size(1), pb.Lq = c.q.size(2), pb.D = c.q.size(3);
+    pb.Hkv = c.k.size(1), pb.Lk = c.k.size(2), pb.Dv = c.v.size(3);
+    TORCH_CHECK(c.k.size(0) == pb.B && c.v.size(0) == pb.B, "attnkit.native: q, k and v must have one batch size, got ",
+                pb.B, ", ", c.k.size(0), " and ", c.v.size(0));
+    TORCH_CHECK(pb.Hkv > 0 && pb.Hq % pb.Hkv == 0 && c.v.size(1) == pb.Hkv,
+                "attnkit.native: Hq must be a multiple of Hkv and v must have Hkv heads, but got Hq=", pb.Hq,
+                ", k heads ", pb.Hkv, ", v heads ", c.v.size(1));
+    TORCH_CHECK(c.v.size(2) == pb.Lk, "attnkit.native: k and v must have one length, got ", pb.Lk, " and ",
+                c.v.size(2));
+    TORCH_CHECK(c.k.size(3) == pb.D && pb.D > 0 && pb.Dv > 0,
+                "attnkit.native: q and k must have one head dim > 0 and v a head dim > 0, got D=", pb.D, ", k's ",
+                c.k.size(3), ", Dv=", pb.Dv);
+    pb.group = pb.Hq / pb.Hkv;
+    TORCH_CHECK(block_q > 0 && block_q % SB == 0 && block_k > 0,
+                "attnkit.native: block_q must be a positive multiple of 32 and block_k positive, got (", block_q, ", ",
+                block_k, ")");
+    pb.bq = block_q, pb.bk = block_k;
+    pb.nq = (pb.Lq + block_q - 1) / block_q, pb.nk = (pb.Lk + block_k - 1) / block_k;
+    TORCH_CHECK(kv_num_.dim() == 3, "attnkit.native: kv_num must be (Bm, Hm, nq), but has shape ", kv_num_.sizes());
+    pb.Bm = kv_num_.size(0), pb.Hm = kv_num_.size(1);
+    TORCH_CHECK((pb.Bm == 1 || pb.Bm == pb.B) && (pb.Hm == 1 || pb.Hm == pb.Hq),
+                "attnkit.native: the plan's batch and head sizes must be 1 or the inputs' (B=", pb.B, ", Hq=", pb.Hq,
+                "), got (", pb.Bm, ", ", pb.Hm, ")");
+    c.kv_num = index_tensor(kv_num_, "kv_num", at::kInt, {pb.Bm, pb.Hm, pb.nq});
+    c.kv_idx = index_tensor(kv_idx_, "kv_indices", at::kInt, {pb.Bm, pb.Hm, pb.nq, pb.nk});
+    c.tile_ids = index_tensor(tile_ids_, "tile_ids", at::kInt, {pb.Bm, pb.Hm, pb.nq, pb.nk});
+    TORCH_CHECK(bits_.dim() == 3 && bits_.size(0) >= 1, "attnkit.native: bits must be (T, block_k, block_q / 8), T >= 1, but has shape ",
+                bits_.sizes());
+    const int64_t tiles = bits_.size(0);
+    c.bits = index_tensor(bits_, "bits", at::kByte, {tiles, block_k, block_q / 8});
+    // every listed entry in range: a bad plan raises here instead of reading out of bounds
+    const int32_t* num = c.kv_num.data_ptr<int32_t>();
+    const int32_t* idx = c.kv_idx.data_ptr<int32_t>();
+    const int32_t* tid = c.tile_ids.data_ptr<int32_t>();
+    for (int64_t r = 0; r < pb.Bm * pb.Hm * pb.nq; ++r) {
+        TORCH_CHECK(num[r] >= 0 && num[r] <= pb.nk, "attnkit.native: kv_num holds ", num[r], " at ", r,
+                    ", outside [0, ", pb.nk, "]");
+        for (int64_t i = 0; i < num[r]; ++i) {
+            TORCH_CHECK(idx[r * pb.nk + i] >= 0 && idx[r * pb.nk + i] < pb.nk, "attnkit.native: kv_indices holds ",
+                        idx[r * pb.nk + i], ", outside [0, ", pb.nk, ")");
+            TORCH_CHECK(tid[r * pb.nk + i] >= -1 && tid[r * pb.nk + i] < tiles, "attnkit.native: tile_ids holds ",
+                        tid[r * pb.nk + i], ", outside [-1, ", tiles, ")");
+        }
+    }
+    pb.kv_num = num, pb.kv_idx = idx, pb.tile_ids = tid, pb.bits = c.bits.data_ptr<uint8_t>();
+    pb.kv_limit = nullptr, pb.Bl = 0;
+    if (kv_limit_.has_value()) {
+        TORCH_CHECK(kv_limit_->dim() == 1 && (kv_limit_->size(0) == 1 || kv_limit_->size(0) == pb.B),
+                    "attnkit.native: kv_limit must be (1,) or (B,), but has shape ", kv_limit_->sizes());
+        c.kv_limit = index_tensor(*kv_limit_, "kv_limit", at::kLong, {kv_limit_->size(0)});
+        pb.kv_limit = c.kv_limit.data_ptr<int64_t>(), pb.Bl = c.kv_limit.size(0);
+    }
+    TORCH_CHECK(std::isfinite(scale), "attnkit.native: scale must be finite, got ", scale);
+    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "attnkit.native: softcap must be finite and >= 0 (0: none), got ",
+                softcap);
+    pb.scale = float(scale), pb.softcap = float(softcap);
+    TORCH_CHECK(softcap == 0.0 || pb.softcap > 0.0f, "attnkit.native: softcap ", softcap, " rounds to 0 in float32");
+    const float mul = softcap > 0.0 ? float(scale / softcap) : 0.0f;
+    pb.cap_mul = mul;
+    pb.cap_split = softcap > 0.0 && (!std::isfinite(mul) || (mul != 0.0f && std::fabs(mul) < std::numeric_limits<float>::min()) ||
+                                     (mul == 0.0f && scale != 0.0));
+    pb.band_rev = nullptr, pb.band_heads = 0;
+    if (band_.has_value()) {
+        const int64_t width = pb.Lq + pb.Lk - 1;
+        TORCH_CHECK(band_->dim() == 2 && (band_->size(0) == 1 || band_->size(0) == pb.Hq) && band_->size(1) == width,
+                    "attnkit.native: band must be (1 or Hq, Lq + Lk - 1) = (1 or ", pb.Hq, ", ", width,
+                    "), but has shape ", band_->sizes());
+        TORCH_CHECK(band_->scalar_type() == at::kFloat && band_->device().is_cpu(),
+                    "attnkit.native: band must be float32 on the CPU");
+        const at::Tensor band = band_->contiguous();
+        pb.band_heads = band.size(0);
+        c.band_rev = at::zeros({pb.band_heads, width + SB}, band.options());
+        const float* src = band.data_ptr<float>();
+        float* dst = c.band_rev.data_ptr<float>();
+        for (int64_t h = 0; h < pb.band_heads; ++h)
+            for (int64_t i = 0; i < width; ++i) dst[h * (width + SB) + i] = src[h * width + width - 1 - i];
+        pb.band_rev = dst;
+    }
+    return c;
+}
+
+template <typename T>
+void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
+    const Problem& pb = c.pb;
+    View<const T> q = view_of<const T>(c.q), k = view_of<const T>(c.k), v = view_of<const T>(c.v);
+#if ATTNKIT_BF16_DOT
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        run_items(forward_items(pb), ForwardBF16{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>()});
+        return;
+    }
+#endif
+    run_items(forward_items(pb), Forward<T>{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>()});
+}
+
+std::tuple<at::Tensor, at::Tensor> native_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& kv_num, const at::Tensor& kv_indices,
+                                                  const at::Tensor& tile_ids, const at::Tensor& bits,
+                                                  const std::optional<at::Tensor>& kv_limit,
+                                                  const std::optional<at::Tensor>& band, int64_t block_q,
+                                                  int64_t block_k, double scale, double softcap) {
+    Checked c = check_call(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap);
+    const Problem& pb = c.pb;
+    at::Tensor out = at::empty({pb.B, pb.Hq, pb.Lq, pb.Dv}, c.q.options());
+    at::Tensor lse = at::empty({pb.B, pb.Hq, pb.Lq}, c.q.options().dtype(at::kFloat));
+    if (pb.Lq == 0) return {out, lse};
+    switch (c.q.scalar_type()) {
+        case at::kFloat: forward_typed<float>(c, out, lse); break;
+        case at::kBFloat16: forward_typed<c10::BFloat16>(c, out, lse); break;
+        default: forward_typed<c10::Half>(c, out, lse); break;
+    }
+    return {out, lse};
+}
+
+template <typename T>
+void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, const at::Tensor& lse,
+                    const std::optional<at::Tensor>& gl, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+    Problem& pb = c.pb;
+    const int64_t threads = at::get_num_threads();
+    pb.chunks = std::max<int64_t>(1, std::min<int64_t>(pb.nq, (2 * threads + pb.B * pb.Hkv - 1) / (pb.B * pb.Hkv)));
+    pb.Dp = round_up(pb.D, W), pb.Dvp = round_up(pb.Dv, W);
+    const int64_t rows = pb.nk * pb.bk;
+    at::Tensor dk_acc = at::zeros({pb.B, pb.Hkv, pb.chunks, rows, pb.Dp}, c.q.options().dtype(at::kFloat));
+    at::Tensor dv_acc = at::zeros({pb.B, pb.Hkv, pb.chunks, rows, pb.Dvp}, c.q.options().dtype(at::kFloat));
+    Backward<T> work{pb,
+                     view_of<const T>(c.q),
+                     view_of<const T>(c.k),
+                     view_of<const T>(c.v),
+                     view_of<const T>(go),
+                     view_of<const T>(of),
+                     lse.data_ptr<float>(),
+                     gl.has_value() ? gl->data_ptr<float>() : nullptr,
+                     dq.data_ptr<T>(),
+                     dk_acc.data_ptr<float>(),
+                     dv_acc.data_ptr<float>()};
+    run_items(backward_items(pb), work);
+    // dK, dV: the chunks' sums, in the inputs' dtype
+    const float* ka = dk_acc.data_ptr<float>();
+    const float* va = dv_acc.data_ptr<float>();
+    T* dkp = dk.data_ptr<T>();
+    T* dvp = dv.data_ptr<T>();
+    at::parallel_for(0, pb.B * pb.Hkv, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh)
+            for (int64_t key = 0; key < pb.Lk; ++key) {
+                for (int64_t d = 0; d < pb.D; ++d) {
+                    float sum = 0.0f;
+                    for (int64_t ch = 0; ch < pb.chunks; ++ch) sum += ka[((bh * pb.chunks + ch) * rows + key) * pb.Dp + d];
+                    dkp[(bh * pb.Lk + key) * pb.D + d] = narrow<T>(sum);
+                }
+                for (int64_t d = 0; d < pb.Dv; ++d) {
+                    float sum = 0.0f;
+                    for (int64_t ch = 0; ch < pb.chunks; ++ch) sum += va[((bh * pb.chunks + ch) * rows + key) * pb.Dvp + d];
+                    dvp[(bh * pb.Lk + key) * pb.Dv + d] = narrow<T>(sum);
+                }
+            }
+    });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& kv_num,
+    const at::Tensor& kv_indices, const at::Tensor& tile_ids, const at::Tensor& bits,
+    const std::optional<at::Tensor>& kv_limit, const std::optional<at::Tensor>& band, int64_t block_q, int64_t block_k,
+    double scale, double softcap, bool delta_from_out) {
+    Checked c = check_call(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap);
+    Problem& pb = c.pb;
+    pb.delta_from_out = delta_from_out;
+    const at::ScalarType dtype = c.q.scalar_type();
+    const at::Tensor go = rows_contiguous(grad_out, "grad_out", dtype);
+    const at::Tensor of = rows_contiguous(out, "out", dtype);
+    for (const at::Tensor* t : {&go, &of})
+        TORCH_CHECK(t->sizes() == at::IntArrayRef({pb.B, pb.Hq, pb.Lq, pb.Dv}), "attnkit.native: grad_out and out must be (B, Hq, Lq, Dv) = ",
+                    at::IntArrayRef({pb.B, pb.Hq, pb.Lq, pb.Dv}), ", but one has shape ", t->sizes());
+    const at::Tensor l = index_tensor(lse, "lse", at::kFloat, {pb.B, pb.Hq, pb.Lq});
+    std::optional<at::Tensor> gl;
+    if (grad_lse.has_value()) gl = index_tensor(*grad_lse, "grad_lse", at::kFloat, {pb.B, pb.Hq, pb.Lq});
+    at::Tensor dq = at::empty({pb.B, pb.Hq, pb.Lq, pb.D}, c.q.options());
+    at::Tensor dk = at::empty({pb.B, pb.Hkv, pb.Lk, pb.D}, c.q.options());
+    at::Tensor dv = at::empty({pb.B, pb.Hkv, pb.Lk, pb.Dv}, c.q.options());
+    if (pb.Lq == 0 || pb.Lk == 0) {
+        dq.zero_(), dk.zero_(), dv.zero_();
+        return {dq, dk, dv};
+    }
+    switch (dtype) {
+        case at::kFloat: backward_typed<float>(c, go, of, l, gl, dq, dk, dv); break;
+        case at::kBFloat16: backward_typed<c10::BFloat16>(c, go, of, l, gl, dq, dk, dv); break;
+        default: backward_typed<c10::Half>(c, go, of, l, gl, dq, dk, dv); break;
+    }
+    return {dq, dk, dv};
+}
+
+std::string native_info() {
+    std::string words = std::string(ISA) + " (" + std::to_string(W) + " floats a vector)";
+#if ATTNKIT_BF16_DOT
+    words += "; bfloat16: AVX512-BF16 dot products";
+#else
+    words += "; bfloat16: widened to float32";
+#endif
+    return words;
 }
 
 }  // namespace
 
-extern "C" int attnkit_native_forward(const AttnArgs* args) {
-    if (!valid(*args)) return 1;
-    const Call call(*args);
-    run_items(forward_items(call), Forward{call});
-    return 0;
+TORCH_LIBRARY_FRAGMENT(attnkit, m) {
+    m.set_python_module("attnkit.kernels.native");  // the fake and autograd registrations
+    m.def(
+        "native_forward(Tensor q, Tensor k, Tensor v, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, "
+        "Tensor bits, Tensor? kv_limit, Tensor? band, int block_q, int block_k, float scale, float softcap) "
+        "-> (Tensor, Tensor)");
+    m.def(
+        "native_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor kv_num, Tensor kv_indices, Tensor tile_ids, Tensor bits, Tensor? kv_limit, Tensor? band, "
+        "int block_q, int block_k, float scale, float softcap, bool delta_from_out) -> (Tensor, Tensor, Tensor)");
+    m.def("native_interface() -> int", []() -> int64_t { return ATTNKIT_NATIVE_INTERFACE; });
+    m.def("native_info() -> str", []() -> std::string { return native_info(); });
 }
 
-extern "C" int attnkit_native_backward(const AttnArgs* args) {
-    if (!valid(*args) || args->chunks < 1 || args->Dp % W != 0 || args->Dvp % W != 0) return 1;
-    const Call call(*args);
-    run_items(backward_items(*args), Backward{call});
-    return 0;
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+    m.impl("native_forward", &native_forward);
+    m.impl("native_backward", &native_backward);
 }

@@ -354,7 +354,11 @@ def scores(
     """
     ct = compute_dtype(qf.dtype)
     pre = call.scale if call.softcap is None else call.scale / call.softcap  # applied to q: n x D, not n x S
-    s = torch.matmul(qf.to(ct) * pre, kr.to(ct).transpose(-2, -1))  # (B, Hkv, g*n, S)
+    finfo = torch.finfo(ct)
+    if pre != 0.0 and not finfo.tiny <= abs(pre) <= finfo.max:  # scale / softcap is no normal float: two roundings
+        s = torch.matmul(qf.to(ct) * call.scale, kr.to(ct).transpose(-2, -1)).div_(call.softcap)  # type: ignore[arg-type]
+    else:
+        s = torch.matmul(qf.to(ct) * pre, kr.to(ct).transpose(-2, -1))  # (B, Hkv, g*n, S)
     capped = None
     if call.softcap is not None:
         s = s.tanh_()
