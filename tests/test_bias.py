@@ -11,11 +11,23 @@ import math
 
 import pytest
 import torch
-from conftest import FusedCalls, alibi_formula, assert_oracle, oracle, randn, relative_formula, t5_bucket
-from test_tiled import MaxNumel
+from _oracle import (
+    NEG_INF,
+    FusedCalls,
+    MaxNumel,
+    alibi_formula,
+    assert_oracle,
+    gold_and_naive,
+    oracle,
+    randn,
+    relative_formula,
+    rounding_atol,
+    t5_bucket,
+)
 
 import attnkit
 from attnkit import bias, masks
+from attnkit.inspect import attention_stats
 
 B, HQ, HKV, L, D = 2, 4, 2, 150, 16  # 150: several row blocks (128) and key blocks (64)
 
@@ -543,3 +555,81 @@ def test_top_level_names():
         assert name in attnkit.__all__ and hasattr(attnkit, name)
     for name in ["causal", "sliding_window", "prefix_lm", "document", "padding"]:
         assert callable(getattr(attnkit.masks, name))
+
+
+# regression: finding F2 of the review of the seams between features
+@pytest.mark.parametrize("kernel", ["tiled", "auto", "reference"])
+def test_row_whose_kept_keys_all_have_minus_inf_bias_is_empty(kernel):
+    q = randn(1, 2, 6, 8, requires_grad=True)
+    k, v = randn(1, 2, 6, 8, requires_grad=True), randn(1, 2, 6, 8, requires_grad=True)
+    b = torch.randn(1, 2, 6, 6)
+    b[0, 1, 2, :] = NEG_INF  # head 1, query 2: every key's bias is -inf
+    b[0, 0, 4, :3] = NEG_INF  # a row whose *visible* keys (causal: 0..4) are partly -inf
+    out, lse = attnkit.attention(q, k, v, masks.causal(), attn_bias=b, kernel=kernel, return_lse=True)
+    assert out[0, 1, 2].abs().max() == 0
+    assert lse[0, 1, 2] == NEG_INF
+    dense = masks.causal().materialize(6, 6) & (b != NEG_INF)
+    gold, naive = gold_and_naive(q, k, v, torch.where(dense, b, NEG_INF))
+    assert_oracle(out, gold, naive)
+    (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert q.grad[0, 1, 2].abs().max() == 0  # the empty row gets no gradient
+    st = attention_stats(q.detach(), k.detach(), v.detach(), masks.causal(), attn_bias=b, topk=2)
+    assert st.lse[0, 1, 2] == NEG_INF
+    assert st.entropy[0, 1, 2] == 0 and st.max_weight[0, 1, 2] == 0 and st.argmax[0, 1, 2] == -1
+    assert (st.topk_keys[0, 1, 2] == -1).all()
+    torch.testing.assert_close(st.lse[torch.isfinite(st.lse)], lse.detach()[torch.isfinite(lse)])
+
+
+# regression: finding F9 of the review of the seams between features
+@pytest.mark.parametrize("kernel", ["tiled", "auto", "reference", "sdpa"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_bias_values_at_hidden_pairs_are_never_read(kernel, poison):
+    length = 140
+    q, k, v = randn(1, 2, length, 16), randn(1, 2, length, 16), randn(1, 2, length, 16)
+    m = masks.causal() & masks.sliding_window(40)
+    keep = m.materialize(length, length)
+    clean = torch.randn(1, 2, length, length, requires_grad=True)
+    poisoned = torch.where(keep, clean.detach(), poison).requires_grad_()
+    out = attnkit.attention(q, k, v, m, attn_bias=poisoned, kernel=kernel)
+    ref = attnkit.attention(q, k, v, m, attn_bias=clean, kernel="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if kernel != "sdpa":
+        out.sum().backward()
+        assert torch.isfinite(poisoned.grad).all()
+        assert (poisoned.grad[~keep.expand_as(poisoned)] == 0).all()
+    st = attention_stats(q, k, v, m, attn_bias=poisoned.detach())
+    assert all(torch.isfinite(t).all() for t in (st.entropy, st.mean_distance, st.received))
+
+
+def _alibi_problem():
+    """12 heads (slopes 2^-0.5, ... that bfloat16 cannot hold) and causal ALiBi without a causal
+    mask: keys after a query get a bias of up to +slope * 256, which bfloat16 rounds by whole units."""
+    length = 257
+    q, k, v = (randn(2, 12, length, 64) for _ in range(3))
+    alibi = bias.alibi(bias.alibi_slopes(12), causal=True)
+    gold = attnkit.attention(q.double(), k.double(), v.double(), attn_bias=alibi, kernel="reference")
+    return (q.bfloat16(), k.bfloat16(), v.bfloat16()), alibi, gold
+
+
+# regression: finding F7 of the review of the seams between features
+@pytest.mark.parametrize("kernel", ["sdpa", "auto"])
+def test_bf16_bias_on_sdpa_is_computed_in_float32(kernel):
+    (q, k, v), alibi, gold = _alibi_problem()
+    out = attnkit.attention(q, k, v, attn_bias=alibi, kernel=kernel)
+    tiled = attnkit.attention(q, k, v, attn_bias=alibi, kernel="tiled")
+    assert out.dtype == torch.bfloat16
+    err, tiled_err = ((x.double() - gold).abs().max().item() for x in (out, tiled))
+    assert err <= 2 * tiled_err + rounding_atol(gold, torch.bfloat16)  # was 0.59 (tiled: 0.013)
+
+
+# regression: finding F7 of the review of the seams between features
+def test_bf16_bias_under_torch_compile():
+    (q, k, v), alibi, gold = _alibi_problem()
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, attn_bias=alibi))
+    out = compiled(q, k, v)
+    tiled = attnkit.attention(q, k, v, attn_bias=alibi, kernel="tiled")
+    err, tiled_err = ((x.double() - gold).abs().max().item() for x in (out, tiled))
+    assert err <= 2 * tiled_err + rounding_atol(gold, torch.bfloat16)

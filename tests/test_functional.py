@@ -1,15 +1,18 @@
 """attnkit.attention against the float64 oracle, and every edge case of TESTING.md."""
 
+from __future__ import annotations
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DTYPES, assert_oracle, gold_and_naive, naive_attention, randn
+import torch.utils._python_dispatch
+from _oracle import ALL_KERNELS, DTYPES, assert_oracle, dense_of, gold_and_naive, mask_kinds, naive_attention, randn
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import reference, tiled, tiles
+from attnkit.kernels import blocksparse, reference, tiled_math, tiles
 
 KERNELS = ["auto", "sdpa", "tiled", "reference"]
 
@@ -358,7 +361,7 @@ def test_dropout_is_reproducible_and_equals_the_reference_with_its_mask(kernel):
     if kernel == "reference":
         keep = reference.draw_dropout_mask((2, 4, 9, 11), 0.25, q.device)
     else:
-        keep = tiled_keep_mask(q, k, mask, dropout_p=0.25, seed=tiled.draw_seed())
+        keep = tiled_keep_mask(q, k, mask, dropout_p=0.25, seed=blocksparse.draw_seed())
     dense = mask.materialize(9, 11)
     keep = keep | ~dense  # outside the mask the weight is 0 either way
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -377,13 +380,13 @@ def tiled_keep_mask(q, k, mask, *, dropout_p, seed):
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[-2]
     prepared = attnkit.prepare(mask, lq, lk)
-    call = tiles.TileCall(prepared, 1.0, dropout_p, seed, False)
+    call = tiles.TileCall(prepared, 1.0, dropout_p, seed, "math")
     keep = torch.zeros(b, hq, lq, lk, dtype=torch.bool)
     assert len(prepared.groups) == 1
     for row in prepared.groups[0].rows:
         for run in row.runs:
             shape = (b, hkv, (hq // hkv) * (row.q1 - row.q0), run.k1 - run.k0)
-            tile = tiled.dropout_keep_mask(call, 0, row, run, shape, q.device)
+            tile = tiled_math.dropout_keep_mask(call, 0, row, run, shape, q.device)
             keep[:, :, row.q0 : row.q1, run.k0 : run.k1] = tiles.unfold(tile, hq)
     return keep
 
@@ -402,3 +405,183 @@ def test_tiled_refuses_what_it_cannot_run():
     q5 = q[None]
     with pytest.raises(ValueError, match="takes inputs of rank 2 to 4, not 5"):
         attnkit.attention(q5, k[None], v[None], kernel="tiled")
+
+
+@pytest.mark.parametrize("name", list(mask_kinds()))
+def test_every_mask_kind_works_under_inference_mode(name):
+    q, k, v = randn(2, 2, 150, 16), randn(2, 2, 150, 16), randn(2, 2, 150, 16)
+    with torch.inference_mode():
+        mask = mask_kinds()[name]  # built inside, as sentence-transformers' encode does
+        gold, naive = gold_and_naive(q, k, v, dense_of(mask, 150, 150))
+        for kernel in ALL_KERNELS:
+            assert_oracle(attnkit.attention(q, k, v, mask, kernel=kernel), gold, naive, what=f"{name} {kernel}")
+            assert_oracle(attnkit.attention(q, k, v, mask, kernel=kernel), gold, naive, what=f"{name} {kernel} again")
+        prepared = attnkit.prepare(mask, 150, 150)
+        assert_oracle(attnkit.attention(q, k, v, prepared), gold, naive)
+    with torch.no_grad():
+        assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)
+
+
+def test_modules_under_inference_mode():
+    mha = attnkit.MultiHeadAttention(32, 4)
+    x = randn(2, 300, 32)
+    want = mha(x, mask=masks.padding(torch.tensor([100, 300])))[0]
+    with torch.inference_mode():
+        got = mha(x, mask=masks.padding(torch.tensor([100, 300])))[0]
+        cache = attnkit.KVCache(2, 4, 16, 8)
+        mha(randn(2, 3, 32), mask=masks.causal(), cache=cache)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "tiled", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_return_lse_values(kernel, dtype):
+    q, k, v = randn(2, 4, 70, 16, dtype=dtype), randn(2, 2, 90, 16, dtype=dtype), randn(2, 2, 90, 16, dtype=dtype)
+    mask = masks.sliding_window(7) & masks.padding(torch.tensor([90, 40]))
+    dense = mask.materialize(70, 90)
+    dense[:, :, 3] = False  # a fully masked row
+    out, lse = attnkit.attention(q, k, v, dense, kernel=kernel, return_lse=True)
+    assert lse.shape == (2, 4, 70) and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    kk = k.double().repeat_interleave(2, 1)
+    scores = (q.double() @ kk.transpose(-1, -2) * 16**-0.5).masked_fill(~dense, float("-inf"))
+    want = torch.logsumexp(scores, -1)
+    assert (lse[:, :, 3] == float("-inf")).all() and (out[:, :, 3] == 0).all()
+    finite = torch.isfinite(want)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 0.1
+    assert (lse[finite].double() - want[finite]).abs().max() < tol
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "reference"])
+def test_return_lse_gradcheck_through_both_outputs(kernel):
+    mask = masks.prefix_lm(2) | masks.sliding_window(2)
+    dense = mask.materialize(11, 11).clone()
+    dense[:, :, 4] = False
+    q, k, v = (randn(1, 2, 11, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    p = attnkit.prepare(dense, 11, 11, block_size=(4, 4))
+    w = randn(1, 2, 11, dtype=torch.float64)
+
+    def f(q, k, v):
+        out, lse = attnkit.attention(q, k, v, p, kernel=kernel, return_lse=True)
+        return out, torch.where(torch.isfinite(lse), lse, 0.0) * w
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_lse_merges_attention_over_split_keys():
+    q, k, v = (
+        randn(1, 2, 50, 8, dtype=torch.float64),
+        randn(1, 2, 80, 8, dtype=torch.float64),
+        randn(1, 2, 80, 8, dtype=torch.float64),
+    )
+    o1, l1 = attnkit.attention(q, k[:, :, :30], v[:, :, :30], return_lse=True)
+    o2, l2 = attnkit.attention(q, k[:, :, 30:], v[:, :, 30:], return_lse=True)
+    total = torch.logaddexp(l1, l2)
+    merged = torch.exp(l1 - total)[..., None] * o1 + torch.exp(l2 - total)[..., None] * o2
+    assert (merged - attnkit.attention(q, k, v)).abs().max() < 1e-12
+
+
+def test_negative_or_zero_scale_with_causal_masks_is_not_nan():
+    q, k, v = (
+        randn(1, 2, 6, 8, dtype=torch.float64),
+        randn(1, 2, 6, 8, dtype=torch.float64),
+        randn(1, 2, 6, 8, dtype=torch.float64),
+    )
+    for scale in (0.0, -0.5):
+        want = naive_attention(q, k, v, masks.causal().materialize(6, 6), scale=scale)[0]
+        for kernel in ALL_KERNELS:
+            got = attnkit.attention(q, k, v, masks.causal(), scale=scale, kernel=kernel)
+            assert (got - want).abs().max() < 1e-12, (scale, kernel)
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_causal_with_zero_or_negative_scale_is_not_nan(scale):
+    q, k, v = (randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    want = naive_attention(q, k, v, torch.ones(9, 9, dtype=torch.bool).tril(), scale=scale)[0]
+    for kernel in KERNELS:
+        assert torch.allclose(attnkit.attention(q, k, v, masks.causal(), scale=scale, kernel=kernel), want, atol=1e-12)
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_in_keys_and_values_no_query_attends_never_reaches_the_output(kernel):
+    """What holds on every kernel: K/V rows hidden from every query are never read (or zeroed)."""
+    q, k, v = (randn(2, 2, 150, 8, dtype=torch.float64) for _ in range(3))
+    lengths = torch.tensor([150, 90])
+    k[1, :, 90:] = float("nan")
+    v[1, :, 90:] = float("inf")
+    out = attnkit.attention(q, k, v, masks.padding(lengths) & masks.causal(), kernel=kernel)
+    assert torch.isfinite(out).all()
+    clean_k, clean_v = k.clone(), v.clone()
+    clean_k[1, :, 90:], clean_v[1, :, 90:] = 0.0, 0.0
+    assert torch.allclose(
+        out,
+        attnkit.attention(q, clean_k, clean_v, masks.padding(lengths) & masks.causal(), kernel="reference"),
+        atol=1e-12,
+    )
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fully_masked_rows_give_zero_and_zero_gradients_whatever_their_query_holds(kernel):
+    length = 200
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[50:60] = False  # ten queries that may see nothing, inside partial tiles
+    q = randn(1, 2, length, 8)
+    q[:, :, 50:60] = float("nan")
+    q.requires_grad_()
+    k, v = (randn(1, 2, length, 8, requires_grad=True) for _ in range(2))
+    out = attnkit.attention(q, k, v, allowed, kernel=kernel)
+    assert (out[:, :, 50:60] == 0).all() and torch.isfinite(out).all()
+    out.sum().backward()
+    assert (q.grad[:, :, 50:60] == 0).all()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# regression: finding F1 of the review of the seams between features
+@pytest.mark.parametrize("kernel", ["tiled", "auto"])
+@pytest.mark.parametrize("layout", ["transposed", "strided"])
+@pytest.mark.parametrize("mask", ["window", "document", "padding"])
+def test_strided_last_dim(kernel, layout, mask):
+    """(B, H, D, L).transpose(-1, -2) and x[..., ::2] equal their contiguous copies, with gradients."""
+    length, d = 300, 16
+    if layout == "transposed":
+        q = randn(1, 2, d, length).transpose(-1, -2)
+        k = randn(1, 2, d, length).transpose(-1, -2)
+    else:
+        q = randn(1, 2, length, 2 * d)[..., ::2]
+        k = randn(1, 2, length, 2 * d)[..., ::2]
+    v = randn(1, 2, length, 2 * d)[..., ::2]
+    assert q.stride(-1) != 1 and v.stride(-1) != 1
+    m = {
+        "window": masks.sliding_window(30),
+        "document": masks.document(torch.arange(length) // 70),
+        "padding": masks.padding([250]),
+    }[mask]
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    out = attnkit.attention(qs, ks, vs, m, kernel=kernel)
+    ref = attnkit.attention(qc, kc, vc, m, kernel="reference")
+    gold, naive = gold_and_naive(qc, kc, vc, m.materialize(length, length))
+    assert_oracle(out, gold, naive)
+    go = torch.randn_like(out)
+    out.backward(go)
+    ref.backward(go)
+    for a, b in ((qs, qc), (ks, kc), (vs, vc)):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+
+
+# regression: finding F23 of the review of the seams between features
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_output_gradient_reaches_the_returned_weights(dtype, with_sinks):
+    q, k, v = (randn(1, 2, 5, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    sinks = torch.tensor([0.3, -0.2]) if with_sinks else None
+    out, w = attnkit.attention_with_weights(q, k, v, masks.causal(), sinks=sinks)
+    w.retain_grad()
+    out.float().sum().backward()
+    assert w.grad is not None
+    # out is computed from w: out == w @ v (up to the rounding of the matmul)
+    torch.testing.assert_close(
+        out.float(), w.float() @ v.float(), atol=2e-2 if dtype != torch.float32 else 1e-6, rtol=1e-2
+    )

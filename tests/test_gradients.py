@@ -1,8 +1,11 @@
 """Gradients: gradcheck in float64, and every kernel against the float64 oracle (3x rule)."""
 
+from __future__ import annotations
+
 import pytest
 import torch
-from conftest import DTYPES, naive_attention, randn, rounding_atol
+import torch.utils._python_dispatch
+from _oracle import DTYPES, naive_attention, randn, rounding_atol
 
 import attnkit
 from attnkit import masks
@@ -74,3 +77,45 @@ def test_kernel_gradients_against_the_oracle(dtype, kernel):
         else:
             bound = 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
             assert err <= bound, f"d{name}: {err:.3e} > {bound:.3e}"
+
+
+def test_double_backward_through_the_tiled_kernel_is_refused_clearly():
+    q, k, v = (randn(1, 1, 300, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = attnkit.attention(q, k, v, masks.sliding_window(32), kernel="tiled")
+    with pytest.raises(ValueError, match="first derivatives only.*kernel='reference'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    ref = attnkit.attention(q, k, v, masks.sliding_window(32), kernel="reference")
+    (g,) = torch.autograd.grad(ref.sum(), q, create_graph=True)
+    assert g.requires_grad
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_double_backward_through_the_tiled_kernel_raises_a_clear_error():
+    q, k, v = (randn(1, 1, 80, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = attnkit.attention(q, k, v, masks.sliding_window(8), kernel="tiled")
+    with pytest.raises(ValueError, match="first derivatives only.*kernel='reference'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = attnkit.attention(q, k, v, masks.sliding_window(8), kernel="reference")  # the one that can
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    g.square().sum().backward()
+    assert torch.isfinite(k.grad).all()
+
+
+# regression: finding F14 of the review of the seams between features
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "tiled"])
+def test_double_backward_gives_one_clear_error(kernel):
+    q = randn(1, 2, 64, 8, requires_grad=True)
+    k, v = randn(1, 2, 64, 8), randn(1, 2, 64, 8)
+    out = attnkit.attention(q, k, v, masks.causal(), kernel=kernel)
+    with pytest.raises(ValueError, match="computes first derivatives only.*kernel='reference'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = attnkit.attention(q, k, v, masks.causal(), kernel=kernel)  # first derivatives still work
+    (g,) = torch.autograd.grad(out.sum(), q)
+    assert torch.isfinite(g).all()
+
+
+# regression: finding F14 of the review of the seams between features
+def test_double_backward_through_the_reference_kernel():
+    q = randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
+    k, v = randn(1, 1, 5, 4, dtype=torch.float64), randn(1, 1, 5, 4, dtype=torch.float64)
+    assert torch.autograd.gradgradcheck(lambda q: attnkit.attention(q, k, v, masks.causal(), kernel="reference"), (q,))

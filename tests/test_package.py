@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
-from conftest import assert_oracle, gold_and_naive
+from _oracle import assert_oracle, gold_and_naive
 
 import attnkit
 from attnkit import masks

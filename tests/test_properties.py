@@ -1,7 +1,7 @@
 """Properties over random shapes, masks and dtypes (hypothesis)."""
 
 import torch
-from conftest import assert_oracle, gold_and_naive
+from _oracle import assert_oracle, gold_and_naive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randn
+from _oracle import randn
 
 import attnkit
 from attnkit import bias, masks
@@ -170,3 +170,31 @@ def test_bad_score_mods_get_clear_errors():
         attnkit.attention(q, q, q, score_mod=lambda s, b, h, i, j: s[..., :1], kernel="reference")
     with pytest.raises(TypeError, match="ScoreMod params must be tensors"):
         ScoreMod(lambda s, b, h, i, j: s, 0.5)
+
+
+# regression: finding F10 of the review of the seams between features
+@pytest.mark.parametrize("kernel", ["tiled", "auto", "reference"])
+def test_minus_inf_sink_with_a_fully_masked_row(kernel):
+    q, k, v = randn(1, 2, 4, 8, requires_grad=True), randn(1, 2, 4, 8), randn(1, 2, 4, 8)
+    allowed = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    allowed[..., 1, :] = False  # query 1 sees no key
+    sinks = torch.tensor([NEG_INF, 0.5], requires_grad=True)
+    out, lse = attnkit.attention(q, k, v, allowed, sinks=sinks, kernel=kernel, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert out[0, :, 1].abs().max() == 0
+    assert lse[0, 0, 1] == NEG_INF and lse[0, 1, 1] == 0.5  # only the sink is left in that row
+    out.sum().backward()
+    assert torch.isfinite(sinks.grad).all() and torch.isfinite(q.grad).all()
+    assert sinks.grad[0] == 0  # exp(-inf) = 0: the sink takes no mass whatever it moves
+    ref = attnkit.attention(q.detach(), k, v, allowed, sinks=torch.tensor([-1e30, 0.5]), kernel="reference")
+    torch.testing.assert_close(out, ref)
+
+
+# regression: finding F11 of the review of the seams between features
+@pytest.mark.parametrize("softcap", [1e39, 1e-39, 1e-300])
+def test_softcap_outside_float32_is_refused(softcap):
+    q = randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="softcap=.* cannot be represented in torch.float32"):
+        attnkit.attention(q, q, q, softcap=softcap)
+    out = attnkit.attention(q.double(), q.double(), q.double(), softcap=1e39)  # float64 holds it
+    assert torch.isfinite(out).all()

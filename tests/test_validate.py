@@ -1,10 +1,15 @@
 """Every bad input of TESTING.md raises ValueError/TypeError naming the values."""
 
+from __future__ import annotations
+
+import numpy as np
 import pytest
 import torch
+from _oracle import randn
 
 import attnkit
 from attnkit import masks
+from attnkit.nn import KVCache
 
 
 def t(*shape, dtype=torch.float32):
@@ -154,3 +159,90 @@ def test_bad_module_inputs():
         mha(t(2, 5, 16), t(3, 6, 16))
     with pytest.raises(ValueError, match=r"does not broadcast"):
         mha(t(2, 5, 16), mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_float_masks_holding_plus_inf_or_nan_are_refused(bad):
+    q = randn(1, 1, 4, 8)
+    mask = torch.zeros(4, 4)
+    mask[2, 1] = bad
+    with pytest.raises(ValueError, match=r"holds (inf|nan) at \(2, 1\).*not NaN or \+inf"):
+        attnkit.attention(q, q, q, mask)
+    mask[2, 1] = float("-inf")  # -inf is "hidden"
+    assert torch.isfinite(attnkit.attention(q, q, q, mask)).all()
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_bad_inputs_from_deep_inside_torch_now_have_clear_errors():
+    q = randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="the padding mask holds a tensor on meta but q is on cpu"):
+        attnkit.attention(q, q, q, masks.padding(torch.tensor([3], device="meta")))
+    with pytest.raises(TypeError, match="lengths must be a sequence of ints"):
+        masks.padding("34")
+    with pytest.raises(TypeError, match="lengths must be a sequence of ints"):
+        masks.padding(None)
+    cache = KVCache(2, 2, 16, 8)
+    with pytest.raises(TypeError, match="k must be a floating point tensor"):
+        cache.append(torch.ones(2, 2, 3, 8, dtype=torch.long), torch.ones(2, 2, 3, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="counts must hold integers"):
+        cache.append(randn(2, 2, 3, 8), randn(2, 2, 3, 8), counts=torch.tensor([1.5, 2.9]))
+    with pytest.raises(TypeError, match="counts must hold integers"):
+        cache.append(randn(2, 2, 3, 8), randn(2, 2, 3, 8), counts=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"k must have 4 dimensions \(B, Hkv, T, D\)"):
+        cache.append(randn(2, 3, 8), randn(2, 3, 8))
+    with pytest.raises(ValueError, match="v_dim must be >= 0"):
+        KVCache(2, 2, 16, 8, v_dim=-3)
+    mha = attnkit.MultiHeadAttention(16, 2)
+    x = randn(2, 3, 16)
+    with pytest.raises(ValueError, match="counts= .* pass it with cache="):
+        mha(x, counts=torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match=r"kv must be the pair \(k, v\)"):
+        mha(x, kv=(randn(2, 2, 3, 8),))
+    with pytest.raises(TypeError, match="query must be a floating point tensor"):
+        mha(torch.ones(2, 3, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch=-7 is out of range"):
+        masks.padding(torch.tensor([2, 3])).picture(4, 4, batch=-7)
+    with pytest.raises(ValueError, match="batch=5 is out of range"):
+        masks.padding(torch.tensor([2, 3])).picture(4, 4, batch=5)
+    assert "prefix_len=3" in repr(masks.prefix_lm(np.int64(3)))
+    bf16 = attnkit.MultiHeadAttention(16, 2, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"KVCache\(..., dtype=torch.bfloat16\)"):
+        bf16(x.bfloat16(), cache=KVCache(2, 2, 16, 8))
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_error_messages_quote_at_most_about_80_characters_of_input():
+    with pytest.raises(ValueError) as err:
+        masks.causal(align="x" * 500)
+    assert len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("dropout_p", torch.tensor([1, 2])), ("scale", []), ("kernel", torch.tensor([1]))]
+)
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_lean_path_leaves_bad_plain_arguments_to_the_checks(name, value):
+    """Found by make fuzz: the lean path of repeated calls compared or hashed the arguments first
+    (a tensor dropout_p raised PyTorch's 'ambiguous' error, a list scale 'unhashable')."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises((ValueError, TypeError)) as err:
+        attnkit.attention(q, q, q, **{name: value})
+    assert isinstance(err.value, attnkit.AttnkitError), err.value
+
+
+def test_rows_and_heads_take_numpy_integers_and_refuse_huge_ones():
+    np = pytest.importorskip("numpy")
+    q = randn(1, 2, 5, 8)
+    full = attnkit.attention_weights(q, q, q)
+    torch.testing.assert_close(attnkit.attention_weights(q, q, q, rows=np.int64(3)), full[:, :, 3:4])
+    torch.testing.assert_close(attnkit.attention_weights(q, q, q, heads=[np.int32(1)]), full[:, 1:2])
+    with pytest.raises(ValueError, match=r"rows=\[100000000000000000000\] is out of range for 5"):
+        attnkit.attention_weights(q, q, q, rows=[10**20])
+    with pytest.raises(TypeError, match="rows must hold integer indices"):
+        attnkit.attention_weights(q, q, q, rows=[1.5])
+
+
+def test_prepare_on_the_meta_device_is_refused_clearly():
+    with pytest.raises(ValueError, match="cannot make a PreparedMask on the meta device"):
+        attnkit.prepare(masks.padding([3]), 8, 8, device="meta")

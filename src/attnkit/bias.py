@@ -29,6 +29,7 @@ import copy
 import math
 import numbers
 from collections.abc import Callable
+from typing import Union
 
 import torch
 
@@ -36,7 +37,7 @@ from attnkit._indexing import check_align, check_offset, fmt, shifted, span
 from attnkit._types import Device, Offset
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_nonnegative_int, short
 
-__all__ = ["Alibi", "Bias", "alibi", "alibi_slopes", "cached", "dense", "from_fn", "relative"]
+__all__ = ["Alibi", "Bias", "BiasLike", "alibi", "alibi_slopes", "cached", "dense", "from_fn", "relative"]
 
 
 class Bias:
@@ -619,3 +620,7 @@ def dense(tensor: torch.Tensor) -> Bias:
     only the tiles it visits, and masks still decide which pairs count.
     """
     return _Dense(tensor)
+
+
+#: What ``attn_bias=`` takes: an :mod:`attnkit.bias` object, a float tensor, or None.
+BiasLike = Union[Bias, torch.Tensor, None]

@@ -20,7 +20,7 @@ import torch
 from attnkit import bias as _bias
 from attnkit import masks as _masks
 from attnkit._indexing import as4d
-from attnkit._types import BiasLike, Index, MaskLike, ScoreModLike
+from attnkit._types import Index
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -34,11 +34,12 @@ from attnkit._validate import (
     compiling,
     short,
 )
+from attnkit.bias import BiasLike
 from attnkit.kernels import Call, Kernel, Plan, choose, run
 from attnkit.kernels.reference import run_with_weights
 from attnkit.kernels.registry import builtin_registry, registry_state
-from attnkit.prepare import PreparedMask
-from attnkit.score_mods import as_score_mod
+from attnkit.prepare import MaskLike, PreparedMask
+from attnkit.score_mods import ScoreModLike, as_score_mod
 
 __all__ = [
     "attention",
@@ -163,7 +164,7 @@ def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
     return attn_bias, softcap, sinks
 
 
-def _call(
+def validated_call(
     q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None, score_mod=None
 ) -> Call:
     """Validate the arguments of one call."""
@@ -327,7 +328,7 @@ def attention(
         runner = _lean_runner(q, k, v, mask, scale)
         if runner is not None:
             return runner(q, k, v)
-    call = _call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod)
+    call = validated_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod)
     out, lse = run(call, choose(call, kernel))
     if call.return_lse:
         assert lse is not None, "the kernel was asked for the lse"
@@ -407,7 +408,7 @@ def _lean_runner(q, k, v, mask, scale):
         found = _lean_any_length.get(any_length)
         if found is not None:
             return found
-    call = _call(q, k, v, mask, scale, 0.0, False)  # raises as the full path does
+    call = validated_call(q, k, v, mask, scale, 0.0, False)  # raises as the full path does
     chosen = choose(call).chosen
     runner = chosen.runner(call)
     if runner is None:
@@ -442,7 +443,7 @@ def attention_with_weights(
     Use this when you need both; :func:`attention` alone is faster. The arguments
     are :func:`attention`'s; with ``sinks`` a row's weights sum to less than 1.
     """
-    call = _call(q, k, v, mask, scale, dropout_p, False, attn_bias, softcap, sinks, score_mod)
+    call = validated_call(q, k, v, mask, scale, dropout_p, False, attn_bias, softcap, sinks, score_mod)
     out, weights, _ = run_with_weights(call)
     return out, weights
 
@@ -481,7 +482,7 @@ def attention_weights(
     >>> attnkit.attention_weights(q, k, v, attnkit.masks.causal(), rows=-1).shape
     torch.Size([1, 1, 1, 3])
     """
-    call = _call(q, k, v, mask, scale, 0.0, False, attn_bias, softcap, sinks, score_mod)
+    call = validated_call(q, k, v, mask, scale, 0.0, False, attn_bias, softcap, sinks, score_mod)
     if rows is not None or heads is not None:
         if call.score_mod is not None:
             raise AttnkitValueError(
@@ -563,7 +564,7 @@ def _selected(call: Call, rows, heads) -> Call:
                 dense = dense.squeeze(0)
             attn_bias = _bias.dense(dense)
     sinks = None if call.sinks is None else (call.sinks if h is None else call.sinks.index_select(0, h))
-    return _call(q, k, v, mask, call.scale, 0.0, False, attn_bias, call.softcap, sinks)
+    return validated_call(q, k, v, mask, call.scale, 0.0, False, attn_bias, call.softcap, sinks)
 
 
 def explain(
@@ -594,4 +595,4 @@ def explain(
     >>> attnkit.explain(q, q, q, return_lse=True).rejected["sdpa"]
     ('does not return the log-sum-exp (return_lse=True)',)
     """
-    return choose(_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod), kernel)
+    return choose(validated_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod), kernel)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from attnkit import _cache
 from attnkit._indexing import as4d, check_align, check_offset, fmt, own, per_seq, shifted, span
 from attnkit._types import Device, IntLike, Offset
 from attnkit._validate import (
@@ -279,6 +280,12 @@ class Mask:
         :mod:`attnkit.prepare` prepares them once (e.g. the cache masks of every layer of a
         decoding step)."""
         return None
+
+    def cacheable(self) -> bool:
+        """Whether a result made from this mask may be kept by the mask's identity when it has no
+        :meth:`value_key` (masks copy the tensors they hold, so they never change; a ``from_fn``
+        predicate over something that cannot be fingerprinted might, and is never kept)."""
+        return True
 
     def band(self, q_len: int, kv_len: int) -> tuple[int | None, int | None] | None:
         """``(lo, hi)`` when this mask is exactly the band ``lo <= j - i <= hi`` of query index i
@@ -768,9 +775,15 @@ class _FromFn(Mask):
         return (self.batch_size or 1, self.num_heads or 1)
 
     def value_key(self):
-        # the function by identity: a cache entry holds the mask, so the id is not reused meanwhile
+        # the function's code and the contents of what it closes over (attnkit._cache.fingerprint):
+        # a closure whose captured tensor changes has another key; None where that cannot be known
         offsets = _values(self.q_offset, self.kv_offset)
-        return None if offsets is None else ("from_fn", id(self.fn), self.batch_size, self.num_heads, offsets)
+        fn = _cache.fingerprint(self.fn)
+        return None if offsets is None or fn is None else ("from_fn", fn, self.batch_size, self.num_heads, offsets)
+
+    def cacheable(self) -> bool:
+        # without a value key the predicate may change behind the mask's back: never cached by identity
+        return self.value_key() is not None
 
     def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
         other = copy.copy(self)
@@ -850,6 +863,9 @@ class _Combine(Mask):
         a, b = self.left.value_key(), self.right.value_key()
         return None if a is None or b is None else (self.op, a, b)
 
+    def cacheable(self):
+        return self.left.cacheable() and self.right.cacheable()
+
     def key_limit(self):
         a, b = self.left.key_limit(), self.right.key_limit()
         if self.op == "&":
@@ -928,6 +944,9 @@ class _Cached(Mask):
         if values is None or (self.mask is not None and inner is None):
             return None
         return ("cached", values, inner)
+
+    def cacheable(self):
+        return self.mask is None or self.mask.cacheable()
 
     def key_limit(self):
         return self.lengths

@@ -3,9 +3,11 @@
 A :class:`PreparedMask` holds, per (sequence, head) of the mask and per row block of
 ``bq`` queries, the key blocks of ``bk`` keys that are not empty and which of them are
 full, as tensors (``kv_num``, ``kv_indices``, ``kv_full``: the form a GPU kernel
-reads, like FlexAttention's ``BlockMask``), and the host-side plan the CPU kernel
-walks: rows of the batch and heads whose block maps are equal share one plan, and
-each plan lists, per row block, the runs of adjacent key blocks to visit.
+reads, like FlexAttention's ``BlockMask``), the element masks of the partial blocks as
+bits (``bits``, ``tile_ids``), the facts kernels decide on (``band``, ``kept``,
+``hides_nothing``, ...) and the host-side plan the CPU kernels walk: rows of the batch and
+heads whose block maps are equal share one plan, and each plan lists, per row block, the
+runs of adjacent key blocks to visit. Everything is computed once, here, and read-only.
 
 Preparing reads the mask's values once (a host sync); reusing the prepared mask
 across layers and decoding steps is the fast path::
@@ -15,37 +17,42 @@ across layers and decoding steps is the fast path::
         x = layer(x, mask=prepared)
 
 ``attnkit.attention`` also prepares masks it is given as mask objects, through one
-bounded cache owned by this module (:data:`IMPLICIT_CACHE_SIZE` entries, each with
-at most :data:`TILE_CACHE_BYTES` of evaluated mask tiles). Masks without tensors
-(causal, windows, int prefixes) are found there by value, masks holding tensors by
-identity (masks copy their tensors, so a mask object never changes).
+bounded cache (:data:`attnkit._cache.PREPARED`): masks are found by value (their kind,
+parameters and the contents of small tensors they hold), others by identity (masks copy
+their tensors, so a mask object never changes).
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
+import sys
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Union
 
 import numpy as np
 import torch
 
+from attnkit import _cache
 from attnkit import masks as _masks
 from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 
-__all__ = ["prepare", "PreparedMask", "Run", "RowBlock", "Group", "DEFAULT_BLOCK_SIZE", "prepared_for", "clear_cache"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "Group",
+    "MaskFacts",
+    "MaskLike",
+    "PreparedMask",
+    "RowBlock",
+    "Run",
+    "clear_cache",
+    "mask_facts",
+    "prepare",
+    "prepared_for",
+]
 
-#: Evaluated mask tiles a prepared mask may keep (bytes).
-TILE_CACHE_BYTES = 64 * 2**20
-#: Prepared masks kept by the implicit cache of :func:`attnkit.attention`.
-IMPLICIT_CACHE_SIZE = 16
-
-
-#: The block size ``prepare`` uses when none is asked for: the CPU kernel's (``benchmarks/cpu.py``).
+#: The block size ``prepare`` uses when none is asked for: the CPU kernels' (``benchmarks/cpu.py``).
 #: Each kernel declares its own (:attr:`attnkit.kernels.Kernel.block_size`); the registry
 #: prepares for the kernel it chooses.
 DEFAULT_BLOCK_SIZE = (128, 64)
@@ -86,53 +93,74 @@ class Group:
         return any(not run.full for row in self.rows for run in row.runs)
 
 
-class _TileCache:
-    """Evaluated mask tiles of one prepared mask, bounded in bytes, thread-safe."""
+@dataclass(frozen=True)
+class MaskFacts:
+    """What a mask object says of itself at some lengths, without reading its values: the one
+    place these facts are worked out, for a :class:`PreparedMask` and for a call that has not
+    prepared its mask (yet).
 
-    def __init__(self, limit: int):
-        self.limit, self.size = limit, 0
-        self.tiles: dict[object, Any] = {}
-        self.lock = threading.Lock()
+    - ``band``: ``(lo, hi)`` when the mask is exactly ``lo <= j - i <= hi`` (causal and window
+      masks with int offsets, :meth:`attnkit.masks.Mask.band`), else None;
+    - ``limit_only``: the mask hides exactly the keys from each sequence's limit on (padding).
+    """
 
-    def get(self, key):
-        return self.tiles.get(key)
+    band: tuple[int | None, int | None] | None
+    limit_only: bool
 
-    def put(self, key, value, nbytes: int, within: float = 1.0) -> bool:
-        """Keep ``value`` if it fits in ``within`` of the bound (returns whether the key is now held)."""
-        with self.lock:
-            if key in self.tiles:
-                return True
-            if self.size + nbytes <= within * self.limit:
-                self.tiles[key] = value
-                self.size += nbytes
-                return True
+    @property
+    def causal_shift(self) -> int | None:
+        """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (0: SDPA's ``is_causal``)."""
+        return self.band[1] if self.band is not None and self.band[0] is None else None
+
+    def band_hides_nothing(self, q_len: int, kv_len: int) -> bool:
+        """Whether the mask is a band that lets every query see every key at these lengths."""
+        if self.band is None:
             return False
+        lo, hi = self.band
+        return (lo is None or lo <= -(q_len - 1)) and (hi is None or hi >= kv_len - 1)
+
+
+_NO_MASK = MaskFacts(None, False)
+
+
+def mask_facts(mask: _masks.Mask | None, q_len: int, kv_len: int) -> MaskFacts:
+    """The :class:`MaskFacts` of a mask object (or of no mask) at these lengths."""
+    if mask is None:
+        return _NO_MASK
+    return MaskFacts(mask.band(q_len, kv_len), mask.limit_only())
+
+
+_UIDS = itertools.count(1)
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedMask:
     """A mask prepared for ``Lq x Lk`` attention; pass it wherever a mask is accepted.
 
-    Attributes (``Bm``/``Hm``: the mask's batch and head sizes, 1 where it is the same
-    for all; ``nq = ceil(Lq / bq)``, ``nk = ceil(Lk / bk)``):
+    Every field is computed by :func:`prepare` and read-only (``Bm``/``Hm``: the mask's batch
+    and head sizes, 1 where it is the same for all; ``nq = ceil(Lq / bq)``, ``nk = ceil(Lk / bk)``):
 
     - ``codes (Bm, Hm, nq, nk) int8``: EMPTY / PARTIAL / FULL per block;
     - ``kv_num (Bm, Hm, nq) int32``: kept key blocks per row block;
     - ``kv_indices (Bm, Hm, nq, nk) int32``: their indices first, in order;
     - ``kv_full (Bm, Hm, nq, nk) bool``: whether each listed block is full;
-    - ``kv_limit (Bm,)`` or None: keys from here on are hidden (never read);
+    - ``kv_limit (Bm,) int64`` or None: keys from here on are hidden (never read);
+    - ``bits (T, bk, bq // 8) uint8``: the element masks of the partial blocks, key-major, eight
+      queries a byte (bit ``r % 8`` of byte ``r // 8`` in key ``c``'s row is query ``r``; 1 = may
+      attend; one all-zero tile where there is no partial block); None when ``bq`` is no
+      multiple of 8 (see :meth:`partial_bits`);
+    - ``tile_ids (Bm, Hm, nq, nk) int32``: for the j-th listed key block of each row block (the
+      order of ``kv_indices``), its tile in ``bits``, or -1 for a full block;
     - ``kept``: the mean fraction of blocks a (sequence, head) visits;
-    - ``groups``: the CPU kernel's plans (see :class:`Group`);
-    - ``band``: ``(lo, hi)`` when the mask is exactly the band ``lo <= j - i <= hi`` (causal
-      and sliding-window masks with int offsets, see :meth:`attnkit.masks.Mask.band`), so a
-      kernel can evaluate partial blocks from two ints; None otherwise;
-    - ``limit_only``: the mask hides exactly the keys from ``kv_limit`` on (padding);
+    - ``groups``: the CPU kernels' plans (see :class:`Group`); ``masked``: whether any run
+      needs its element mask;
+    - ``band``, ``causal_shift``, ``limit_only``: the mask's :class:`MaskFacts`;
+    - ``hides_nothing``: every pair may attend at these lengths;
     - ``kv_limit_value``: the key limit as a Python int when every sequence has the same one
-      (None: no limit, or limits that differ), so a kernel can cut the keys without a sync.
+      (None: no limit, or limits that differ), so a kernel can cut the keys without a sync;
+    - ``uid``: a number unique to this prepared mask in the process.
 
-    Kernels read these facts (and :attr:`causal_shift`, :attr:`hides_nothing`,
-    :meth:`partial_bits`), never the mask's class. It is immutable: :meth:`to` returns a
-    new one.
+    Kernels read these facts, never the mask's class. :meth:`to` returns a new one.
     """
 
     mask: _masks.Mask | None
@@ -146,67 +174,44 @@ class PreparedMask:
     kv_limit: torch.Tensor | None
     groups: tuple[Group, ...] = field(repr=False)
     kept: float
-    tiles: _TileCache = field(repr=False, compare=False)
+    bits: torch.Tensor | None = field(repr=False)
+    tile_ids: torch.Tensor = field(repr=False)
     band: tuple[int | None, int | None] | None = None
     limit_only: bool = False
     kv_limit_value: int | None = None
-    #: A 0-d int64 tensor naming this prepared mask: compiled code passes it to attnkit's custom
-    #: ops, whose eager implementations find the mask from it (see :func:`from_handle`).
-    handle: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    masked: bool = False
+    hides_nothing: bool = False
+    causal_shift: int | None = None
+    uid: int = field(default_factory=lambda: next(_UIDS), repr=False, compare=False)
+    #: forms derived on request (int8 element masks, a device's copies): written by this class only
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    #: The handle's number as a Python int (for keys: no host read of the tensor).
-    handle_id: int = field(default=0, repr=False, compare=False)
-
-    def __post_init__(self):
-        number = next(_HANDLES)
-        object.__setattr__(self, "handle", torch.tensor(number, dtype=torch.int64))
-        object.__setattr__(self, "handle_id", number)
-        _LIVE[number] = self
-
-    @property
-    def masked(self) -> bool:
-        """Whether any visited block needs its element mask."""
-        return any(g.masked for g in self.groups)
-
-    @property
-    def hides_nothing(self) -> bool:
-        """Whether every pair may attend (the mask hides nothing at these lengths)."""
-        return bool(self.kept == 1.0 and not self.masked and self.kv_limit is None)
-
-    everything = hides_nothing
-
-    @property
-    def causal_shift(self) -> int | None:
-        """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (a causal mask with
-        int offsets; 0 is SDPA's ``is_causal``), else None."""
-        if self.band is None or self.band[0] is not None or self.mask is None:
-            return None
-        return self.band[1]
+    everything = property(lambda self: self.hides_nothing)
 
     def partial_bits(self, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The element masks of the partial blocks, for kernels that read masks as data.
+        """The element masks of the partial blocks one byte a pair, for kernels that read them so.
 
-        Returns ``bits (T, bq, bk) int8`` (1 = may attend; at least one tile) and
-        ``tile_ids (Bm, Hm, nq, nk) int32``: for the j-th listed key block of each row block
-        (the order of ``kv_indices``), the index of its tile in ``bits``, or -1 for a full
-        block. O(partial blocks) bytes; computed once per prepared mask and device.
+        Returns ``bits (T, bq, bk) int8`` (1 = may attend; at least one tile) and ``tile_ids``
+        as the field (the index of each listed block's tile, -1 for a full block), on ``device``
+        (default: the mask's). Unpacked from :attr:`bits` once per device.
         """
         device = torch.device(device) if device is not None else self.device
         key = ("partial_bits", str(device))
-        found = self.tiles.get(key)
+        found = self._derived.get(key)
         if found is None:
-            found = _partial_bits(self, device)
-            self.tiles.put(key, found, found[0].numel() + 4 * found[1].numel())
+            if self.bits is not None:
+                bq, bk = self.block_size
+                shifts = torch.arange(8, dtype=torch.uint8, device=self.bits.device)
+                rows = (self.bits[..., None] >> shifts) & 1  # (T, bk, bq/8, 8)
+                int8 = rows.reshape(self.bits.shape[0], bk, bq).transpose(1, 2).to(torch.int8)
+            else:
+                int8 = _partial_tiles(self)[0]
+            found = (int8.to(device).contiguous(), self.tile_ids.to(device).contiguous())
+            self._derived[key] = found
         return found
 
     def packed_partial_bits(self, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The element masks of the partial blocks key-major, eight queries a byte: for kernels
-        that read one key's mask over a run of queries as a word of bits.
-
-        Returns ``bits (T, bk, bq // 8) uint8``, where bit ``r % 8`` of byte ``r // 8`` in key
-        ``c``'s row of tile ``t`` is ``partial_bits()[0][t, r, c]`` (1 = may attend), and
-        ``tile_ids`` as :meth:`partial_bits` gives them. One bit a pair; computed once per
-        prepared mask and device. Needs ``bq`` a multiple of 8.
+        """:attr:`bits` and :attr:`tile_ids` on ``device`` (default: the mask's).
 
         >>> import attnkit
         >>> p = attnkit.prepare(attnkit.masks.causal(), 16, 16, block_size=(8, 8))
@@ -214,35 +219,62 @@ class PreparedMask:
         >>> bits.shape, bin(int(bits[0, 2, 0]))  # key 2 of the first diagonal tile: queries 2..7
         (torch.Size([2, 8, 1]), '0b11111100')
         """
+        if self.bits is None:
+            raise AttnkitValueError(
+                f"packed bits need a block of queries that is a multiple of 8, not {self.block_size[0]}."
+            )
         device = torch.device(device) if device is not None else self.device
-        bq, bk = self.block_size
-        if bq % 8:
-            raise AttnkitValueError(f"packed_partial_bits needs a block of queries that is a multiple of 8, not {bq}.")
-        key = ("packed_partial_bits", str(device))
-        found = self.tiles.get(key)
+        if device == self.device:
+            return self.bits, self.tile_ids
+        key = ("packed", str(device))
+        found = self._derived.get(key)
         if found is None:
-            rows = self.tiles.get(("partial_bits", str(device)))  # not kept by this call: 8x the bytes
-            bits, tile_ids = rows if rows is not None else _partial_bits(self, device)
-            weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=bits.device)
-            keys = bits.transpose(1, 2).reshape(bits.shape[0], bk, bq // 8, 8).to(torch.uint8)  # (T, bk, bq/8, 8)
-            packed = (keys * weights).sum(-1).to(torch.uint8).contiguous()  # distinct powers of two: no carry
-            found = (packed, tile_ids)
-            self.tiles.put(key, found, packed.numel() + 4 * tile_ids.numel())
+            found = self._derived[key] = (self.bits.to(device), self.tile_ids.to(device))
         return found
 
     def native_plan(self) -> tuple:
-        """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` on the CPU as the native engine's
-        operators read them: int32 block lists, int32 tile ids, the packed partial bits (uint8)
-        and the key limit (int64, or None)."""
-        key = ("native plan",)
-        found = self.tiles.get(key)
+        """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` on the CPU: the native engine's operands."""
+        bits, tile_ids = self.packed_partial_bits("cpu")
+        if self.device.type == "cpu":
+            return self.kv_num, self.kv_indices, tile_ids, bits, self.kv_limit
+        limit = None if self.kv_limit is None else self.kv_limit.cpu()
+        return self.kv_num.cpu(), self.kv_indices.cpu(), tile_ids, bits, limit
+
+    def block_tiles(self) -> torch.Tensor:
+        """``(Bm, Hm, nq, nk) int32``: the tile of each block (by block index, not listed order), -1
+        for a full or empty block."""
+        found = self._derived.get("block_tiles")
         if found is None:
-            kv_num, kv_indices = (t.cpu().to(torch.int32).contiguous() for t in (self.kv_num, self.kv_indices))
-            bits, tile_ids = self.packed_partial_bits(torch.device("cpu"))
-            limit = None if self.kv_limit is None else self.kv_limit.cpu().to(torch.int64).contiguous()
-            found = (kv_num, kv_indices, tile_ids, bits, limit)
-            self.tiles.put(key, found, sum(t.numel() * t.element_size() for t in found[:2]))
+            found = torch.full(self.codes.shape, -1, dtype=torch.int32, device=self.device)
+            found.scatter_(-1, self.kv_indices.long(), self.tile_ids)
+            found = found.masked_fill(self.codes != _masks.PARTIAL, -1)
+            self._derived["block_tiles"] = found
         return found
+
+    def allowed(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """The allowed pairs of queries ``[q0, q1)`` and keys ``[k0, k1)``: ``(Bm or 1, Hm or 1, n, S)``
+        bool, evaluated from the mask (or, for a plan rebuilt from tensors, read from the bits)."""
+        if self.mask is not None:
+            from attnkit._indexing import as4d
+
+            q_idx = torch.arange(q0, q1, device=self.device)[:, None]
+            kv_idx = torch.arange(k0, k1, device=self.device)[None, :]
+            return as4d(self.mask.elements(q_idx, kv_idx, self.q_len, self.kv_len))
+        bq, bk = self.block_size
+        int8, _ = self.partial_bits()
+        tiles = self.block_tiles()
+        bm, hm = self.codes.shape[:2]
+        out = torch.zeros(bm, hm, q1 - q0, k1 - k0, dtype=torch.bool, device=self.device)
+        for i in range(q0 // bq, -(-q1 // bq)):
+            for j in range(k0 // bk, -(-k1 // bk)):
+                r0, r1, c0, c1 = max(q0, i * bq), min(q1, (i + 1) * bq), max(k0, j * bk), min(k1, (j + 1) * bk)
+                codes = self.codes[:, :, i, j]  # (Bm, Hm)
+                tile = int8[tiles[:, :, i, j].clamp(min=0).long()][..., r0 - i * bq : r1 - i * bq, c0 - j * bk : c1 - j * bk]
+                block = torch.where(
+                    (codes == _masks.FULL)[..., None, None], True, (codes == _masks.PARTIAL)[..., None, None] & (tile == 1)
+                )
+                out[:, :, r0 - q0 : r1 - q0, c0 - k0 : c1 - k0] = block
+        return out
 
     @property
     def lead_shape(self) -> tuple[int, int]:
@@ -264,18 +296,31 @@ class PreparedMask:
 
     def to(self, device: Device) -> PreparedMask:
         """The same prepared mask with its tensors on ``device`` (a new value)."""
+        if self.mask is None and self.groups and self.masked:
+            return rebuilt(
+                self.q_len, self.kv_len, self.block_size, self.codes.to(device),
+                None if self.kv_limit is None else self.kv_limit.to(device),
+                None if self.bits is None else self.bits.to(device), self.tile_ids.to(device), self.band,
+            )  # fmt: skip
         return prepare(self.mask, self.q_len, self.kv_len, device=device, block_size=self.block_size)
 
     def with_block_size(self, block_size: tuple[int, int]) -> PreparedMask:
         """The same mask prepared for another block size (through the implicit cache: once)."""
         if tuple(block_size) == self.block_size:
             return self
+        if self.mask is None and self.masked:
+            raise AttnkitValueError(
+                f"this plan was rebuilt from tensors at block size {self.block_size} and holds no mask to "
+                f"prepare again at {tuple(block_size)}."
+            )
         return prepared_for(self.mask, self.q_len, self.kv_len, self.device, (block_size[0], block_size[1]))
 
     def materialize(self, device: Device = None) -> torch.Tensor:
         """The dense bool mask ``(Bm, Hm, Lq, Lk)`` (True = may attend)."""
-        if self.mask is None:
+        if self.mask is None and not self.masked and self.kv_limit is None and self.hides_nothing:
             return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device or self.device)
+        if self.mask is None:
+            return self.allowed(0, self.q_len, 0, self.kv_len).to(device or self.device)
         return self.mask.materialize(self.q_len, self.kv_len, device or self.device, check=False)
 
     def __repr__(self) -> str:
@@ -286,19 +331,8 @@ class PreparedMask:
         )
 
 
-_HANDLES = itertools.count(1)
-_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def from_handle(handle: torch.Tensor) -> PreparedMask:
-    """The prepared mask a :attr:`PreparedMask.handle` names (for custom ops running compiled code)."""
-    found = _LIVE.get(int(handle))
-    if found is None:
-        raise AttnkitValueError(
-            "the PreparedMask this compiled call was traced with no longer exists: keep a "
-            "reference to it while the compiled function runs."
-        )
-    return found
+#: What ``mask=`` takes: a mask object, a prepared mask, a bool or float tensor, or None.
+MaskLike = Union[_masks.Mask, PreparedMask, torch.Tensor, None]
 
 
 def prepare(
@@ -313,8 +347,8 @@ def prepare(
 
     ``mask`` is an attnkit mask object, a bool tensor (True = may attend, broadcast
     from the right like SDPA's ``attn_mask``) or None. The result holds the block lists
-    on ``device`` (default: the mask's own) and the CPU kernel's per-row plans.
-    Reuse it for every call with these lengths: no further host syncs.
+    and the partial blocks' bits on ``device`` (default: the mask's own) and the CPU
+    kernels' per-row plans. Reuse it for every call with these lengths: no further host syncs.
 
     >>> import attnkit
     >>> p = attnkit.prepare(attnkit.masks.causal(), 256, 256)
@@ -347,15 +381,21 @@ def prepare(
         mask.check_values(q_len, kv_len)
         limit = mask.key_limit()
         if limit is not None:
-            limit = limit.to(device).clamp(0, kv_len)
+            limit = limit.to(device=device, dtype=torch.int64).clamp(0, kv_len)
             if bool((limit >= kv_len).all()):
                 limit = None  # nothing to cut
         codes = mask._block_map(q_len, kv_len, bq, bk, device, limit)
         codes = codes.contiguous()
+    return _assemble(mask, q_len, kv_len, (bq, bk), codes, limit, mask_facts(mask, q_len, kv_len).band, None)
+
+
+def _assemble(mask, q_len, kv_len, block_size, codes, limit, band, bits_and_ids) -> PreparedMask:
+    """A PreparedMask from its block codes: the block lists, bits, plans and facts."""
+    bq, bk = block_size
     kept_blocks = codes != _masks.EMPTY
     order = torch.argsort((~kept_blocks).to(torch.int8), dim=-1, stable=True)
-    kv_num = kept_blocks.sum(-1, dtype=torch.int32)
-    kv_indices = order.to(torch.int32)
+    kv_num = kept_blocks.sum(-1, dtype=torch.int32).contiguous()
+    kv_indices = order.to(torch.int32).contiguous()
     kv_full = torch.gather(codes, -1, order) == _masks.FULL
     kept = float(kept_blocks.float().mean()) if codes.numel() else 0.0
     limits = None if limit is None else limit.cpu().numpy()
@@ -363,9 +403,13 @@ def prepare(
     shared_limit = None
     if limits is not None and limits.size and not (limits != limits.flat[0]).any():
         shared_limit = int(limits.flat[0])
-    band = None if mask is None else mask.band(q_len, kv_len)
-    limit_only = mask is not None and mask.limit_only()
-    return PreparedMask(
+    masked = any(g.masked for g in groups)
+    facts = MaskFacts(band, mask is not None and mask.limit_only())
+    if bits_and_ids is None:
+        bits, tile_ids = _partial_tiles_packed(mask, q_len, kv_len, block_size, codes, kv_indices)
+    else:
+        bits, tile_ids = bits_and_ids
+    prepared = PreparedMask(
         mask,
         q_len,
         kv_len,
@@ -377,44 +421,74 @@ def prepare(
         limit,
         groups,
         kept,
-        _TileCache(TILE_CACHE_BYTES),
+        bits,
+        tile_ids,
         band,
-        limit_only,
+        facts.limit_only,
         shared_limit,
+        masked,
+        bool(kept == 1.0 and not masked and limit is None),
+        facts.causal_shift,
+    )
+    if bits is not None and "torch._dynamo" in sys.modules:  # torch.compile in use: another layout's
+        torch._dynamo.maybe_mark_dynamic(bits, 0)  # number of partial tiles runs the same compiled graph
+    return prepared
+
+
+def rebuilt(q_len, kv_len, block_size, codes, kv_limit, bits, tile_ids, band) -> PreparedMask:
+    """A PreparedMask from the tensors of one (the plan compiled code carries as arguments):
+    its groups are planned again from ``codes``, its partial blocks read from ``bits``."""
+    return _assemble(None, q_len, kv_len, tuple(block_size), codes, kv_limit, band, (bits, tile_ids))
+
+
+def _partial_tiles_packed(mask, q_len, kv_len, block_size, codes, kv_indices):
+    """``(bits or None, tile_ids)`` at preparation (see :class:`PreparedMask`)."""
+    bq, _ = block_size
+    int8, listed = _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices)
+    if bq % 8:
+        return None, listed
+    t, bk = int8.shape[0], int8.shape[2]
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=int8.device)
+    keys = int8.transpose(1, 2).reshape(t, bk, bq // 8, 8).to(torch.uint8)  # (T, bk, bq/8, 8)
+    packed = (keys * weights).sum(-1, dtype=torch.uint8).contiguous()  # distinct powers of two: no carry
+    return packed, listed
+
+
+def _partial_tiles(prepared: PreparedMask) -> tuple[torch.Tensor, torch.Tensor]:
+    return _partial_tiles_of(
+        prepared.mask, prepared.q_len, prepared.kv_len, prepared.block_size, prepared.codes, prepared.kv_indices
     )
 
 
-def _partial_bits(prepared: PreparedMask, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :meth:`PreparedMask.partial_bits` (one host sync: which blocks are partial). The mask
-    is evaluated once per row block, over the key blocks partial in some sequence or head."""
+def _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bits (T, bq, bk) int8, tile_ids)`` of the partial blocks (one host sync: which blocks are
+    partial). The mask is evaluated once per row block, over the key blocks partial in some
+    sequence or head; at least one tile (all zeros where there is no partial block)."""
     from attnkit._indexing import as4d
 
-    codes = prepared.codes
-    bq, bk = prepared.block_size
+    device = codes.device
+    bq, bk = block_size
     bm, hm, nq, nk = codes.shape
     ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
     tiles: list[torch.Tensor] = []
     by_row: dict = {}
     for b, h, i, j in (codes == _masks.PARTIAL).nonzero().tolist():
         by_row.setdefault(i, {}).setdefault(j, []).append((b, h))
-    last_q, last_k = max(prepared.q_len - 1, 0), max(prepared.kv_len - 1, 0)
-    mask = prepared.mask
+    last_q, last_k = max(q_len - 1, 0), max(kv_len - 1, 0)
     for i, blocks in by_row.items():
         assert mask is not None, "partial blocks come from a mask"
         columns = sorted(blocks)
         q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
         kv_idx = (torch.tensor(columns)[:, None] * bk + torch.arange(bk)[None, :]).reshape(1, -1)  # (1, n * bk)
-        inside = (q_idx < prepared.q_len) & (kv_idx < prepared.kv_len)
-        e = as4d(
-            mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k), prepared.q_len, prepared.kv_len)
-        ).cpu()
+        inside = (q_idx < q_len) & (kv_idx < kv_len)
+        e = as4d(mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k), q_len, kv_len)).cpu()
         e = e.expand(*e.shape[:2], bq, kv_idx.shape[1]) & inside  # (Bm or 1, Hm or 1, bq, n * bk)
         for n, j in enumerate(columns):
             for b, h in blocks[j]:
                 ids[b, h, i, j] = len(tiles)
                 tiles.append(e[min(b, e.shape[0] - 1), min(h, e.shape[1] - 1), :, n * bk : (n + 1) * bk])
-    bits = torch.stack(tiles).to(torch.int8) if tiles else torch.ones(1, bq, bk, dtype=torch.int8)
-    listed = ids.gather(-1, prepared.kv_indices.long().cpu().clamp(min=0))
+    bits = torch.stack(tiles).to(torch.int8) if tiles else torch.zeros(1, bq, bk, dtype=torch.int8)
+    listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
     return bits.to(device).contiguous(), listed.to(device).contiguous()
 
 
@@ -506,9 +580,6 @@ def _runs(row: np.ndarray, bk: int, kv_end: int) -> tuple[Run, ...]:
 
 # --- the implicit cache ---------------------------------------------------------------
 
-_implicit: OrderedDict = OrderedDict()
-_implicit_lock = threading.Lock()
-
 
 #: How many preparations the implicit cache has made (tests count them).
 PREPARATIONS = {"count": 0}
@@ -518,32 +589,30 @@ def prepared_for(
     mask: _masks.Mask | None, q_len: int, kv_len: int, device: Device, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
 ) -> PreparedMask:
     """``prepare(mask, q_len, kv_len, device=device, block_size=block_size)`` through the
-    bounded implicit cache: once per (mask, lengths, device, block size).
+    bounded implicit cache (:data:`attnkit._cache.PREPARED`): once per (mask, lengths, device,
+    block size).
 
-    Masks are found by value (:meth:`attnkit.masks.Mask.value_key`: kind, parameters and small
-    CPU tensors), others by identity.
+    Masks are found by value (:meth:`attnkit.masks.Mask.value_key`: kind, parameters and the
+    contents of small tensors), others by identity, held weakly and checked.
     """
     value_key = ("no mask",) if mask is None else mask.value_key()
+    if value_key is None and mask is not None and not mask.cacheable():  # may change behind its identity
+        PREPARATIONS["count"] += 1
+        return prepare(mask, q_len, kv_len, device=device, block_size=block_size)
     key = (value_key if value_key is not None else ("id", id(mask)), q_len, kv_len, str(device), tuple(block_size))
-    with _implicit_lock:
-        hit = _implicit.get(key)
-        if hit is not None:
-            ref, prepared = hit
-            if ref is None or ref() is mask:
-                _implicit.move_to_end(key)
-                return prepared
-            del _implicit[key]
+    hit = _cache.PREPARED.get(key)
+    if hit is not None:
+        ref, prepared = hit
+        if ref is None or ref() is mask:
+            return prepared
+        _cache.PREPARED.pop(key)
     prepared = prepare(mask, q_len, kv_len, device=device, block_size=block_size)
     PREPARATIONS["count"] += 1
     ref = None if value_key is not None else weakref.ref(mask)
-    with _implicit_lock:
-        _implicit[key] = (ref, prepared)
-        while len(_implicit) > IMPLICIT_CACHE_SIZE:
-            _implicit.popitem(last=False)
+    _cache.PREPARED.put(key, (ref, prepared))
     return prepared
 
 
 def clear_cache() -> None:
     """Forget every implicitly prepared mask."""
-    with _implicit_lock:
-        _implicit.clear()
+    _cache.PREPARED.clear()

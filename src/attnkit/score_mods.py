@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Union
 
 import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
 
-__all__ = ["ScoreMod", "as_score_mod"]
+__all__ = ["ScoreMod", "ScoreModLike", "as_score_mod"]
 
 
 class ScoreMod:
@@ -123,6 +124,10 @@ def _vmapped(fn):
     f = torch.vmap(f, in_dims=(0, None, None, 0, None))  # queries
     f = torch.vmap(f, in_dims=(0, None, 0, None, None))  # heads
     return torch.vmap(f, in_dims=(0, 0, None, None, None))  # batch rows
+
+
+#: What ``score_mod=`` takes: ``fn(score, b, h, q_idx, kv_idx) -> score``, a ScoreMod, or None.
+ScoreModLike = Union[ScoreMod, Callable[..., torch.Tensor], None]
 
 
 def as_score_mod(value: Callable[..., torch.Tensor] | ScoreMod | None) -> ScoreMod | None:

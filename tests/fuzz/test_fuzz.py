@@ -11,31 +11,22 @@ import math
 
 import pytest
 import torch
+from _oracle import (  # noqa: E402  (tests/_oracle.py: the float64 oracle of TESTING.md)
+    ENGINES,
+    alibi_formula,
+    assert_oracle,
+    engine_pinned,
+    gold_and_naive,
+    naive_attention,
+    oracle,
+    relative_formula,
+)
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit import bias, masks
 from attnkit._validate import AttnkitError
-
-
-def _oracle():
-    """tests/conftest.py (the float64 oracle of TESTING.md), loaded by path: 'conftest' here is this folder's."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "attnkit_test_oracle", Path(__file__).resolve().parents[1] / "conftest.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_o = _oracle()
-assert_oracle, gold_and_naive, naive_attention = _o.assert_oracle, _o.gold_and_naive, _o.naive_attention
-oracle, engine_pinned, ENGINES = _o.oracle, _o.engine_pinned, _o.ENGINES
-alibi_formula, relative_formula = _o.alibi_formula, _o.relative_formula
 
 KERNELS = ["auto", "tiled", "reference", "sdpa"]
 

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnkit._types import BiasLike, Device, MaskLike
+from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int, short
+from attnkit.bias import BiasLike
 from attnkit.distributed import layout as _layout
 from attnkit.distributed.layout import pieces, positions
 from attnkit.distributed.ring import DEFAULT_TIMEOUT, RingError, _Group, ring_attention
 from attnkit.nn.attention import MultiHeadAttention
+from attnkit.prepare import MaskLike
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from attnkit import bias as _bias
-from attnkit._types import BiasLike, MaskLike
 from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError, check_qkv, short
+from attnkit.bias import BiasLike
 from attnkit.distributed import layout as _layout
-from attnkit.functional import attention
-from attnkit.kernels import tiled
+from attnkit.functional import attention, validated_call
+from attnkit.kernels import registry
 from attnkit.kernels.lse import accumulator_dtype, add_sinks, merge_into
 from attnkit.masks import Mask
-from attnkit.prepare import prepare
+from attnkit.prepare import MaskLike
 
 __all__ = ["RingError", "ring_attention"]
 
@@ -258,17 +258,28 @@ class _Ring:
     def __init__(self, comm, sched, mask, attn_bias, softcap, scale):
         self.comm, self.sched = comm, sched
         self.mask, self.attn_bias, self.softcap, self.scale = mask, attn_bias, softcap, scale
+        # each rectangle's part of the mask, made once: the forward's and backward's calls find its
+        # prepared plan in the implicit cache (a part holding tensors is found by its identity)
+        self._parts: dict = {}
 
     def sizes(self, pieces) -> list[int]:
         return [b - a for a, b in pieces]
 
-    def rectangle(self, q, k, v, q_piece, kv_piece, attn_bias):
+    def part(self, q_piece, kv_piece, attn_bias):
+        """``(mask, bias)`` of one rectangle of the global problem (the mask made once)."""
         s = self.sched
-        mask = _layout.part_of(self.mask, s.q_len, s.kv_len, q_piece, kv_piece)
+        key = (tuple(q_piece), tuple(kv_piece))
+        mask = self._parts.get(key)
+        if mask is None and key not in self._parts:
+            mask = self._parts[key] = _layout.part_of(self.mask, s.q_len, s.kv_len, q_piece, kv_piece)
         part_bias = None
         if attn_bias is not None:
             (a, b), (c, d) = q_piece, kv_piece
             part_bias = attn_bias.part(s.q_len, s.kv_len, q=slice(a, b), kv=slice(c, d))
+        return mask, part_bias
+
+    def rectangle(self, q, k, v, q_piece, kv_piece, attn_bias):
+        mask, part_bias = self.part(q_piece, kv_piece, attn_bias)
         return attention(q, k, v, mask, attn_bias=part_bias, softcap=self.softcap, scale=self.scale, return_lse=True)
 
     def _own(self, pieces, j, lo, hi):
@@ -419,17 +430,12 @@ class _Ring:
             self._own(dv_own, j, lo, hi).add_(dv_part)
 
     def _rectangle_backward(self, q, k, v, q_piece, kv_piece, attn_bias, params, out, lse, dout, dlse):
-        """d loss / d (q, k, v) of one rectangle by the tiled kernel's backward pass, given the
-        merged output and lse (no forward is recomputed)."""
-        s = self.sched
-        (a, b), (c, d) = q_piece, kv_piece
-        mask = _layout.part_of(self.mask, s.q_len, s.kv_len, q_piece, kv_piece)
-        prepared = prepare(mask, b - a, d - c, device=q.device)
-        part_bias = None if attn_bias is None else attn_bias.part(s.q_len, s.kv_len, q=slice(a, b), kv=slice(c, d))
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        dq, dk, dv = tiled.backward_part(
-            q, k, v, prepared, out, lse, dout, dlse, scale=scale, bias=part_bias, softcap=self.softcap
-        )
+        """d loss / d (q, k, v) of one rectangle by the backward over a part of the keys of the kernel
+        the registry chooses (:func:`attnkit.kernels.backward_part`), given the merged output and
+        lse (no forward is recomputed)."""
+        mask, part_bias = self.part(q_piece, kv_piece, attn_bias)
+        call = validated_call(q, k, v, mask, self.scale, 0.0, True, part_bias, self.softcap)
+        dq, dk, dv = registry.backward_part(call, out, lse, dout, dlse)
         return [dq, dk, dv, *([None] * len(params))]
 
     def _rectangle_grad(self, q, k, v, q_piece, kv_piece, attn_bias, params, out, lse, dout, dlse):

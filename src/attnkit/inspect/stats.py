@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from attnkit._types import BiasLike, MaskLike, ScoreModLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
-from attnkit.functional import _call
+from attnkit.bias import BiasLike
+from attnkit.functional import validated_call
 from attnkit.kernels import registry, tiles
-from attnkit.prepare import Run
+from attnkit.prepare import MaskLike, Run
+from attnkit.score_mods import ScoreModLike
 
 __all__ = ["AttentionStats", "attention_stats"]
 
@@ -232,12 +233,12 @@ def attention_stats(
             "attention_stats takes bool masks or mask objects; pass an additive float mask as "
             "attn_bias=attnkit.bias.dense(tensor) (and -inf entries as a bool mask)."
         )
-    call = _call(q, k, v, mask, scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
+    call = validated_call(q, k, v, mask, scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
     squeeze = q.dim() - 4
     if squeeze > 0:
         raise AttnkitValueError(f"attention_stats takes inputs of rank 2 to 4, but q has shape {tuple(q.shape)}.")
     q4, k4, v4 = (t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) for t in (q, k, v))
-    call = _call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
+    call = validated_call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
     with torch.no_grad():
         plan = registry.choose(call)
         _, lse = registry.run(call, plan)  # includes the sinks' mass
@@ -272,7 +273,7 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
         call.scale,
         0.0,
         0,
-        False,
+        "math",
         call.bias,
         call.softcap,
         tuple(call.bias.params()) if call.bias is not None else (),

@@ -4,7 +4,8 @@
 //   torch.ops.attnkit.native_forward(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band,
 //                                    block_q, block_k, scale, softcap) -> (out, lse)
 //   torch.ops.attnkit.native_backward(grad_out, grad_lse, q, k, v, out, lse, <the plan as above>,
-//                                     block_q, block_k, scale, softcap, delta_from_out) -> (dq, dk, dv)
+//                                     block_q, block_k, scale, softcap, delta_from_out, band_grad)
+//                                     -> (dq, dk, dv, dband)
 //
 // Built once per machine by attnkit/kernels/native.py (the compiler found on the machine, -O3
 // -march=native, against the libtorch that is running: at::parallel_for shares PyTorch's threads)
@@ -64,7 +65,7 @@
 #include <vector>
 
 // The interface version native.py checks before it trusts a build (its VERSION).
-#define ATTNKIT_NATIVE_INTERFACE 5
+#define ATTNKIT_NATIVE_INTERFACE 6
 
 namespace {
 
@@ -338,6 +339,7 @@ struct Problem {
     // backward
     int64_t chunks, Dp, Dvp;
     bool delta_from_out;  // delta = rowsum(dO O): a part of the keys (the merged out and lse)
+    bool band_grad;       // sum dS along each diagonal into the band's gradient
 
     int64_t key_end(int64_t b) const {
         if (!kv_limit) return Lk;
@@ -548,17 +550,19 @@ struct Item {
     int64_t b, h, qb;  // forward: query head h, row block qb; backward: K/V head h, chunk qb
 };
 
+// Runs every item on PyTorch's threads, each thread taking the next item (a dynamic schedule);
+// returns the threads' states (for what they summed).
 template <typename Work>
-void run_items(const std::vector<Item>& items, const Work& work) {
+std::vector<typename Work::State> run_items(const std::vector<Item>& items, const Work& work) {
     std::atomic<int64_t> next{0};
     const int64_t n = static_cast<int64_t>(items.size());
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+    std::vector<typename Work::State> states(threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-            typename Work::State state;
-            for (int64_t i = next++; i < n; i = next++) work(items[i], state);
-        }
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t i = next++; i < n; i = next++) work(items[i], states[t]);
     });
+    return states;
 }
 
 // ---- forward ------------------------------------------------------------------------------
@@ -793,6 +797,7 @@ struct Backward {
         Buffer<> qt, qr, qc, dot, dor, ot, dqt, kc, vc, ps, dps, ts;
         std::vector<uint8_t> used;
         std::vector<Step> steps;
+        std::vector<float> gband;  // the band's gradient, reversed like band_rev (band_grad only)
 #if ATTNKIT_BF16_DOT
         Buffer<c10::BFloat16> q2, kb;
 #endif
@@ -806,6 +811,7 @@ struct Backward {
         float* dk = dk_acc + ((b * pb.Hkv + hk) * pb.chunks + it.qb) * kv_rows * pb.Dp;
         float* dv = dv_acc + ((b * pb.Hkv + hk) * pb.chunks + it.qb) * kv_rows * pb.Dvp;
         st.used.resize(pb.bk);
+        if (pb.band_grad && st.gband.empty()) st.gband.assign(pb.band_heads * (pb.Lq + pb.Lk - 1 + SB), 0.0f);
         const int64_t end = pb.key_end(b);
         const int64_t qb0 = it.qb * pb.nq / pb.chunks, qb1 = (it.qb + 1) * pb.nq / pb.chunks;
         for (int64_t h = hk * pb.group; h < (hk + 1) * pb.group; ++h) {
@@ -933,8 +939,9 @@ struct Backward {
             }
             store(delta + j * W, d - load(gl + j * W));
         }
-        // Pass 2: dS^T = P^T (dP^T - delta), through the tanh, times the scale; dV, dK and dQ
+        // Pass 2: dS^T = P^T (dP^T - delta) (the band's gradient), through the tanh, times the scale; dV, dK and dQ
         std::fill_n(dqt, D * SB, 0.0f);
+        float* gband = pb.band_grad ? st.gband.data() + (pb.band_heads == 1 ? 0 : h) * (pb.Lq + pb.Lk - 1 + SB) : nullptr;
         const vf scale = splat(pb.scale);
         for (int64_t i = 0; i < plan.num; ++i) {
             const Step& step = st.steps[i];
@@ -965,11 +972,23 @@ struct Backward {
                     const vf p0 = load(pi + at), p = p0 == vf{} ? vf{} : p0 * norm[j / W];  // hidden: 0 * NaN
                     store(pi + at, p);
                     vf ds = p * (load(dsi + at) - load(delta + j));
+                    ds = p == vf{} ? vf{} : ds;  // a hidden pair has no gradient, whatever delta holds
+                    store(dsi + at, ds);
+                }
+            if (gband) {  // d loss / d bias(kv - q) = dS, summed along the tile's diagonals
+                for (int64_t c = 0; c < step.kn; ++c) {
+                    float* g = gband + (pb.Lk - 1 - step.k0 - c + r0);
+                    for (int j = 0; j < SB; j += W) store(g + j, load(g + j) + load(dsi + c * SB + j));
+                }
+            }
+            for (int64_t c = 0; c < step.kn; ++c)
+                for (int j = 0; j < SB; j += W) {
+                    const int64_t at = c * SB + j;
+                    vf ds = load(dsi + at);
                     if (ti) {
                         vf th = load(ti + at);
                         ds = ds * (splat(1.0f) - th * th);
                     }
-                    ds = p == vf{} ? vf{} : ds;  // a hidden pair has no gradient, whatever delta holds
                     store(dsi + at, ds * scale);
                 }
             // dV[k0:] += P^T (kn x SB) dO (SB x Dvp); dK[k0:] += dS^T (kn x SB) Q (SB x Dp)
@@ -995,7 +1014,18 @@ std::vector<Item> backward_items(const Problem& pb) {
 
 // ---- the operators: every argument checked, then one parallel run ---------------------------
 
-const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+const char* dtype_name(at::ScalarType t) {  // as torch names them
+    switch (t) {
+        case at::kFloat: return "torch.float32";
+        case at::kBFloat16: return "torch.bfloat16";
+        case at::kHalf: return "torch.float16";
+        case at::kDouble: return "torch.float64";
+        case at::kInt: return "torch.int32";
+        case at::kLong: return "torch.int64";
+        case at::kByte: return "torch.uint8";
+        default: return c10::toString(t);
+    }
+}
 
 // q/k/v-like: 4-D CPU with the call's dtype; made unit-stride in the last dimension when it is not.
 at::Tensor rows_contiguous(const at::Tensor& t, const char* name, at::ScalarType dtype) {
@@ -1148,7 +1178,8 @@ std::tuple<at::Tensor, at::Tensor> native_forward(const at::Tensor& q, const at:
 
 template <typename T>
 void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, const at::Tensor& lse,
-                    const std::optional<at::Tensor>& gl, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+                    const std::optional<at::Tensor>& gl, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                    at::Tensor& dband) {
     Problem& pb = c.pb;
     const int64_t threads = at::get_num_threads();
     pb.chunks = std::max<int64_t>(1, std::min<int64_t>(pb.nq, (2 * threads + pb.B * pb.Hkv - 1) / (pb.B * pb.Hkv)));
@@ -1167,7 +1198,16 @@ void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, cons
                      dq.data_ptr<T>(),
                      dk_acc.data_ptr<float>(),
                      dv_acc.data_ptr<float>()};
-    run_items(backward_items(pb), work);
+    const auto states = run_items(backward_items(pb), work);
+    if (pb.band_grad) {  // the threads' sums, back in the band's own order
+        const int64_t width = pb.Lq + pb.Lk - 1;
+        float* g = dband.data_ptr<float>();
+        for (const auto& state : states) {
+            if (state.gband.empty()) continue;
+            for (int64_t hb = 0; hb < pb.band_heads; ++hb)
+                for (int64_t i = 0; i < width; ++i) g[hb * width + i] += state.gband[hb * (width + SB) + width - 1 - i];
+        }
+    }
     // dK, dV: the chunks' sums, in the inputs' dtype
     const float* ka = dk_acc.data_ptr<float>();
     const float* va = dv_acc.data_ptr<float>();
@@ -1190,15 +1230,19 @@ void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, cons
     });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> native_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> native_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& kv_num,
     const at::Tensor& kv_indices, const at::Tensor& tile_ids, const at::Tensor& bits,
     const std::optional<at::Tensor>& kv_limit, const std::optional<at::Tensor>& band, int64_t block_q, int64_t block_k,
-    double scale, double softcap, bool delta_from_out) {
+    double scale, double softcap, bool delta_from_out, bool band_grad) {
     Checked c = check_call(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap);
     Problem& pb = c.pb;
     pb.delta_from_out = delta_from_out;
+    TORCH_CHECK(!band_grad || band.has_value(), "attnkit.native: band_grad needs a band");
+    pb.band_grad = band_grad;
+    at::Tensor dband = band_grad ? at::zeros({pb.band_heads, pb.Lq + pb.Lk - 1}, c.q.options().dtype(at::kFloat))
+                                 : at::zeros({0}, c.q.options().dtype(at::kFloat));
     const at::ScalarType dtype = c.q.scalar_type();
     const at::Tensor go = rows_contiguous(grad_out, "grad_out", dtype);
     const at::Tensor of = rows_contiguous(out, "out", dtype);
@@ -1213,14 +1257,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_backward(
     at::Tensor dv = at::empty({pb.B, pb.Hkv, pb.Lk, pb.Dv}, c.q.options());
     if (pb.Lq == 0 || pb.Lk == 0) {
         dq.zero_(), dk.zero_(), dv.zero_();
-        return {dq, dk, dv};
+        return {dq, dk, dv, dband};
     }
     switch (dtype) {
-        case at::kFloat: backward_typed<float>(c, go, of, l, gl, dq, dk, dv); break;
-        case at::kBFloat16: backward_typed<c10::BFloat16>(c, go, of, l, gl, dq, dk, dv); break;
-        default: backward_typed<c10::Half>(c, go, of, l, gl, dq, dk, dv); break;
+        case at::kFloat: backward_typed<float>(c, go, of, l, gl, dq, dk, dv, dband); break;
+        case at::kBFloat16: backward_typed<c10::BFloat16>(c, go, of, l, gl, dq, dk, dv, dband); break;
+        default: backward_typed<c10::Half>(c, go, of, l, gl, dq, dk, dv, dband); break;
     }
-    return {dq, dk, dv};
+    return {dq, dk, dv, dband};
 }
 
 std::string native_info() {
@@ -1236,7 +1280,7 @@ std::string native_info() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
-    m.set_python_module("attnkit.kernels.native");  // the fake and autograd registrations
+    m.set_python_module("attnkit.kernels.native_build");  // the fake and autograd registrations
     m.def(
         "native_forward(Tensor q, Tensor k, Tensor v, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, "
         "Tensor bits, Tensor? kv_limit, Tensor? band, int block_q, int block_k, float scale, float softcap) "
@@ -1244,7 +1288,8 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
     m.def(
         "native_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor kv_num, Tensor kv_indices, Tensor tile_ids, Tensor bits, Tensor? kv_limit, Tensor? band, "
-        "int block_q, int block_k, float scale, float softcap, bool delta_from_out) -> (Tensor, Tensor, Tensor)");
+        "int block_q, int block_k, float scale, float softcap, bool delta_from_out, bool band_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
     m.def("native_interface() -> int", []() -> int64_t { return ATTNKIT_NATIVE_INTERFACE; });
     m.def("native_info() -> str", []() -> std::string { return native_info(); });
 }

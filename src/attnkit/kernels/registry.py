@@ -27,6 +27,13 @@ of code (like ``torch.nn.attention.sdpa_kernel``). Adding a kernel is one file w
             return out, lse
 
     register_kernel(MyKernel())        # first in the list; before=/after= to place it
+
+Kernels that are engines of one family can be named together: ``"tiled"`` is the group of
+attnkit's block-sparse CPU kernels (``native``, ``fused``, ``math``), so ``kernel="tiled"``
+runs the first of them that can run a call (:func:`register_group`).
+
+The registry is the only place that chooses a kernel, for the forward (:func:`choose`) and
+for the backward over a part of the keys (:func:`backward_part`, ring attention).
 """
 
 from __future__ import annotations
@@ -39,10 +46,9 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from attnkit import masks as _masks
-from attnkit._types import MaskLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, Shapes, short
 from attnkit.kernels.lse import add_sinks
-from attnkit.prepare import DEFAULT_BLOCK_SIZE, PreparedMask, prepare, prepared_for
+from attnkit.prepare import DEFAULT_BLOCK_SIZE, MaskFacts, MaskLike, PreparedMask, mask_facts, prepare, prepared_for
 
 if TYPE_CHECKING:
     from attnkit.bias import Bias
@@ -54,7 +60,21 @@ Reason = Union[str, Callable[[], str]]
 #: A function that runs later calls of one signature: ``(q, k, v) -> out`` (see :meth:`Kernel.runner`).
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-__all__ = ["KERNELS", "PRIORITY", "Call", "Kernel", "Plan", "choose", "register_kernel", "run", "use_kernels"]
+__all__ = [
+    "GROUPS",
+    "KERNELS",
+    "PRIORITY",
+    "Call",
+    "Kernel",
+    "KernelGroup",
+    "Plan",
+    "backward_part",
+    "choose",
+    "register_group",
+    "register_kernel",
+    "run",
+    "use_kernels",
+]
 
 
 @dataclass
@@ -85,6 +105,12 @@ class Call:
     score_mod: ScoreMod | None = None
     _by_block: dict = field(default_factory=dict, repr=False)
     _memo: dict = field(default_factory=dict, repr=False)  # per-call answers asked several times (band, mods)
+
+    def cached(self, key: str, make: Callable[[], object]) -> object:
+        """A per-call answer a kernel asks more than once (made on the first ask, kept with the call)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def score_mods(self) -> tuple[str, ...]:
         """Which score modifications the call has: among "bias", "softcap", "sinks", "score_mod"."""
@@ -144,36 +170,51 @@ class Call:
             return self.mask.mask
         return _masks.as_mask(self.mask)
 
+    def facts(self) -> MaskFacts:
+        """The mask's :class:`~attnkit.prepare.MaskFacts` (band, limit_only) without preparing it:
+        a PreparedMask's own, else worked out by :func:`attnkit.prepare.mask_facts` (the one place)."""
+        found = self._memo.get("facts")
+        if found is None:
+            if isinstance(self.mask, PreparedMask):
+                found = MaskFacts(self.mask.band, self.mask.limit_only)
+            elif isinstance(self.mask, _masks.Mask):
+                found = mask_facts(self.mask, self.shapes.lq, self.shapes.lk)
+            else:  # no mask, or a tensor: no facts without reading it
+                found = mask_facts(None, self.shapes.lq, self.shapes.lk)
+            self._memo["facts"] = found
+        return found
+
     def band(self) -> tuple[int | None, int | None] | None:
         """The mask's band (:meth:`attnkit.masks.Mask.band`) without preparing it; None if it is none."""
-        if "band" not in self._memo:
-            band = None
-            if isinstance(self.mask, PreparedMask):
-                band = self.mask.band
-            elif isinstance(self.mask, _masks.Mask):
-                band = self.mask.band(self.shapes.lq, self.shapes.lk)
-            self._memo["band"] = band
-        return self._memo["band"]
+        return self.facts().band
 
     def causal_shift(self) -> int | None:
         """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (0: SDPA's ``is_causal``)."""
-        band = self.band()
-        return band[1] if band is not None and band[0] is None else None
+        return self.facts().causal_shift
 
     def hides_nothing_here(self) -> bool:
-        """Whether the mask is a band that lets every query see every key (a decoding step),
-        known without preparing it."""
-        band = self.band()
-        if band is None:
-            return False
-        lo, hi = band
-        s = self.shapes
-        return (lo is None or lo <= -(s.lq - 1)) and (hi is None or hi >= s.lk - 1)
+        """Whether the mask lets every query see every key at these lengths: a band that does (a
+        decoding step, known without preparing), or a mask a kernel of this call has prepared
+        and found to hide nothing."""
+        if self.facts().band_hides_nothing(self.shapes.lq, self.shapes.lk):
+            return True
+        prepared = self._by_block.get(DEFAULT_BLOCK_SIZE)
+        return prepared is not None and prepared.hides_nothing
 
     def limit_only(self) -> bool:
         """Whether the mask hides exactly the keys past each sequence's limit (padding)."""
-        m = self.mask_object() if not self.tensor_mask else None
-        return m is not None and m.limit_only()
+        return self.facts().limit_only
+
+    def shared_key_limit(self) -> int | None:
+        """``n`` when the mask hides exactly the keys from ``n`` on, the same ``n > 0`` for every
+        sequence (a padding mask of one length: a decoding step over a cache with room left);
+        4-D inputs. Padding masks are prepared for it (block codes from the lengths: cheap)."""
+        if not self.limit_only() or self.shapes.rank != 4 or self.tensor_mask:
+            return None
+        if self.compiling:  # no preparation while tracing: only a PreparedMask's own facts
+            return self.mask.kv_limit_value if isinstance(self.mask, PreparedMask) and self.mask.limit_only else None
+        prepared = self.prepared_at(DEFAULT_BLOCK_SIZE)
+        return prepared.kv_limit_value if prepared.limit_only and prepared.kv_limit_value else None
 
     def prepared_at(self, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> PreparedMask:
         """The call's mask prepared at ``block_size``: through the implicit cache (mask
@@ -270,12 +311,21 @@ class Kernel:
         its thresholds here."""
         return True, "the kernel can run this call"
 
-    def engine(self, call: Call) -> str | None:
-        """Which of its engines runs ``call``, in words, for :func:`attnkit.explain` (None: it has one)."""
-        return None
+    #: Whether it implements :meth:`backward_part`.
+    supports_backward_part: bool = False
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def backward_part(
+        self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` of attention over ``call``'s keys when they are a part of the keys a
+        softmax spans (ring attention's ranks, any split of the keys): ``out`` and ``lse`` are the
+        *merged* output and log-sum-exp, so this part's share is the usual backward with
+        ``P = exp(S - lse)`` and ``delta = rowsum(grad_out * out)``, no forward recomputed.
+        4-D inputs; the gradients of a bias's own tensors are not computed here."""
+        raise NotImplementedError(f"the {self.name!r} kernel has no backward over a part of the keys")
 
     def runner(self, call: Call) -> Runner | None:
         """Optionally, a function ``(q, k, v) -> out`` that runs every later call of this call's
@@ -287,8 +337,26 @@ class Kernel:
         return f"<attnkit kernel {self.name!r}>"
 
 
+class KernelGroup:
+    """Kernels named together (e.g. ``"tiled"``: attnkit's block-sparse CPU engines). As ``kernel=``
+    it runs the first member that can run a call; in :func:`use_kernels` it stands for its
+    members in their order."""
+
+    def __init__(self, name: str, members: tuple[str, ...]):
+        self.name, self.members = name, tuple(members)
+
+    def kernels(self) -> tuple[Kernel, ...]:
+        """The registered members, in order."""
+        return tuple(KERNELS[m] for m in self.members if m in KERNELS)
+
+    def __repr__(self) -> str:
+        return f"<attnkit kernel group {self.name!r}: {', '.join(self.members)}>"
+
+
 #: Every registered kernel by name.
 KERNELS: dict[str, Kernel] = {}
+#: Every kernel group by name.
+GROUPS: dict[str, KernelGroup] = {}
 #: The order ``kernel="auto"`` asks the kernels in.
 PRIORITY: list[Kernel] = []
 _GENERATION = [0]  # bumped by every change to the registry
@@ -325,15 +393,46 @@ def first_derivative_only(fn: Runner, kernel: Kernel) -> Runner:
     return guarded
 
 
-def _named(kernel) -> Kernel:
-    """A registered kernel from its name or the kernel object itself."""
-    if isinstance(kernel, Kernel):
+def _named(kernel) -> Kernel | KernelGroup:
+    """A registered kernel or group from its name, or the object itself."""
+    if isinstance(kernel, (Kernel, KernelGroup)):
         return kernel
     if isinstance(kernel, str) and kernel in KERNELS:
         return KERNELS[kernel]
+    if isinstance(kernel, str) and kernel in GROUPS:
+        return GROUPS[kernel]
     raise AttnkitValueError(
-        f"kernel must be 'auto', a registered kernel's name {tuple(KERNELS)} or a Kernel, but got {short(kernel)}."
+        f"kernel must be 'auto', a registered kernel's name {tuple(KERNELS)}, a group's {tuple(GROUPS)} "
+        f"or a Kernel, but got {short(kernel)}."
     )
+
+
+def _kernel_named(kernel) -> Kernel:
+    found = _named(kernel)
+    if isinstance(found, KernelGroup):
+        raise AttnkitValueError(f"{found.name!r} names a group of kernels ({', '.join(found.members)}), not one kernel.")
+    return found
+
+
+def _expanded(kernels) -> tuple[Kernel, ...]:
+    """Kernels and groups as kernels, groups replaced by their members (each kernel once)."""
+    out: list[Kernel] = []
+    for k in kernels:
+        found = _named(k)
+        for member in found.kernels() if isinstance(found, KernelGroup) else (found,):
+            if member not in out:
+                out.append(member)
+    return tuple(out)
+
+
+def register_group(name: str, members: tuple[str, ...] | list[str]) -> KernelGroup:
+    """Name kernels together (see :class:`KernelGroup`); returns the group. Members are kernel
+    names, registered now or later."""
+    if not isinstance(name, str) or not name or name == "auto" or name in KERNELS:
+        raise AttnkitValueError(f"a group needs a name that is not 'auto' nor a kernel's, but got {short(name)}.")
+    group = GROUPS[name] = KernelGroup(name, tuple(members))
+    _GENERATION[0] += 1
+    return group
 
 
 def register_kernel(kernel: Kernel, *, before: Kernel | str | None = None, after: Kernel | str | None = None) -> Kernel:
@@ -358,9 +457,9 @@ def register_kernel(kernel: Kernel, *, before: Kernel | str | None = None, after
     if old in PRIORITY:
         PRIORITY.remove(old)
     if before is not None:
-        PRIORITY.insert(PRIORITY.index(_named(before)), kernel)
+        PRIORITY.insert(PRIORITY.index(_kernel_named(before)), kernel)
     elif after is not None:
-        PRIORITY.insert(PRIORITY.index(_named(after)) + 1, kernel)
+        PRIORITY.insert(PRIORITY.index(_kernel_named(after)) + 1, kernel)
     else:
         PRIORITY.insert(0, kernel)
     return kernel
@@ -368,7 +467,7 @@ def register_kernel(kernel: Kernel, *, before: Kernel | str | None = None, after
 
 def unregister_kernel(kernel: Kernel | str) -> None:
     """Remove a registered kernel (by name or object)."""
-    kernel = _named(kernel)
+    kernel = _kernel_named(kernel)
     _GENERATION[0] += 1
     KERNELS.pop(kernel.name, None)
     if kernel in PRIORITY:
@@ -387,20 +486,20 @@ def use_kernels(*kernels: Kernel | str) -> Iterator[None]:
     Like ``torch.nn.attention.sdpa_kernel``: the order given is the preference (the
     kernels' own :meth:`Kernel.prefers` is not asked), and it reaches every attnkit call made inside
     (modules, :func:`attnkit.capture`, models run through the transformers integration).
-    Names or kernel objects; a call none of them can run raises an error naming each one's
-    reasons.
+    Names, groups (``"tiled"``: its members in order) or kernel objects; a call none of them
+    can run raises an error naming each one's reasons.
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 8, 16)
-    >>> with attnkit.use_kernels("tiled", "reference"):
+    >>> with attnkit.use_kernels("math", "reference"):
     ...     print(attnkit.explain(q, q, q).kernel)
-    tiled
+    math
     """
     if len(kernels) == 1 and isinstance(kernels[0], (list, tuple)):
         kernels = tuple(kernels[0])
     if not kernels:
         raise AttnkitValueError("use_kernels needs at least one kernel, e.g. use_kernels('tiled', 'reference').")
-    _ACTIVE.append(tuple(_named(k) for k in kernels))
+    _ACTIVE.append(_expanded(kernels))
     try:
         yield
     finally:
@@ -475,26 +574,46 @@ def _plan(kernel: Kernel, why: Reason, call: Call, refusals: dict) -> Plan:
     return Plan(kernel, (kernel.name, why), call, refusals)
 
 
-def choose(call: Call, kernel: Kernel | str = "auto") -> Plan:
-    """Pick the kernel for a validated call; see :func:`attnkit.explain`."""
+def choose(call: Call, kernel: Kernel | KernelGroup | str = "auto") -> Plan:
+    """Pick the kernel for a validated call; see :func:`attnkit.explain`. ``kernel`` is ``"auto"``,
+    a kernel (by name or object) or a group (the first member that can run the call)."""
     if isinstance(kernel, str) and kernel == "auto":
         return _auto(call)
-    chosen = _named(kernel)
-    reasons = chosen.not_supported_reasons(call)
-    if reasons:
-        raise AttnkitValueError(
-            f"kernel={chosen.name!r} cannot run this call: {'; '.join(reasons)}. "
-            "Use kernel='auto' to let attnkit choose."
-        )
+    named = _named(kernel)
+    refusals: dict[str, object] = {}
+    if isinstance(named, KernelGroup):
+        chosen = None
+        for member in named.kernels():
+            reasons = member.not_supported_reasons(call)
+            if not reasons:
+                chosen = member
+                break
+            refusals[member.name] = reasons
+        if chosen is None:
+            detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
+            raise AttnkitValueError(
+                f"kernel={named.name!r} cannot run this call: none of its kernels can ({detail}). "
+                "Use kernel='auto' to let attnkit choose."
+            )
+        forced = f"forced by kernel={named.name!r}: the first of {', '.join(named.members)} that runs it"
+    else:
+        chosen = named
+        reasons = chosen.not_supported_reasons(call)
+        if reasons:
+            raise AttnkitValueError(
+                f"kernel={chosen.name!r} cannot run this call: {'; '.join(reasons)}. "
+                "Use kernel='auto' to let attnkit choose."
+            )
+        forced = "forced by kernel="
 
     def why() -> str:
-        words = "forced by kernel="
+        words = forced
         if chosen.block_size is not None and not call.empty and not call.compiling:
             words += f", {call.prepared_at(chosen.block_size).kept:.0%} of blocks kept"
-        engine = None if call.empty or call.compiling else chosen.engine(call)
-        return words if engine is None else f"{words}; {engine}"
+        return words
 
-    return _plan(chosen, why, call, {chosen.name: []})
+    refusals[chosen.name] = []
+    return _plan(chosen, why, call, refusals)
 
 
 def _auto(call: Call) -> Plan:
@@ -546,6 +665,35 @@ def _auto(call: Call) -> Plan:
             refusals[k.name] = k.not_supported_reasons(call) or [f"does not run on {device}"]
     detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
     raise AttnkitValueError(f"no registered kernel can run this call ({detail}).")
+
+
+def backward_part(
+    call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of a part of the keys (see :meth:`Kernel.backward_part`) by the kernel the
+    registry chooses among those that implement it: the first of :func:`use_kernels`' list, else
+    of :data:`PRIORITY`, that can run the call and prefers it (else the first that can run it)."""
+    order = _ACTIVE[-1] if _ACTIVE else tuple(PRIORITY)
+    capable: list[Kernel] = []
+    refusals: dict[str, list[str]] = {}
+    for k in order:
+        if not k.supports_backward_part:
+            continue
+        reasons = k.not_supported_reasons(call)
+        if reasons:
+            refusals[k.name] = reasons
+            continue
+        if _ACTIVE or k.prefers(call)[0]:
+            capable.insert(0, k)
+            break
+        capable.append(k)
+    if not capable:
+        detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
+        raise AttnkitValueError(f"no kernel can compute the backward over this part of the keys ({detail}).")
+    kernel = capable[0]
+    if kernel.block_size is not None:
+        call.prepared = call.prepared_at(kernel.block_size)
+    return kernel.backward_part(call, out, lse, grad_out, grad_lse)
 
 
 def double_backward_error(kernel: str) -> AttnkitValueError:

@@ -8,7 +8,6 @@ may attend to are zeroed first, so NaN or Inf stored there cannot leak.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -17,7 +16,6 @@ import torch.nn.functional as F
 from attnkit._validate import Shapes
 from attnkit.kernels import reference
 from attnkit.kernels.registry import Call, Kernel, Reason, Runner, first_derivative_only
-from attnkit.prepare import DEFAULT_BLOCK_SIZE
 
 #: Problems with fewer (query, key) pairs are cheap as one dense masked call (for explain's words).
 SMALL_PAIRS = 256 * 256
@@ -71,30 +69,12 @@ def sdpa(
     return out.reshape(shapes.out)
 
 
-def shared_key_limit(call: Call) -> int | None:
-    """``n`` when the call's mask hides exactly the keys from ``n`` on, the same ``n > 0`` for
-    every sequence (a padding mask of one length: a decoding step over a cache with room left),
-    as prepared by a kernel asked before this one; 4-D inputs. Then SDPA over the first ``n``
-    keys, with no mask, is the exact answer."""
-    prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
-    if prepared is None or not prepared.limit_only or not prepared.kv_limit_value or call.shapes.rank != 4:
-        return None
-    return prepared.kv_limit_value
-
-
-#: Zeroed K/V copies a dense-mask runner keeps for the K/V pairs it saw last (cross-attention over
-#: a fixed memory reads the same tensors at every decoding step, one pair per layer): this many
-#: pairs, of at most REUSED_ZEROED_ELEMENTS elements in all.
-REUSED_PAIRS = 8
-REUSED_ZEROED_ELEMENTS = 1 << 24
-
-
 def _dense_runner(kernel: Kernel, call: Call) -> Runner:
     """Later calls of this signature with a mask object: its dense form, the keys some query uses
     and the queries that see some key are fixed by the mask's value (part of the signature), so
     they are computed here once. Unused K/V rows are zeroed on every call (NaN there must not
-    leak), except that the zeroed copies of the K/V seen last are reused while the same tensors
-    come back unmodified (identity and version counter) and no gradient is wanted."""
+    leak): no zeroed copy is kept, since nothing cheaper than zeroing them proves a tensor
+    unchanged (an edit through ``.data`` or ``.numpy()`` keeps its identity and version)."""
     dense = reference.dense_mask(call)
     allowed = reference.allowed_pairs(dense)
     assert allowed is not None, "a masked call"
@@ -108,27 +88,11 @@ def _dense_runner(kernel: Kernel, call: Call) -> Runner:
     used = reference.used_keys(allowed, shapes.hkv if shapes.rank >= 3 else None)
     visible = allowed.any(dim=-1, keepdim=True)  # (..., Lq or 1, 1)
     all_used, all_visible = bool(used.all()), bool(visible.all())
-    # the K/V seen last (each layer of a decoder has its own): (k, its version, v, its version,
-    # zeroed k, zeroed v), k and v held weakly
-    recent: list[tuple] = []
-
-    def zeroed(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # inference tensors keep no version counter, and a gradient wants a graph of its own
-        tracked = not (k.is_inference() or v.is_inference() or k.requires_grad or v.requires_grad)
-        if tracked:
-            for rk, version_k, rv, version_v, zk, zv in recent:
-                if rk() is k and rv() is v and k._version == version_k and v._version == version_v:
-                    return zk, zv
-        zero = k.new_zeros(())
-        zk, zv = torch.where(used, k, zero), torch.where(used, v, zero)
-        if tracked and k.numel() + v.numel() <= REUSED_ZEROED_ELEMENTS // REUSED_PAIRS:
-            recent.insert(0, (weakref.ref(k), k._version, weakref.ref(v), v._version, zk, zv))
-            del recent[REUSED_PAIRS:]
-        return zk, zv
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not all_used:
-            k, v = zeroed(k, v)
+            zero = k.new_zeros(())
+            k, v = torch.where(used, k, zero), torch.where(used, v, zero)
         if not all_visible:
             q = torch.where(visible, q, q.new_zeros(()))
         return sdpa(q, k, v, dense, scale=scale, dropout_p=0.0, shapes=shapes)
@@ -158,29 +122,23 @@ class SDPAKernel(Kernel):
             return True, "is_causal: PyTorch's flash/cuDNN kernels" if cuda else "is_causal"
         if call.hides_nothing_here():
             return True, "the mask hides nothing here"
-        limit = shared_key_limit(call)
+        limit = call.shared_key_limit()
         if limit is not None:
             return True, f"every sequence's keys end at {limit}: no mask over the first {limit} keys"
         if call.float_mask:
             return True, "dense mask (additive float mask)"
         if call.shapes.rank > 4:
             return True, f"dense mask (rank {call.shapes.rank})"
-        prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)  # looked at by a kernel before this one
-        if prepared is not None and prepared.hides_nothing:
-            return True, "the mask hides nothing here"
         if call.pairs < SMALL_PAIRS:
             return True, f"dense mask: Lq*Lk={call.pairs} is small"
-        if prepared is not None:
-            return True, f"dense mask: {prepared.kept:.0%} of blocks kept"
         return True, "dense mask"
 
     def runner(self, call: Call) -> Runner | None:
         if call.bias is not None or call.dropout_p > 0.0:
             return None
-        prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
-        limit = shared_key_limit(call)
+        limit = call.shared_key_limit()
         causal = False
-        if call.mask is None or call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
+        if call.mask is None or call.hides_nothing_here():
             limit = None
         elif call.causal_shift() == 0 and call.scale > 0.0:
             causal, limit = True, None
@@ -226,10 +184,9 @@ class SDPAKernel(Kernel):
             return sdpa(call.q, call.k, call.v, None, **kw), None
         if call.causal_shift() == 0 and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
             return sdpa(call.q, call.k, call.v, None, causal=True, **kw), None
-        prepared = call._by_block.get(DEFAULT_BLOCK_SIZE)
-        if call.hides_nothing_here() or (prepared is not None and prepared.hides_nothing):
+        if call.hides_nothing_here():
             return sdpa(call.q, call.k, call.v, None, **kw), None
-        limit = shared_key_limit(call)
+        limit = call.shared_key_limit()
         if limit is not None:  # the keys past the limit are never read: no zeroing, no mask
             return sdpa(call.q, call.k[..., :limit, :], call.v[..., :limit, :], None, **kw), None
         dense = reference.dense_mask(call)

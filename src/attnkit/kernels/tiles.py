@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
+from attnkit import _cache
 from attnkit._indexing import as4d
 from attnkit.kernels.reference import used_keys
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run
@@ -157,14 +158,18 @@ class TileCall:
     scale: float
     dropout_p: float
     seed: int
-    fused: bool  # the fused engine runs the forward (and the backward unless bias_grad)
+    engine: str  # "fused" or "math": the kernel the registry chose (kernels/fused.py, kernels/tiled_math.py)
     bias: Bias | None = None  # evaluated per tile
     softcap: float | None = None
     params: tuple = ()  # the bias's and score_mod's tensors, inputs of the autograd function
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
     band: torch.Tensor | None = None  # (Hq or 1, Lq + Lk - 1): a bias of kv_idx - q_idx alone (Bias.band)
-    native: bool = False  # the native engine runs the forward (and the backward unless bias_grad)
+
+    @property
+    def fused(self) -> bool:
+        """Whether PyTorch's fused CPU kernel computes the runs (the fused kernel)."""
+        return self.engine == "fused"
 
     @property
     def indexed(self) -> bool:
@@ -216,24 +221,22 @@ def mask_tile(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tile | None:
-    """The evaluated mask of a partial run (None for a full one), from the prepared mask's cache.
+    """The evaluated mask of a partial run (None for a full one), kept in the prepared mask's store
+    (:func:`attnkit._cache.plan_store`).
 
-    The cache keeps the bool tile and, while it fills less than half its bound, its additive
+    The store keeps the bool tile and, while it fills less than half its bound, its additive
     form too; past that it keeps the bool tile alone (1 byte a pair, the additive form made
     per call), so the mask's elements are evaluated again only past the whole bound. Heads of
     a group whose tiles are equal are kept once.
     """
     if run.full:
         return None
-    key = (gi, row.q0, row.q1, run.k0, run.k1, hq, hkv, dtype, str(device))
-    cached = call.prepared.tiles.get(key)
+    store = _cache.plan_store(call.prepared)
+    key = ("mask tile", gi, row.q0, row.q1, run.k0, run.k1, hq, hkv, dtype, str(device))
+    cached = store.get(key)
     if cached is not None:
         return cached
-    p = call.prepared
-    assert p.mask is not None, "partial runs come from a mask"
-    q_idx = torch.arange(row.q0, row.q1, device=device)[:, None]
-    kv_idx = torch.arange(run.k0, run.k1, device=device)[None, :]
-    tile = as4d(p.mask.elements(q_idx, kv_idx, p.q_len, p.kv_len))
+    tile = call.prepared.allowed(row.q0, row.q1, run.k0, run.k1).to(device)
     tile = take(take(tile, 0, sel.tile_batch), 1, sel.tile_heads if tile.shape[1] > 1 else None)
     tile = tile.expand(*tile.shape[:2], row.q1 - row.q0, run.k1 - run.k0)  # (Bm, Hm, n, S)
     if tile.shape[1] > 1 and bool((tile == tile[:, :1]).all()):  # the group's heads agree here
@@ -246,8 +249,8 @@ def mask_tile(
     additive = _additive(allowed, dtype)
     result = Tile(allowed, hidden_rows, used_or_all, dtype, additive)
     pairs = allowed.numel()
-    if not call.prepared.tiles.put(key, result, pairs * (1 + additive.element_size()), within=0.5):
-        call.prepared.tiles.put(key, Tile(allowed, hidden_rows, used_or_all, dtype), pairs)
+    if not store.put(key, result, pairs * (1 + additive.element_size()), within=0.5):
+        store.put(key, Tile(allowed, hidden_rows, used_or_all, dtype), pairs)
     return result
 
 
@@ -271,15 +274,17 @@ def run_inputs(
     return qf, kr, vr, tile
 
 
-def band_for(bias: Bias | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """``bias.band`` in the dtype the fused engine adds it in (float32, or float64 for float64
-    inputs), contiguous; None without a bias or for one that is not a band."""
+def band_for(bias: Bias | None, q: torch.Tensor, k: torch.Tensor, detach: bool = True) -> torch.Tensor | None:
+    """``bias.band`` in the dtype the fused and native engines add it in (float32, or float64 for
+    float64 inputs), contiguous; None without a bias or for one that is not a band. ``detach=False``
+    keeps it differentiable in the bias's tensors (the native engine computes its gradient)."""
     if bias is None:
         return None
     values = bias.band(q.shape[1], q.shape[2], k.shape[2])
     if values is None or q.device.type != "cpu":
         return None
-    values = values.detach().to(device=q.device, dtype=compute_dtype(q.dtype)).contiguous()
+    values = values.detach() if detach else values
+    values = values.to(device=q.device, dtype=compute_dtype(q.dtype)).contiguous()
     # the fused engine answers a row with no finite score with 0 and lse 0, not -inf: a band
     # with -inf in it (a learned table can hold one) stays on the math engine. One read of
     # Lq + Lk - 1 values in host memory, once per call.

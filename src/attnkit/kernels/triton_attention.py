@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from attnkit import _cache
 from attnkit import bias as _bias
 from attnkit.kernels.registry import Call, Kernel, Reason
 
@@ -496,14 +497,15 @@ def _plan(call: Call):
     through the one bounded cache: once per mask, lengths and device."""
     prepared = call.prepared_at(TritonKernel.block_size)
     if prepared.band is not None or prepared.mask is None:  # evaluated in the kernel from two ints
+        store = _cache.plan_store(prepared)
         key = ("triton no bits", str(call.q.device))
-        cached = prepared.tiles.get(key)
+        cached = store.get(key)
         if cached is None:
             cached = (
                 torch.ones(1, BLOCK_Q, BLOCK_K, dtype=torch.int8, device=call.q.device),
                 torch.full(prepared.kv_indices.shape, -1, dtype=torch.int32, device=call.q.device),
             )
-            prepared.tiles.put(key, cached, cached[0].numel() + 4 * cached[1].numel())
+            store.put(key, cached, cached[0].numel() + 4 * cached[1].numel())
         return prepared, cached
     return prepared, prepared.partial_bits(call.q.device)
 
@@ -733,6 +735,17 @@ class TritonKernel(Kernel):
             "(no dense mask, no compile per mask)",
         )
 
+    supports_backward_part = True
+
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         out, lse = triton_attention(call)
         return out, lse if call.return_lse else None
+
+    def backward_part(self, call, out, lse, grad_out, grad_lse):
+        # its backward takes delta = rowsum(grad_out * out) from the output it is given: with the
+        # merged output and lse, that is the gradient of this part of the keys
+        s = call.shapes
+        lead = (1,) * (4 - s.rank)
+        q4, k4, v4 = (t.reshape(*lead, *t.shape).contiguous() for t in (call.q, call.k, call.v))
+        args = _Args(call, q4, k4, v4)
+        return _backward(args, q4, k4, v4, out.to(q4.dtype), lse.float(), grad_out, grad_lse)

@@ -11,8 +11,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from attnkit import functional, masks
-from attnkit._types import BiasLike, Device, IntLike, MaskLike
+from attnkit._types import Device, IntLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
+from attnkit.bias import BiasLike
+from attnkit.prepare import MaskLike
 
 if TYPE_CHECKING:
     from attnkit.nn.cache import KVCache

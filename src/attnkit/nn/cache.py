@@ -8,7 +8,7 @@ import torch
 
 from attnkit import bias as _bias
 from attnkit import masks
-from attnkit._types import BiasLike, Device, IntLike
+from attnkit._types import Device, IntLike
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -16,6 +16,7 @@ from attnkit._validate import (
     compiling,
     short,
 )
+from attnkit.bias import BiasLike
 
 
 class KVCache:

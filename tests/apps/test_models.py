@@ -1,13 +1,16 @@
 """MiniLM built from attnkit parts: parity with sentence-transformers, capture, the CLI."""
 
+from __future__ import annotations
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from conftest import naive_attention
+from _oracle import naive_attention
 
 import attnkit
 from attnkit import masks
@@ -143,3 +146,38 @@ def test_show_rejects_a_head_that_does_not_exist(model, tmp_path):
         timeout=300,
     )
     assert run.returncode != 0 and "--head must be in 0..11, but got 12" in run.stderr
+
+
+# regression: finding F13 of the review of the seams between features
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, "8", True])
+def test_batch_size_is_checked(batch_size):
+    from attnkit.models import DateTranslator, DigitCaptioner, SpeechRecognizer
+    from attnkit.models.captioner import strip_of
+
+    kind = TypeError if not isinstance(batch_size, int) or isinstance(batch_size, bool) else ValueError
+    with pytest.raises(kind, match="batch_size must be"):
+        DateTranslator.from_package().translate(["25th of March 2019"], batch_size=batch_size)
+    with pytest.raises(kind, match="batch_size must be"):
+        DateTranslator.from_package().answers(["25th of March 2019"], batch_size=batch_size)
+    with pytest.raises(kind, match="batch_size must be"):
+        DigitCaptioner.from_package().caption([strip_of([0, 1])], batch_size=batch_size)
+    with pytest.raises(kind, match="batch_size must be"):
+        SpeechRecognizer.from_package().transcribe([np.zeros(8000, np.float32)], 16000, batch_size=batch_size)
+
+
+# regression: finding F13 of the review of the seams between features
+def test_numpy_integers_are_batch_sizes():
+    from attnkit.models import DateTranslator
+
+    assert DateTranslator.from_package().translate(["25th of March 2019"], batch_size=np.int64(4)) == ["2019-03-25"]
+
+
+def test_cosmetic_errors_of_the_models():
+    from attnkit.models import DigitCaptioner, RecallLM, SpeechRecognizer
+
+    with pytest.raises(TypeError, match="tokenize takes a str"):
+        RecallLM.from_package().tokenize(None)
+    with pytest.raises(TypeError, match="warps must be a sequence of numbers"):
+        SpeechRecognizer.from_package().transcribe([np.zeros(8000, np.float32)], 16000, warps="1.0")
+    with pytest.raises(TypeError, match="meta tensor"):
+        DigitCaptioner.from_package().caption([torch.empty(8, 16, device="meta")])

@@ -8,8 +8,11 @@ zeroed copies of K/V it saw last while the same tensors come back unmodified.
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import assert_oracle, gold_and_naive, naive_attention, randn
+import torch.nn.functional as F
+import torch.utils._python_dispatch
+from _oracle import Ops, assert_oracle, gold_and_naive, naive_attention, randn
 
 import attnkit
 from attnkit import functional, masks
@@ -143,3 +146,70 @@ def test_the_cache_appends_a_common_fill_as_a_slice_and_mixed_fills_by_index():
     fast.append(k2, v2)
     assert fast.lengths.tolist() == [2, 1, 2]
     assert torch.equal(fast.keys[1, :, 0], k2[1, :, 0]) and torch.equal(fast.keys[0, :, 1], k2[0, :, 0])
+
+
+def test_decoding_with_a_prepared_padding_mask_neither_copies_kv_nor_syncs():
+    q, k, v = randn(1, 8, 1, 64), randn(1, 8, 4096, 64), randn(1, 8, 4096, 64)
+    k[:, :, 4000:] = float("nan")  # padding holds junk: it is never read
+    prepared = attnkit.prepare(masks.padding(torch.tensor([4000])), 1, 4096)
+    with torch.no_grad(), Ops() as ops:
+        out = attnkit.attention(q, k, v, prepared)
+    assert torch.isfinite(out).all()
+    assert ops.largest < k.numel() // 8, ops.largest  # no copy of K or V
+    assert not any("_local_scalar_dense" in name for name in ops.names)  # no .item()/bool()/.tolist()
+
+
+def test_a_prepared_mask_reused_makes_no_host_sync():
+    q = randn(2, 2, 700, 16, requires_grad=True)
+    prepared = attnkit.prepare(masks.sliding_window(40) & masks.padding(torch.tensor([700, 500])), 700, 700)
+    attnkit.attention(q, q, q, prepared).sum().backward()  # first use evaluates and keeps its tiles
+    with Ops() as ops:
+        attnkit.attention(q, q, q, prepared).sum().backward()
+    assert not any("_local_scalar_dense" in name for name in ops.names)
+
+
+def test_decoding_over_a_growing_cache_is_validated_once(monkeypatch):
+    """An unmasked step over a cache one key longer each time reuses the first step's checks and
+    choice (SDPA's runner is the same for any Lk >= 1); wrong lengths and Lk = 0 still get theirs."""
+    import attnkit.functional as fn
+
+    validated = []
+    real = fn._call
+    monkeypatch.setattr(fn, "_call", lambda *a, **kw: validated.append(1) or real(*a, **kw))
+    q, keys, values = randn(1, 4, 1, 24), randn(1, 2, 90, 24), randn(1, 2, 90, 24)
+    with torch.no_grad():
+        for n in range(40, 90):
+            k, v = keys[:, :, :n], values[:, :, :n]
+            out = attnkit.attention(q, k, v)
+            gold, naive = gold_and_naive(q, k, v, None)
+            # TESTING.md: where attnkit calls SDPA, the bound is 2x the larger of the naive formula's
+            # and SDPA's own error (one query row: the naive error alone can be a lucky rounding).
+            sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            worse = max(naive, sdpa, key=lambda t: (t.double() - gold).abs().max().item())
+            assert_oracle(out, gold, worse, what=f"Lk={n}")
+        assert len(validated) <= 1
+        with pytest.raises(ValueError, match="same length Lk"):
+            attnkit.attention(q, keys[:, :, :50], values[:, :, :49])
+        for bad_k, bad_v in [(keys[0, 0, :50], values[:, :, :50]), (keys[:, :, :50], values[0, :, :50])]:
+            with pytest.raises(ValueError, match="same number of dimensions"):
+                attnkit.attention(q, bad_k, bad_v)
+        assert torch.equal(attnkit.attention(q, keys[:, :, :0], values[:, :, :0]), torch.zeros(1, 4, 1, 24))
+
+
+def test_a_decoding_step_with_a_causal_mask_goes_to_sdpa_unmasked():
+    q, k, v = randn(2, 4, 1, 16), randn(2, 4, 600, 16), randn(2, 4, 600, 16)
+    assert str(attnkit.explain(q, k, v, masks.causal())) == "sdpa: the mask hides nothing here"
+    torch.testing.assert_close(
+        attnkit.attention(q, k, v, masks.causal()), attnkit.attention(q, k, v, masks.causal(), kernel="reference")
+    )
+    # the top-left causal of one query sees one key: not "nothing hidden"
+    assert "hides nothing" not in str(attnkit.explain(q, k, v, masks.causal("top_left")))
+    torch.testing.assert_close(attnkit.attention(q, k, v, masks.causal("top_left")), v[:, :, :1])
+
+
+def test_small_padding_masks_read_only_each_sequences_keys():
+    q, k, v = randn(3, 4, 1, 16), randn(3, 4, 500, 16), randn(3, 4, 500, 16)
+    mask = masks.padding(torch.tensor([500, 120, 7]))
+    assert "keys past each sequence's end unread" in str(attnkit.explain(q, k, v, mask))
+    gold, naive = gold_and_naive(q, k, v, mask.materialize(1, 500))
+    assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)

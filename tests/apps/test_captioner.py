@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("sklearn")
 
+
+from attnkit.cli import main
 from attnkit.models import (
     DigitCaptioner,  # noqa: E402
     captioner,  # noqa: E402
@@ -118,3 +120,12 @@ def test_cli_writes_the_figure_and_the_page(tmp_path, capsys):
     assert main(["caption", "--out", str(tmp_path / "d")]) == 2
     np.save(tmp_path / "bad.npy", np.zeros((8, 5)))
     assert main(["caption", "--image", str(tmp_path / "bad.npy"), "--out", str(tmp_path / "e")]) == 2
+
+
+# regression: finding F18 of the review of the seams between features
+def test_caption_of_a_file_that_is_not_an_image(tmp_path, capsys):
+    for name, data in (("fake.png", b"not an image"), ("fake.npy", b"\x93NUMPY garbage")):
+        (tmp_path / name).write_bytes(data)
+        assert main(["caption", "--image", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "--image" in err and "Traceback" not in err

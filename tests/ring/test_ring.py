@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from _oracle import randn
 
 import attnkit
 from attnkit import bias, masks
@@ -334,3 +335,35 @@ def test_two_process_example_runs_under_torchrun():
     assert done.returncode == 0, done.stderr[-2000:]
     error = float(done.stdout.rsplit("=", 1)[1])
     assert error < 1e-5, done.stdout
+
+
+# regression: finding F6 of the review of the seams between features
+def test_ring_layer_applies_its_rotary_embedding():
+    from attnkit.distributed import RingMultiHeadAttention
+    from attnkit.nn import RotaryEmbedding
+
+    ring = RingMultiHeadAttention(32, 4, rotary=RotaryEmbedding(8)).eval()
+    plain = attnkit.MultiHeadAttention(32, 4, rotary=RotaryEmbedding(8)).eval()
+    plain.load_state_dict(ring.state_dict())
+    x = randn(2, 10, 32)
+    torch.testing.assert_close(ring(x, mask=masks.causal())[0], plain(x, mask=masks.causal())[0])
+    torch.testing.assert_close(
+        ring(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0],
+        plain(x, mask=masks.causal(), positions=torch.arange(10) + 3)[0],
+    )
+
+
+def test_ring_sinks_must_be_a_tensor():
+    from attnkit.distributed import ring_attention
+
+    q = randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match=r"sinks must be a float tensor of shape \(Hq,\) = \(2,\)"):
+        ring_attention(q, q, q, sinks=[0.0, 0.0])
+
+
+def test_ring_error_names_each_peer_once():
+    from attnkit.distributed.ring import _Group
+
+    message = str(_Group(None, 5).error(1, "receiving from rank 1", None))
+    assert message.count("rank 1") == 1 and "It may have died" in message
+    assert "Rank 1 and rank 2 may have died" in str(_Group(None, 5).error([1, 2], "gathering", None))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import naive_attention, randn
+from _oracle import naive_attention, randn
 
 import attnkit
 

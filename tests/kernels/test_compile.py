@@ -3,8 +3,10 @@ PreparedMask made outside the compiled function (as FlexAttention's block masks 
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import randn
+import torch.utils._python_dispatch
+from _oracle import assert_oracle, gold_and_naive, randn
 
 import attnkit
 from attnkit import masks
@@ -99,3 +101,24 @@ def test_explain_under_compile_names_the_custom_op():
     torch.compile(f, fullgraph=True)(q, prepared)
     assert "custom op over the PreparedMask" in seen[0]
     assert seen[1].startswith("sdpa: under torch.compile")
+
+
+@pytest.mark.parametrize("name", ["none", "causal", "window", "padding", "document"])
+def test_compile_fullgraph_with_no_graph_breaks(name):
+    torch._dynamo.reset()
+    cases = {
+        "none": None,
+        "causal": masks.causal(),
+        "window": masks.sliding_window(8),
+        "padding": masks.padding(torch.tensor([40, 64])),
+        "document": masks.document(torch.arange(64) // 16),
+    }
+    mask = cases[name]
+    q, k, v = randn(2, 4, 64, 16), randn(2, 4, 64, 16), randn(2, 4, 64, 16)
+    compiled = torch.compile(attnkit.attention, fullgraph=True, backend="eager")
+    got = compiled(q, k, v, mask)
+    gold, naive = gold_and_naive(q, k, v, None if mask is None else mask.materialize(64, 64))
+    assert_oracle(got, gold, naive)
+    assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)
+    explained = torch._dynamo.explain(attnkit.attention)(q, k, v, mask)
+    assert explained.graph_break_count == 0

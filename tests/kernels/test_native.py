@@ -1,7 +1,8 @@
-"""The native engine of the tiled kernel (attnkit.kernels.native) against the float64 oracle, and its build.
+"""The native kernel (attnkit.kernels.native: C++ operators) against the float64 oracle.
 
-Every test here pins the native engine (skipped where it cannot be built); the PyTorch engines
-keep their own tests, and the whole suite runs once more with ATTNKIT_NATIVE=0 (make test-torch).
+Every test here runs kernel="native" (skipped where it cannot be built); the other kernels keep
+their own tests, and the whole suite runs once more with ATTNKIT_NATIVE=0 (make test-torch). Its
+build, cache and operator registrations: test_native_build.py.
 """
 
 from __future__ import annotations
@@ -16,20 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    alibi_formula,
-    assert_oracle,
-    gold_and_naive,
-    naive_attention,
-    oracle,
-    pin_engine,
-    randn,
-    relative_formula,
-)
+from _oracle import OpCounter, alibi_formula, assert_oracle, gold_and_naive, naive_attention, oracle, pin_engine, randn, relative_formula
 
 import attnkit
 from attnkit import bias, masks
-from attnkit.kernels import native, tiled
+from attnkit.kernels import native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,23 +31,11 @@ def _native(monkeypatch):
     pin_engine(monkeypatch, "native")
 
 
-class Spy:
-    """Counts the native engine's forward and backward calls."""
-
-    def __init__(self, monkeypatch):
-        self.forward = self.backward = 0
-        real_forward, real_backward = native.forward, native.backward
-
-        def forward(*a, **kw):
-            self.forward += 1
-            return real_forward(*a, **kw)
-
-        def backward(*a, **kw):
-            self.backward += 1
-            return real_backward(*a, **kw)
-
-        monkeypatch.setattr(native, "forward", forward)
-        monkeypatch.setattr(native, "backward", backward)
+@pytest.fixture
+def spy():
+    """Counts the native operators' forward and backward calls (through PyTorch's dispatcher)."""
+    with OpCounter("attnkit::native_forward", "attnkit::native_backward") as counter:
+        yield counter
 
 
 def check_forward_and_gradients(q, k, v, mask, what, scale=None, theirs=None, **ours):
@@ -63,7 +43,7 @@ def check_forward_and_gradients(q, k, v, mask, what, scale=None, theirs=None, **
     ``ours``: attnkit's modification arguments; ``theirs``: the oracle's (float64 tensors)."""
     theirs = theirs or {}
     allowed = allowed_of(mask, q.shape[2], k.shape[2])
-    out = attnkit.attention(q, k, v, mask, kernel="tiled", scale=scale, **ours)
+    out = attnkit.attention(q, k, v, mask, kernel="native", scale=scale, **ours)
     q64, k64, v64 = (t.detach().double().requires_grad_(q.requires_grad) for t in (q, k, v))
     gold = oracle(q64, k64, v64, allowed, scale=scale, **theirs)
     low = {n: (t.to(q.dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()}
@@ -107,13 +87,12 @@ def allowed_of(mask, lq, lk):
 
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_mask_forward_and_gradients(name, dtype, monkeypatch):
-    spy = Spy(monkeypatch)
+def test_every_mask_forward_and_gradients(name, dtype, spy):
     b, hq, hkv, lq, lk, d = 2, 4, 2, 300, 333, 32
     q = randn(b, hq, lq, d, dtype=dtype, requires_grad=True)
     k, v = (randn(b, hkv, lk, d, dtype=dtype, requires_grad=True) for _ in range(2))
     check_forward_and_gradients(q, k, v, MASKS[name](b, hq, lq, lk), f"{name} {dtype}")
-    assert spy.forward == 1 and spy.backward == 1
+    assert spy.counts == {"attnkit::native_forward": 1, "attnkit::native_backward": 1}
 
 
 @pytest.mark.parametrize(
@@ -121,10 +100,9 @@ def test_every_mask_forward_and_gradients(name, dtype, monkeypatch):
     ["alibi", "alibi_causal", "relative_fixed", "softcap", "sinks", "alibi_softcap_sinks", "relative_learned"],
 )
 @pytest.mark.parametrize("mask_name", ["causal", "window", "document", "padding"])
-def test_score_modifications_forward_and_gradients(kind, mask_name, monkeypatch):
-    """A bias of kv - q (fixed), soft-capping and sinks run inside the native engine, forward and
-    backward; a bias whose own tensors want gradients runs its backward on the math engine."""
-    spy = Spy(monkeypatch)
+def test_score_modifications_forward_and_gradients(kind, mask_name, spy):
+    """A bias of kv - q (fixed or learned: its band's gradient is summed along the diagonals of dS),
+    soft-capping and sinks run inside the native engine, forward and backward."""
     b, hq, hkv, lq, lk, d = 2, 4, 2, 200, 200, 16
     q = randn(b, hq, lq, d, requires_grad=True)
     k, v = (randn(b, hkv, lk, d, requires_grad=True) for _ in range(2))
@@ -149,8 +127,7 @@ def test_score_modifications_forward_and_gradients(kind, mask_name, monkeypatch)
     }[kind]
     mask = MASKS["window_two_sided" if mask_name == "window" else mask_name](b, hq, lq, lk)
     check_forward_and_gradients(q, k, v, mask, f"{kind} {mask_name}", theirs=theirs, **ours)
-    assert spy.forward == 1
-    assert spy.backward == (0 if kind == "relative_learned" else 1)
+    assert spy.counts == {"attnkit::native_forward": 1, "attnkit::native_backward": 1}
 
 
 def test_sink_and_bias_gradients_reach_their_tensors():
@@ -159,7 +136,7 @@ def test_sink_and_bias_gradients_reach_their_tensors():
     q = randn(1, 4, 150, 16, requires_grad=True)
     k, v = (randn(1, 4, 150, 16, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, requires_grad=True)
-    out = attnkit.attention(q, k, v, masks.causal(), kernel="tiled", sinks=sinks, softcap=3.0)
+    out = attnkit.attention(q, k, v, masks.causal(), kernel="native", sinks=sinks, softcap=3.0)
     s64 = sinks.detach().double().requires_grad_()
     gold = oracle(q.double(), k.double(), v.double(), masks.causal().materialize(150, 150), softcap=3.0, sinks=s64)
     up = torch.randn(out.shape, dtype=torch.float64)
@@ -184,8 +161,8 @@ def test_grouped_heads_equal_repeated_kv():
     q = randn(2, 8, 200, 32)
     k, v = randn(2, 2, 200, 32), randn(2, 2, 200, 32)
     for mask in (None, masks.causal(), masks.document(torch.arange(200) // 50)):
-        grouped = attnkit.attention(q, k, v, mask, kernel="tiled")
-        repeated = attnkit.attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), mask, kernel="tiled")
+        grouped = attnkit.attention(q, k, v, mask, kernel="native")
+        repeated = attnkit.attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), mask, kernel="native")
         torch.testing.assert_close(grouped, repeated, atol=1e-6, rtol=1e-5)
 
 
@@ -198,8 +175,8 @@ def test_strided_transposed_and_expanded_inputs_equal_contiguous():
     strided = randn(2, 4, 160, 128)[..., ::2]
     mask = masks.sliding_window(40)
     for args in ((q, kv, kv), (strided, q, kv), (q, strided, strided)):
-        got = attnkit.attention(*args, mask, kernel="tiled")
-        want = attnkit.attention(*(t.contiguous() for t in args), mask, kernel="tiled")
+        got = attnkit.attention(*args, mask, kernel="native")
+        want = attnkit.attention(*(t.contiguous() for t in args), mask, kernel="native")
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         gold, naive = gold_and_naive(*args, allowed_of(mask, 160, 160))
         assert_oracle(got, gold, naive)
@@ -214,7 +191,7 @@ def test_junk_in_unread_keys_and_queries_never_leaks():
 
     def run(q, k, v):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = attnkit.attention(q, k, v, mask, kernel="tiled")
+        out = attnkit.attention(q, k, v, mask, kernel="native")
         out.backward(dout)
         return out.detach(), q.grad, k.grad, v.grad
 
@@ -237,7 +214,7 @@ def test_rows_that_see_no_key_give_zeros_and_minus_infinity():
     q = randn(2, 2, 100, 16, requires_grad=True)
     k, v = (randn(2, 2, 100, 16, requires_grad=True) for _ in range(2))
     mask = masks.padding(torch.tensor([0, 60])) & masks.causal("top_left")
-    out, lse = attnkit.attention(q, k, v, mask, kernel="tiled", return_lse=True)
+    out, lse = attnkit.attention(q, k, v, mask, kernel="native", return_lse=True)
     assert (out[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
     assert torch.isfinite(lse[1]).all()
     (out.sum() + lse[1].sum()).backward()
@@ -249,7 +226,7 @@ def test_lse_and_its_gradient_equal_the_formula():
     q = randn(1, 4, 260, 32, requires_grad=True)
     k, v = (randn(1, 2, 300, 32, requires_grad=True) for _ in range(2))
     mask = masks.sliding_window(70)
-    out, lse = attnkit.attention(q, k, v, mask, kernel="tiled", return_lse=True)
+    out, lse = attnkit.attention(q, k, v, mask, kernel="native", return_lse=True)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     s = (q64 @ k64.repeat_interleave(2, 1).transpose(-2, -1) * 32**-0.5).masked_fill(
         ~allowed_of(mask, 260, 300), float("-inf")
@@ -269,14 +246,14 @@ def test_large_logits_negative_and_tiny_scales(scale):
     q = randn(1, 2, 150, 16) * (100 if scale == 100.0 else 1)
     k, v = randn(1, 2, 150, 16) * (100 if scale == 100.0 else 1), randn(1, 2, 150, 16)
     mask = masks.causal()
-    out = attnkit.attention(q, k, v, mask, kernel="tiled", scale=scale)
+    out = attnkit.attention(q, k, v, mask, kernel="native", scale=scale)
     gold, naive = gold_and_naive(q, k, v, allowed_of(mask, 150, 150), scale=scale)
     assert_oracle(out, gold, naive)
 
 
 def test_bfloat16_near_its_largest_values_stays_finite():
     q, k, v = (randn(1, 2, 130, 16, dtype=torch.bfloat16) * 1e5 for _ in range(3))
-    out = attnkit.attention(q, k, v, masks.causal(), kernel="tiled")
+    out = attnkit.attention(q, k, v, masks.causal(), kernel="native")
     assert torch.isfinite(out).all()
 
 
@@ -285,7 +262,7 @@ def test_same_inputs_give_bit_identical_outputs_and_gradients():
     k, v = (randn(2, 4, 300, 32, requires_grad=True) for _ in range(2))
 
     def run():
-        out = attnkit.attention(q, k, v, masks.document(torch.arange(300) // 90), kernel="tiled")
+        out = attnkit.attention(q, k, v, masks.document(torch.arange(300) // 90), kernel="native")
         return (out, *torch.autograd.grad(out.sum(), (q, k, v)))
 
     for a, b in zip(run(), run()):
@@ -302,7 +279,7 @@ def test_one_and_two_threads_agree():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            out = attnkit.attention(q, k, v, mask, kernel="tiled")
+            out = attnkit.attention(q, k, v, mask, kernel="native")
             results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
     finally:
         torch.set_num_threads(threads)
@@ -313,113 +290,20 @@ def test_one_and_two_threads_agree():
 def test_inference_mode_no_grad_and_compile():
     q, k, v = (randn(1, 4, 256, 32) for _ in range(3))
     prepared = attnkit.prepare(masks.sliding_window(64), 256, 256)
-    eager = attnkit.attention(q, k, v, prepared, kernel="tiled")
+    eager = attnkit.attention(q, k, v, prepared, kernel="native")
     with torch.inference_mode():
-        assert torch.equal(attnkit.attention(q, k, v, prepared, kernel="tiled"), eager)
+        assert torch.equal(attnkit.attention(q, k, v, prepared, kernel="native"), eager)
     with torch.no_grad():
-        assert torch.equal(attnkit.attention(q, k, v, prepared, kernel="tiled"), eager)
+        assert torch.equal(attnkit.attention(q, k, v, prepared, kernel="native"), eager)
     compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, prepared), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), eager, atol=1e-6, rtol=1e-5)
 
 
-def test_explain_names_the_engine_and_why_not():
+def test_explain_names_the_kernel_its_build_and_why_not():
     q = randn(1, 2, 64, 16)
-    assert str(attnkit.explain(q, q, q, masks.sliding_window(8), kernel="tiled")).endswith("native engine (C++)")
-    words = tiled.engine_words
-    assert "dropout_p=0.1" in str(attnkit.explain(q, q, q, masks.sliding_window(8), dropout_p=0.1))
-    assert words is tiled.engine_words  # the one place explain's engine words come from
-
-
-# --- the build ------------------------------------------------------------------------------
-
-
-def _python(code: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
-    full = {**os.environ, **env}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, timeout=timeout
-    )
-
-
-PROBE = """
-    import json, warnings, torch, attnkit
-    from attnkit import masks
-    from attnkit.kernels import native
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ok, why = native.status()
-    q = torch.randn(1, 2, 200, 16, dtype=torch.float64).float()
-    out = attnkit.attention(q, q, q, masks.sliding_window(30), kernel="tiled")
-    ref = attnkit.attention(q, q, q, masks.sliding_window(30), kernel="reference")
-    explained = str(attnkit.explain(q, q, q, masks.sliding_window(30), kernel="tiled"))
-    print(json.dumps({"ok": ok, "why": why, "err": float((out - ref).abs().max()), "explain": explained,
-                      "warnings": [str(w.message) for w in caught]}))
-"""
-
-
-def test_without_a_compiler_the_pytorch_engines_run(tmp_path):
-    env = {"PATH": str(tmp_path), "CXX": "", "ATTNKIT_CACHE": str(tmp_path / "cache"), "ATTNKIT_NATIVE": "1"}
-    done = _python(PROBE, env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not got["ok"] and "no C++ compiler found" in got["why"], got
-    assert got["warnings"] == []  # a machine with no compiler is a known case, not a warning
-    assert got["err"] < 1e-5
-    assert "fused engine (native engine unavailable: no C++ compiler found" in got["explain"], got
-
-
-def test_a_build_that_fails_warns_once_and_falls_back(tmp_path):
-    broken = tmp_path / "broken-c++"
-    broken.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nexit 1\n")
-    broken.chmod(0o755)
-    done = _python(PROBE, {"CXX": str(broken), "ATTNKIT_CACHE": str(tmp_path / "cache"), "ATTNKIT_NATIVE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not got["ok"] and "building attnkit's native engine failed" in got["why"]
-    assert len(got["warnings"]) == 1 and "this compiler is broken" in got["warnings"][0]
-    assert got["err"] < 1e-5
-
-
-def test_turned_off_by_the_environment(tmp_path):
-    done = _python(PROBE, {"ATTNKIT_NATIVE": "0", "ATTNKIT_CACHE": str(tmp_path / "cache")})
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {**got, "ok": False, "why": "native engine turned off by ATTNKIT_NATIVE=0"}
-    assert not (tmp_path / "cache").exists()  # nothing is built when it is off
-    assert got["err"] < 1e-5
-
-
-def test_the_build_is_cached_and_reused():
-    first = native.build()
-    stamp = first.stat().st_mtime_ns
-    assert native.build() == first and first.stat().st_mtime_ns == stamp
-    assert first.parent.parent == native.cache_dir()
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
-@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64-v2"])
-def test_other_vector_widths_are_exact(arch, tmp_path):
-    """Built for AVX2 (8 floats a vector) and for SSE4 (4): the same answers within the oracle rule."""
-    code = """
-        import json, torch, attnkit
-        from attnkit import masks
-        from attnkit.kernels import native
-        assert native.available(), native.status()
-        torch.manual_seed(0)
-        q = torch.randn(2, 4, 300, 40, requires_grad=True)
-        k, v = (torch.randn(2, 2, 300, 40, requires_grad=True) for _ in range(2))
-        mask = masks.document(torch.arange(300) // 70) & masks.causal()
-        out = attnkit.attention(q, k, v, mask, kernel="tiled", softcap=5.0)
-        grads = torch.autograd.grad(out.sum(), (q, k, v))
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        allowed = attnkit.prepare(mask, 300, 300).materialize()
-        s = 5.0 * torch.tanh(q64 @ k64.repeat_interleave(2, 1).transpose(-2, -1) * 40 ** -0.5 / 5.0)
-        gold = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v64.repeat_interleave(2, 1)
-        want = torch.autograd.grad(gold.sum(), (q64, k64, v64))
-        errs = [float((out.double() - gold).abs().max())]
-        errs += [float((g.double() - w).abs().max()) for g, w in zip(grads, want)]
-        print(json.dumps({"width": native._load().width, "errs": errs}))
-    """
-    done = _python(code, {"ATTNKIT_NATIVE_ARCH": arch, "ATTNKIT_CACHE": str(tmp_path), "ATTNKIT_NATIVE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["width"] == {"x86-64-v3": 8, "x86-64-v2": 4}[arch]
-    assert max(got["errs"]) < 5e-5, got
+    plan = attnkit.explain(q, q, q, masks.sliding_window(8), kernel="tiled")
+    assert plan.kernel == "native" and native_build.info() in str(attnkit.explain(q, q, q, masks.sliding_window(8), return_lse=True))
+    dropout = attnkit.explain(q, q, q, masks.sliding_window(8), dropout_p=0.1)
+    assert dropout.kernel == "math" and "no dropout (dropout_p=0.1)" in dropout.rejected["native"]
+    one = attnkit.explain(q[:, :, :1], q, q, masks.sliding_window(8))
+    assert "1 queries: it computes 32 rows at a time" in " ".join(one.rejected["native"])

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import wave
 
 import numpy as np
 import pytest
 import torch
 
+from attnkit.cli import main
 from attnkit.models import speech
 from attnkit.models.speech import SpeechRecognizer
 
@@ -239,3 +241,31 @@ def test_train_minutes_sets_the_steps(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "speech", "--minutes", "90"])
     assert "between 1 and 60 minutes" in capsys.readouterr().err
+
+
+# regression: finding F12 of the review of the seams between features
+def test_speech_recognizer_is_exported_like_the_other_models():
+    import attnkit.models as models
+
+    assert "SpeechRecognizer" in models.__all__
+    from attnkit.models import SpeechRecognizer  # noqa: F401  (the README's import)
+
+
+# regression: finding F19 of the review of the seams between features
+def test_listen_to_a_truncated_stereo_wav(tmp_path, capsys):
+    path = tmp_path / "cut.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((np.random.default_rng(0).normal(0, 0.05, 2 * 16000) * 32767).astype("<i2").tobytes())
+    path.write_bytes(path.read_bytes()[:-3])  # cut inside the last frame
+    from attnkit.models.speech import read_wav
+
+    samples, rate = read_wav(path)
+    assert samples.shape == (2, 15999) and rate == 16000  # the cut frame is dropped
+    assert main(["listen", str(path), "--out", str(tmp_path / "out")]) == 0
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(path.read_bytes()[:47])  # the header and 3 bytes: no whole frame
+    assert main(["listen", str(empty), "--out", str(tmp_path / "out2")]) == 2
+    assert "no complete sample" in capsys.readouterr().err

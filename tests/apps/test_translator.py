@@ -1,5 +1,7 @@
 """KV cache, the date translator's three kinds of attention, its accuracy, training and CLI."""
 
+from __future__ import annotations
+
 import datetime
 import random
 import re
@@ -8,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import randn
+from _oracle import randn
 
 import attnkit
 from attnkit import masks
@@ -222,3 +224,59 @@ def test_translate_cli_end_to_end(tmp_path):
     assert run.stdout.strip() == "2019-03-25"
     for name in ["alignment.png", "alignment_grid.png", "alignment.html"]:
         assert (tmp_path / name).stat().st_size > 5000, name
+
+
+@pytest.fixture(scope="module")
+def date_translator():
+    from attnkit.models import DateTranslator
+
+    return DateTranslator.from_package()
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_translator_refuses_what_is_not_a_date(date_translator):
+    texts = [
+        "",
+        "hello world",
+        "31 February 2019",
+        "2019-13-01",
+        "32 March 2019",
+        "25 March 1850",
+        "25 March 2150",
+        "1" * 48,
+        "03/25/2019",
+        "20190325",
+        "Monday, March 26, 2019",
+        "3th of May 2000",
+    ]
+    assert date_translator.translate(texts) == [None] * len(texts)
+    reasons = {a.text: a.reason for a in date_translator.answers(texts)}
+    assert reasons["31 February 2019"] == "there is no 31 February 2019"
+    assert reasons["25 March 1850"].startswith("the year 1850 is outside 1900-2099")
+    assert "is a Tuesday, not a monday" in reasons["Monday, March 26, 2019"]
+    with pytest.raises(ValueError, match="'hello world' is not a date attnkit can read"):
+        date_translator.translate(["25 March 2019", "hello world"], strict=True)
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_translator_normalises_whitespace_and_case_and_reports_confidence(date_translator):
+    assert date_translator.translate(["  25 March 2019  ", "25   MARCH   2019", "2019年3月25日"]) == ["2019-03-25"] * 3
+    (answer,) = date_translator.answers(["25th of March 2019"])
+    assert answer.iso == "2019-03-25" and 0.5 < answer.confidence <= 1.0 and answer.reason == ""
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_translator_keeps_99_percent_of_valid_dates_and_rejects_99_percent_of_garbage(date_translator):
+    import random
+    import string
+
+    from attnkit.models import dates
+
+    pairs = dates.dataset(600, seed=321)
+    out = date_translator.translate([t for t, _ in pairs])
+    assert sum(o == iso for o, (_, iso) in zip(out, pairs)) / len(pairs) >= 0.99
+    rng = random.Random(0)
+    chars = string.ascii_letters + string.digits + string.punctuation + " 年月日"
+    garbage = ["".join(rng.choice(chars) for _ in range(rng.randint(0, 40))) for _ in range(2000)]
+    rejected = date_translator.translate(garbage)
+    assert sum(r is None for r in rejected) / len(rejected) >= 0.99

@@ -1,4 +1,4 @@
-"""The Triton kernel, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, set in conftest),
+"""The Triton kernel, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py),
 against the float64 oracle: forward, lse and gradients, every mask kind and modification."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: pip install 'attnkit[gpu]' (make test does)")
 
-from conftest import assert_oracle, rounding_atol  # noqa: E402
+from _oracle import assert_oracle, rounding_atol  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
 from attnkit.kernels import triton_attention as tk  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not tk.interpreted(), reason="needs TRITON_INTERPRET=1 (set by conftest)")
+pytestmark = pytest.mark.skipif(not tk.interpreted(), reason="needs TRITON_INTERPRET=1 (set by conftest.py)")
 
 
 def _docs(length, seed=0, batch=2):

@@ -1,8 +1,10 @@
 """MultiHeadAttention: parity with torch.nn.MultiheadAttention, GQA, cross-attention, masks."""
 
+
 import pytest
 import torch
-from conftest import naive_attention, randn
+import torch.utils._python_dispatch
+from _oracle import naive_attention, randn
 from torch import nn
 
 import attnkit
@@ -123,3 +125,17 @@ def test_split_and_merge_heads_are_inverse():
     heads = attnkit.MultiHeadAttention.split_heads(x, 3)
     assert heads.shape == (2, 3, 5, 4)
     assert torch.equal(attnkit.MultiHeadAttention.merge_heads(heads), x)
+
+
+def test_attention_hooks_are_removable_handles():
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2)
+    calls = []
+    handle = mha.register_attention_hook(lambda m, q, k, v, mask: calls.append((m, q.shape, k.shape, mask)))
+    x = randn(2, 5, 16)
+    mha(x, mask=masks.causal())
+    assert calls[0][0] is mha and calls[0][1] == (2, 4, 5, 4) and calls[0][2] == (2, 2, 5, 4)
+    handle.remove()
+    mha(x)
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="hook must be callable"):
+        mha.register_attention_hook(3)

@@ -1,0 +1,402 @@
+"""Building and loading attnkit's native CPU engine (``native.cpp``): PyTorch operators in C++.
+
+The source ships with attnkit and is compiled once per machine, at its first use, with the C++
+compiler found on the machine (``$CXX``, else ``g++`` or ``c++``) against the PyTorch that is
+running, with the include and library paths and ABI flag of :mod:`torch.utils.cpp_extension`:
+``-O3 -march=native``, OpenMP through PyTorch's own runtime (it shares PyTorch's threads and
+follows ``torch.set_num_threads``). The library registers two operators,
+``torch.ops.attnkit.native_forward`` and ``torch.ops.attnkit.native_backward``, whose fake
+(meta) and autograd implementations are registered here: the forward is differentiable, runs
+under ``torch.inference_mode()`` and is traced by ``torch.compile`` as one op
+(``torch.library.opcheck`` passes on it).
+
+Builds are kept in ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``) under a key of the source,
+the compiler, PyTorch, the CPU and the flags, each beside a manifest of its size, SHA-256 and
+interface version. A library is loaded only when it matches its manifest: a truncated, empty,
+replaced or older build is rebuilt once (under the build lock), and where that fails too the
+warning says what was found. ``ATTNKIT_NATIVE_ARCH`` replaces ``native`` in ``-march=``
+(``-mcpu=`` off x86), e.g. ``x86-64-v3`` for a build that runs on any AVX2 machine;
+``ATTNKIT_NATIVE_SANITIZE=address,undefined`` builds with those sanitizers (for tests run with
+the sanitizer's runtime preloaded).
+
+Where there is no compiler, the build fails, or ``ATTNKIT_NATIVE=0`` is set, :func:`status`
+says why and the kernel registry runs the other CPU kernels (``attnkit.explain`` shows which).
+Softmax statistics and sums are float32; bfloat16/float16 inputs are read one tile at a time
+(on CPUs with AVX512-BF16, bfloat16 dot products; :func:`info` says which); float64 runs
+elsewhere.
+
+Equivalent PyTorch code (forward)::
+
+    s = (q @ k.transpose(-2, -1)) * scale          # (B, Hq, Lq, Lk), K/V heads repeated for GQA
+    s = softcap * torch.tanh(s / softcap)          # when softcap is given
+    s = s + bias                                   # a bias of kv - q only (Bias.band)
+    s = s.masked_fill(~prepared.materialize(), float("-inf"))
+    lse = s.logsumexp(-1)                          # -inf where a query sees no key
+    out = torch.softmax(s, -1).nan_to_num(0) @ v
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from attnkit.prepare import PreparedMask
+
+__all__ = [
+    "ENABLED",
+    "SOURCE",
+    "VERSION",
+    "available",
+    "build",
+    "cache_dir",
+    "check_library",
+    "info",
+    "library_path",
+    "load_if_built",
+    "loaded_state",
+    "status",
+]
+
+SOURCE = Path(__file__).with_name("native.cpp")
+#: The interface version of the operators this module speaks to (``native_interface()`` in native.cpp).
+VERSION = 6
+#: Whether the engine may be used at all: ``ATTNKIT_NATIVE=0`` turns it off for the process
+#: (the other CPU kernels run instead); tests set this attribute.
+ENABLED = os.environ.get("ATTNKIT_NATIVE", "1") != "0"
+#: The rows of queries the engine computes together (its block of queries is a multiple of this).
+ROWS = 32
+
+
+# --- building -------------------------------------------------------------------------------
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _openmp() -> bool:
+    """Whether PyTorch's at::parallel_for is OpenMP (its code is then compiled into the caller)."""
+    return "parallel backend: OpenMP" in torch._C._parallel_info()
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _arch() -> str:
+    return os.environ.get("ATTNKIT_NATIVE_ARCH", "native")
+
+
+def _sanitize() -> list[str]:
+    wanted = os.environ.get("ATTNKIT_NATIVE_SANITIZE", "")
+    if not wanted:
+        return []
+    return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+
+
+def _commands(compiler: str, out: Path, obj: Path) -> list[list[str]]:
+    """The compile and link commands (torch.utils.cpp_extension's paths and ABI flag)."""
+    from torch.utils import cpp_extension
+
+    x86 = platform.machine() in ("x86_64", "AMD64", "i686")
+    arch = [f"-march={_arch()}"] if x86 else [f"-mcpu={_arch()}"]
+    openmp = _openmp()
+    sanitize = _sanitize()
+    compile_ = [
+        compiler,
+        "-c",
+        "-O3",
+        *arch,
+        "-std=c++20",
+        "-fPIC",
+        "-ffp-contract=fast",  # a * b + c as one fused multiply-add
+        "-fno-math-errno",
+        "-fno-trapping-math",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        *(["-fopenmp"] if openmp else []),
+        *sanitize,
+        str(SOURCE),
+        "-o",
+        str(obj),
+    ]
+    lib_dirs = cpp_extension.library_paths()
+    link = [compiler, "-shared", str(obj), "-o", str(out), *sanitize]
+    link += [f"-L{d}" for d in lib_dirs] + ["-ltorch_cpu", "-lc10"] + [f"-Wl,-rpath,{d}" for d in lib_dirs]
+    if openmp:  # PyTorch's own OpenMP runtime when it ships one (one thread pool), else the compiler's
+        lib = Path(lib_dirs[0])
+        bundled = sorted(lib.glob("libgomp*.so*")) + sorted(lib.glob("libiomp*.so*"))
+        link += [str(bundled[0])] if bundled else ["-fopenmp"]
+    return [compile_, link]
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$ATTNKIT_CACHE``, else ``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``."""
+    root = os.environ.get("ATTNKIT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnkit"
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), torch.__version__.encode(), torch.__file__.encode()):
+        key.update(part)
+        key.update(b"\0")
+    for part in (_cpu_key(), _arch(), " ".join(_sanitize())):
+        key.update(part.encode())
+        key.update(b"\0")
+    return cache_dir() / f"native-{key.hexdigest()[:20]}" / "libattnkit_native.so"
+
+
+def _manifest(library: Path) -> Path:
+    return library.with_suffix(".json")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_library(library: Path) -> str | None:
+    """Why the cached ``library`` cannot be loaded (None: it can): it must exist and match its
+    manifest (interface version, size, SHA-256), so a truncated, empty, replaced or older build is
+    found before it is mapped into the process."""
+    if not library.exists():
+        return "not built yet"
+    try:
+        manifest = json.loads(_manifest(library).read_text())
+        interface, size, digest = manifest["interface"], manifest["size"], manifest["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{library} has no readable manifest ({_manifest(library).name})"
+    if interface != VERSION:
+        return f"{library} was built for interface {interface}; this attnkit speaks {VERSION}"
+    found = library.stat().st_size
+    if found != size:
+        return f"{library} holds {found} bytes; its build wrote {size} (truncated or replaced)"
+    if _digest(library) != digest:
+        return f"{library} changed since it was built (its SHA-256 differs from its manifest's)"
+    return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """One process builds while the others wait (several ranks of a ring may start at once)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the atomic rename still keeps the file whole
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(compiler: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "native.o", Path(tmp) / target.name
+        for cmd in _commands(compiler, lib, obj):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip()[-2000:]
+                raise RuntimeError(f"building attnkit's native engine failed:\n$ {' '.join(cmd)}\n{tail}")
+        if not lib.exists() or lib.stat().st_size == 0:
+            raise RuntimeError(f"building attnkit's native engine wrote no library ({' '.join(cmd)})")
+        manifest = {"interface": VERSION, "size": lib.stat().st_size, "sha256": _digest(lib), "torch": torch.__version__}
+        _manifest(lib).write_text(json.dumps(manifest))
+        os.replace(_manifest(lib), _manifest(target))  # the manifest first: a reader of the new
+        os.replace(lib, target)  # library finds it; a reader in between sees a mismatch and waits on the lock
+
+
+def build(force: bool = False) -> Path:
+    """Compile the engine for this machine (once: a cached build that matches its manifest is
+    reused; a damaged one is rebuilt) and return its path.
+
+    Raises ``RuntimeError`` with the compiler's message when it cannot be built.
+    """
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found ($CXX, g++ or c++); install one, e.g. apt-get install g++")
+    target = _library_path(compiler)
+    if not force and check_library(target) is None:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / "build.lock"):
+        found = check_library(target)
+        if found is None and not force:  # another process built it meanwhile
+            return target
+        try:
+            _compile(compiler, target)
+        except RuntimeError as err:
+            if found is not None and found != "not built yet":  # say what was found in the cache, then why
+                raise RuntimeError(f"{err}\n(it was being rebuilt because {found})") from None
+            raise
+        after = check_library(target)
+        if after is not None:
+            raise RuntimeError(f"attnkit's native engine was rebuilt but cannot be trusted: {after}")
+    return target
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+class _Loaded:
+    """The operators once loaded, and what the build computes with; or why there are none."""
+
+    def __init__(self, ok: bool, why: str, info: str = ""):
+        self.ok, self.why, self.info = ok, why, info
+
+
+_loaded: _Loaded | None = None
+_lock = threading.Lock()
+
+
+def _ops_defined() -> bool:
+    return hasattr(torch.ops.attnkit, "native_forward") and hasattr(torch.ops.attnkit, "native_interface")
+
+
+def library_path() -> Path:
+    """Where :func:`build` keeps the library for this machine, compiler, PyTorch and flags."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found ($CXX, g++ or c++); install one, e.g. apt-get install g++")
+    return _library_path(compiler)
+
+
+def load_if_built() -> None:
+    """Load the engine when a build for this machine is cached and sound (no compiling here): at
+    import, so that code traced by torch.compile finds it loaded. Anything else waits for the
+    first call."""
+    global _loaded
+    if not ENABLED or _loaded is not None:
+        return
+    try:
+        path = library_path()
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return
+    if check_library(path) is None:
+        _load()
+
+
+def loaded_state() -> tuple[bool, str] | None:
+    """``status()`` without building or loading: None while nothing was tried in this process
+    (what code traced by torch.compile reads)."""
+    if not ENABLED:
+        return False, "native engine turned off by ATTNKIT_NATIVE=0"
+    return None if _loaded is None else (_loaded.ok, _loaded.why)
+
+
+def _load_library(path: Path) -> str:
+    """Load the library and check the operators it registers; returns its info string."""
+    torch.ops.load_library(str(path))
+    if not _ops_defined():
+        raise RuntimeError(f"{path} loaded but defines none of attnkit's operators; delete {path.parent} to rebuild it")
+    interface = torch.ops.attnkit.native_interface()
+    if interface != VERSION:
+        raise RuntimeError(f"{path} defines interface {interface}; this attnkit speaks {VERSION}")
+    _register_python_parts()
+    return torch.ops.attnkit.native_info()
+
+
+def _load() -> _Loaded:
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        try:
+            path = build()
+            _loaded = _Loaded(True, "the native C++ engine", _load_library(path))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _loaded = _Loaded(False, f"native engine unavailable: {err}".split("\n")[0])
+            if _compiler() is not None:  # a compiler that fails is worth a word; no compiler is a known case
+                warnings.warn(
+                    f"attnkit's native CPU engine could not be built or loaded; the other CPU kernels run instead.\n{err}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    return _loaded
+
+
+def status() -> tuple[bool, str]:
+    """``(available, why)``: whether the engine can run here, and in words why not (it is built
+    on the first call, which takes some seconds once per machine)."""
+    if not ENABLED:
+        return False, "native engine turned off by ATTNKIT_NATIVE=0"
+    loaded = _load()
+    return loaded.ok, loaded.why
+
+
+def available() -> bool:
+    """Whether the engine can run here (see :func:`status`)."""
+    return ENABLED and _load().ok
+
+
+def info() -> str:
+    """What the build computes with, e.g. ``"AVX-512 (16 floats a vector); bfloat16: AVX512-BF16
+    dot products"`` ('' where the engine is not available)."""
+    return _load().info if available() else ""
+
+
+# --- the operators' fake and autograd implementations -------------------------------------------
+
+_registered = [False]
+
+
+def _register_python_parts() -> None:
+    """Fake (meta) shapes of both operators and the autograd formula of the forward (once)."""
+    if _registered[0]:
+        return
+    _registered[0] = True
+
+    @torch.library.register_fake("attnkit::native_forward")
+    def _(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap):
+        b, hq, lq, _ = q.shape
+        return q.new_empty(b, hq, lq, v.shape[-1]), q.new_empty(b, hq, lq, dtype=torch.float32)
+
+    @torch.library.register_fake("attnkit::native_backward")
+    def _(grad_out, grad_lse, q, k, v, out, lse, kv_num, kv_indices, tile_ids, bits, kv_limit, band, *scalars):
+        band_grad = scalars[-1]
+        dband = q.new_empty(band.shape if band_grad else (0,), dtype=torch.float32)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dband
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap = inputs
+        ctx.save_for_backward(q, k, v, *output, kv_num, kv_indices, tile_ids, bits, kv_limit, band)
+        ctx.scalars = (block_q, block_k, scale, softcap)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, *plan = ctx.saved_tensors
+        band_grad = bool(ctx.needs_input_grad[8])  # a learned bias of kv - q (ALiBi slopes, T5's table)
+        dq, dk, dv, dband = torch.ops.attnkit.native_backward(
+            grad_out, grad_lse, q, k, v, out, lse, *plan, *ctx.scalars, False, band_grad
+        )
+        return dq, dk, dv, None, None, None, None, None, dband if band_grad else None, None, None, None, None
+
+    torch.library.register_autograd("attnkit::native_forward", backward, setup_context=setup_context)

@@ -1,0 +1,97 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit.cli import main
+
+
+def _cli(*args):
+    from attnkit.cli import main
+
+    return main(list(args))
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_cli_gives_one_line_errors_and_exit_code_2(tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["translate", "2019-03-25", "--out", str(a_file)], "is an existing file"),
+        (["translate", "2019-03-25", "--out", str(a_file / "below")], "cannot create the --out folder"),
+        (
+            [
+                "translate",
+                "2019-03-25",
+                "--weights",
+                str(tmp_path / "missing.safetensors"),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "is not a file",
+        ),
+        (
+            ["translate", "2019-03-25", "--weights", str(a_file), "--out", str(tmp_path / "o")],
+            "is not a DateTranslator weights file",
+        ),
+        (["translate", "", "--out", str(tmp_path / "o")], "'' is not a date attnkit can read: the text is empty"),
+        (["translate", "hello world", "--out", str(tmp_path / "o")], "not a date in a supported format"),
+    ]
+    for args, message in cases:
+        assert _cli(*args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    for bad in (["--batch-size", "0"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            _cli("train", "translator", *bad, "--out", str(tmp_path / "t"))
+        assert exit_info.value.code == 2
+        assert "must be >= 1, but got 0" in capsys.readouterr().err
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_show_says_what_it_cut_and_keeps_outputs_bounded(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    text = "word " * 1500
+    assert _cli("show", text, "--out", str(tmp_path)) == 0
+    err = capsys.readouterr().err
+    assert "reads at most 256 tokens: showing the text up to character" in err and "of 1500 words" in err
+    assert (tmp_path / "attention.npz").stat().st_size < 10_000_000
+    assert (tmp_path / "attention.html").stat().st_size < 8_000_000
+
+
+# regression: a finding of the adversarial review of the inputs (hardening)
+def test_save_html_refuses_zero_tokens(tmp_path):
+    from attnkit.viz import save_html
+
+    with pytest.raises(ValueError, match="hold nothing to draw"):
+        save_html(tmp_path / "a.html", torch.zeros(1, 1, 0, 0), [])
+
+
+# regression: finding F15 of the review of the seams between features
+def test_show_refuses_text_that_is_not_utf8(tmp_path, capsys):
+    text = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # how Python hands argv bytes over
+    assert main(["show", text, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8" in err and "--file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--length", "1e11"], "--length: must be a whole number"),
+        (["--length", "100000000000"], "--length: must be at most 1,048,576"),
+        (["--depth", "nan"], "--depth: must be in \\[0, 1\\]"),
+        (["--depth", "2.0"], "--depth: must be in \\[0, 1\\]"),
+        (["--depth", "-1"], "--depth: must be in \\[0, 1\\]"),
+    ],
+)
+# regression: finding F16, F17 of the review of the seams between features
+def test_show_length_and_depth_are_checked(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["show", "--model", "recall", *args, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    import re
+
+    assert re.search(message, capsys.readouterr().err)

@@ -1,0 +1,153 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._python_dispatch
+from _oracle import ALL_KERNELS, assert_oracle, dense_of, gold_and_naive, mask_kinds, naive_attention, randn
+
+import attnkit
+from attnkit import bias, masks
+from attnkit.prepare import PREPARATIONS
+
+
+@pytest.mark.parametrize("name", list(mask_kinds()))
+def test_prepared_masks_equal_implicit_ones(name):
+    mask = mask_kinds()[name]
+    q, k, v = randn(2, 4, 150, 16), randn(2, 2, 150, 16), randn(2, 2, 150, 16)
+    prepared = attnkit.prepare(mask, 150, 150)
+    for kernel in ALL_KERNELS:
+        a = attnkit.attention(q, k, v, prepared, kernel=kernel)
+        b = attnkit.attention(q, k, v, mask, kernel=kernel)
+        gold, naive = gold_and_naive(q, k, v, dense_of(mask, 150, 150))
+        assert_oracle(a, gold, naive, what=f"{name} {kernel} prepared")
+        assert_oracle(b, gold, naive, what=f"{name} {kernel} implicit")
+
+
+def test_prepared_block_lists_describe_the_block_map():
+    mask = masks.document(torch.tensor([[0] * 100 + [1] * 156, [0] * 200 + [1] * 56]))
+    p = attnkit.prepare(mask, 256, 256, block_size=(64, 32))
+    codes = mask.block_map(256, 256, 64, 32)
+    assert torch.equal(p.codes, codes)
+    for b in range(2):
+        for i in range(4):
+            n = int(p.kv_num[b, 0, i])
+            kept = (codes[b, 0, i] != masks.EMPTY).nonzero().flatten()
+            assert p.kv_indices[b, 0, i, :n].tolist() == kept.tolist()
+            assert p.kv_full[b, 0, i, :n].tolist() == (codes[b, 0, i, kept] == masks.FULL).tolist()
+    assert "PreparedMask(document" in repr(p)
+
+
+def test_prepared_mask_errors():
+    p = attnkit.prepare(masks.causal(), 8, 8)
+    q = randn(1, 1, 9, 4)
+    with pytest.raises(ValueError, match="prepared for Lq=8, Lk=8 but is used with Lq=9, Lk=9"):
+        attnkit.attention(q, q, q, p)
+    with pytest.raises(TypeError, match="already a PreparedMask"):
+        attnkit.prepare(p, 8, 8)
+    with pytest.raises(ValueError, match="length 9 but the keys have only Lk=8"):
+        attnkit.prepare(masks.padding([9]), 8, 8)
+
+
+def random_documents(b, length, docs, generator=None):
+    ids = []
+    for _ in range(b):
+        cuts = torch.sort(torch.randperm(length - 1, generator=generator)[: docs - 1] + 1).values
+        row = torch.zeros(length, dtype=torch.long)
+        row[cuts] = 1
+        ids.append(row.cumsum(0))
+    return torch.stack(ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_per_row_plans_with_different_layouts_per_row(dtype):
+    b, length = 3, 333
+    ids = random_documents(b, length, 5)
+    mask = masks.document(ids) & masks.causal()
+    p = attnkit.prepare(mask, length, length, block_size=(32, 16))
+    assert len(p.groups) == b  # every row its own plan
+    union = (p.codes != masks.EMPTY).any(0).float().mean().item()
+    assert p.kept < union  # each row visits only its own blocks
+    q, k, v = (
+        randn(b, 4, length, 16, dtype=dtype),
+        randn(b, 2, length, 16, dtype=dtype),
+        randn(b, 2, length, 16, dtype=dtype),
+    )
+    gold, naive = gold_and_naive(q, k, v, mask.materialize(length, length))
+    assert_oracle(attnkit.attention(q, k, v, p, kernel="tiled"), gold, naive)
+    # gradients, every row its own plan
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    grad = randn(b, 4, length, 16)
+    naive_attention(q64, k64, v64, mask.materialize(length, length))[0].backward(grad.double())
+    attnkit.attention(qg, kg, vg, p, kernel="tiled").backward(grad.to(dtype))
+    for got, want in ((qg, q64), (kg, k64), (vg, v64)):
+        tol = 1e-10 if dtype == torch.float64 else 5e-2 if dtype == torch.bfloat16 else 1e-4
+        assert (got.grad.double() - want.grad).abs().max() < tol
+
+
+def test_per_head_masks_from_fn():
+    length = 200
+
+    def per_head(b, h, q, kv):  # head h sees a window of width 40 * (h + 1) behind it
+        return (kv <= q) & (q - kv < 40 * (h + 1))
+
+    mask = masks.from_fn(per_head, num_heads=4)
+    p = attnkit.prepare(mask, length, length, block_size=(32, 16))
+    assert p.codes.shape[:2] == (1, 4) and len(p.groups) == 4
+    q, k, v = (
+        randn(2, 4, length, 8, dtype=torch.float64),
+        randn(2, 2, length, 8, dtype=torch.float64),
+        randn(2, 2, length, 8, dtype=torch.float64),
+    )
+    want = naive_attention(q, k, v, mask.materialize(length, length))[0]
+    for kernel in ALL_KERNELS:
+        got = attnkit.attention(q, k, v, mask, kernel=kernel)
+        assert (got - want).abs().max() < 1e-12, kernel
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    p8 = attnkit.prepare(mask, 9, 9, block_size=(4, 4))
+    qs, ks, vs = (t[:, :, :9].detach().requires_grad_(True) for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: attnkit.attention(a, b, c, p8, kernel="tiled"), (qs, ks, vs))
+
+
+def test_decoding_prepares_each_steps_mask_once_for_all_layers():
+    """12 layers x 20 decoding steps over a batch of mixed fills: the cache masks of one step are
+    equal values in every layer, so they are prepared once per step, not once per layer."""
+    torch.manual_seed(0)
+    layers = [attnkit.MultiHeadAttention(32, 4).eval() for _ in range(12)]
+    caches = attnkit.KVCache.for_layers(12, 2, 4, 40, 8)
+    alibi = bias.alibi(bias.alibi_slopes(4))  # a bias: the tiled kernel prepares the mask
+    x = randn(2, 6, 32)
+    with torch.no_grad():
+        start = PREPARATIONS["count"]
+        h = x
+        for layer, cache in zip(layers, caches):
+            h, _ = layer(h, mask=masks.causal(), cache=cache, counts=torch.tensor([6, 3]), attn_bias=alibi)
+        assert PREPARATIONS["count"] - start == 1  # the prefill
+        for _ in range(20):
+            h = randn(2, 1, 32)
+            for layer, cache in zip(layers, caches):
+                h, _ = layer(h, mask=masks.causal(), cache=cache, attn_bias=alibi)
+        assert PREPARATIONS["count"] - start == 21
+
+
+def test_a_prepared_mask_is_reprepared_once_for_another_block_size():
+    mask = masks.document(torch.arange(256) // 40) & masks.causal()
+    prepared = attnkit.prepare(mask, 256, 256)  # the default (CPU kernel's) block size
+    start = PREPARATIONS["count"]
+    other = [prepared.with_block_size((64, 64)) for _ in range(5)]
+    assert PREPARATIONS["count"] - start == 1 and all(p is other[0] for p in other)
+    assert other[0].block_size == (64, 64) and prepared.with_block_size((128, 64)) is prepared
+    torch.testing.assert_close(other[0].materialize(), prepared.materialize())
+
+
+def test_prepared_facts():
+    p = attnkit.prepare(masks.causal(), 300, 300)
+    assert p.band == (None, 0) and p.causal_shift == 0 and not p.hides_nothing and not p.limit_only
+    w = attnkit.prepare(masks.sliding_window(5, 2) & masks.causal(), 300, 300)
+    assert w.band == (-5, 0) and w.causal_shift is None
+    assert attnkit.prepare(masks.causal(), 1, 300).hides_nothing
+    pad = attnkit.prepare(masks.padding([100, 300]), 4, 300)
+    assert pad.limit_only and pad.band is None and pad.kv_limit.tolist() == [100, 300]
+    assert attnkit.prepare(masks.document(torch.arange(300) // 30), 300, 300).band is None
