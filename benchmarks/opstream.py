@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import native
+from attnkit.kernels import native_build
 
-native.ENABLED = False  # the PyTorch engines' operations are what this counts
+native_build.ENABLED = False  # the PyTorch engines' operations are what this counts
 
 B, H, D = 1, 8, 64
 RESULTS = Path(__file__).parent / "results"

@@ -138,12 +138,22 @@ def engine_pinned(engine: str):
     from attnkit.kernels import _aten, native_build
 
     saved = native_build.ENABLED, _aten.AVAILABLE
+    _forget_runners()
     try:
         native_build.ENABLED = saved[0] and engine == "native"
         _aten.AVAILABLE = saved[1] and engine != "math"
         yield
     finally:
         native_build.ENABLED, _aten.AVAILABLE = saved
+        _forget_runners()
+
+
+def _forget_runners() -> None:
+    """The lean path keeps runners of the kernel it chose; a test that turns a kernel off starts afresh."""
+    from attnkit import _cache
+
+    _cache.LEAN.clear()
+    _cache.LEAN_ANY_LENGTH.clear()
 
 
 def pin_engine(monkeypatch, engine: str) -> None:
@@ -155,6 +165,7 @@ def pin_engine(monkeypatch, engine: str) -> None:
         if not native_build.available():
             pytest.skip(native_build.status()[1])
         return
+    _forget_runners()
     monkeypatch.setattr(native_build, "ENABLED", False)
     if engine == "fused" and not _aten.AVAILABLE:
         pytest.skip("PyTorch's fused CPU kernel is not available")
@@ -297,3 +308,32 @@ class OpCounter(TorchDispatchMode):
         if name in self.counts:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def run_engine(engine: str, q, k, v, prepared, scale, **mods):
+    """``(out, lse)`` of one block-sparse kernel on this very plan (at its own block size), or None
+    where that kernel cannot run it: "native" (its operators), "fused" or "math" (the walk)."""
+    from attnkit.kernels import _aten, blocksparse, native, native_build
+
+    if engine == "native":
+        if not native_build.available() or q.dtype == torch.float64 or prepared.block_size[0] % 32:
+            return None
+        if mods.get("dropout_p") or mods.get("score_mod") is not None or mods.get("bias") is not None:
+            return None
+        return native.forward(q, k, v, prepared, scale=scale, softcap=mods.get("softcap"))
+    if engine == "fused":
+        if not _aten.AVAILABLE or q.shape[-1] != v.shape[-1] or any(mods.get(m) for m in ("dropout_p", "softcap")):
+            return None
+        if mods.get("score_mod") is not None or mods.get("bias") is not None:
+            return None
+    return blocksparse.attention(q, k, v, prepared, engine=engine, scale=scale, **mods)
+
+
+def run_engines(q, k, v, prepared, scale, **mods):
+    """``{engine: (out, lse)}`` of every block-sparse kernel that can run this plan."""
+    found = {e: run_engine(e, q, k, v, prepared, scale, **mods) for e in ENGINES}
+    return {e: r for e, r in found.items() if r is not None}
+
+
+#: The kernels of the "tiled" group (attnkit's block-sparse CPU kernels).
+TILED_KERNELS = ("native", "fused", "math")

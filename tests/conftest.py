@@ -17,3 +17,13 @@ import torch
 def _fresh_seed(request):
     """A different seed per test, the same on every run."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runners():
+    """A test that turned a kernel off (pin_engine) leaves no runner of it behind."""
+    yield
+    from attnkit import _cache
+
+    _cache.LEAN.clear()
+    _cache.LEAN_ANY_LENGTH.clear()

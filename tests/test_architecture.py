@@ -55,5 +55,3 @@ def test_no_kernel_module_uses_another_modules_private_names():
 
 
 # --- preparations --------------------------------------------------------------------------------
-
-

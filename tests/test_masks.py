@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._python_dispatch
-from _oracle import MaxNumel, naive_attention, randn
+from _oracle import TILED_KERNELS, MaxNumel, naive_attention, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -236,7 +236,7 @@ def test_chunked_prefill_into_a_static_cache_keeps_its_structure():
         q, k[:, :, : start + chunk], v[:, :, : start + chunk], mask.materialize(chunk, start + chunk)
     )[0]
     got = attnkit.attention(q, k, v, mask)
-    assert attnkit.explain(q, k, v, mask).kernel == "tiled"
+    assert attnkit.explain(q, k, v, mask).kernel in TILED_KERNELS
     assert (got - want).abs().max() < 1e-12
 
 
@@ -247,7 +247,7 @@ def test_a_mask_inside_a_kv_cache_keeps_its_block_structure():
     mha.register_attention_hook(lambda m, q, k, v, mask: seen.append(attnkit.explain(q, k, v, mask)))
     with torch.no_grad():
         mha(randn(1, 2048, 64), mask=masks.causal(), cache=cache)
-    assert seen[0].kernel == "tiled", str(seen[0])
+    assert seen[0].kernel in TILED_KERNELS, str(seen[0])
     cached = masks.cached(masks.causal(), torch.tensor([0]), torch.tensor([2048]))
     p = attnkit.prepare(cached, 2048, 2048)
     assert 0.45 < p.kept < 0.6

@@ -179,7 +179,12 @@ def _value_of(x: object, depth: int) -> Hashable:
     if isinstance(x, np.ndarray):
         if x.size > FINGERPRINT_ELEMENTS or x.dtype == object:
             raise _Unkeyable
-        return ("array", str(x.dtype), x.shape, hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).hexdigest())
+        return (
+            "array",
+            str(x.dtype),
+            x.shape,
+            hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).hexdigest(),
+        )
     if isinstance(x, (tuple, list)) and len(x) <= 64:
         return (type(x).__name__, tuple(_value_of(i, depth) for i in x))
     if isinstance(x, (types.ModuleType, type, types.BuiltinFunctionType)):
@@ -196,9 +201,7 @@ def _function_key(fn: types.FunctionType, depth: int) -> Hashable:
     cells = tuple(_value_of(c.cell_contents, depth) for c in fn.__closure__ or ())
     defaults = tuple(_value_of(d, depth) for d in fn.__defaults__ or ())
     kwdefaults = tuple(sorted((k, _value_of(v, depth)) for k, v in (fn.__kwdefaults__ or {}).items()))
-    names = tuple(
-        (name, _value_of(fn.__globals__[name], depth)) for name in code.co_names if name in fn.__globals__
-    )
+    names = tuple((name, _value_of(fn.__globals__[name], depth)) for name in code.co_names if name in fn.__globals__)
     return ("function", code, cells, defaults, kwdefaults, names)  # code objects compare by value
 
 

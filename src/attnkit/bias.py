@@ -29,7 +29,6 @@ import copy
 import math
 import numbers
 from collections.abc import Callable
-from typing import Union
 
 import torch
 
@@ -623,4 +622,4 @@ def dense(tensor: torch.Tensor) -> Bias:
 
 
 #: What ``attn_bias=`` takes: an :mod:`attnkit.bias` object, a float tensor, or None.
-BiasLike = Union[Bias, torch.Tensor, None]
+BiasLike = Bias | torch.Tensor | None

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
-from collections import OrderedDict
 from numbers import Real
 from typing import Literal, overload
 
 import torch
 
+from attnkit import _cache
 from attnkit import bias as _bias
 from attnkit import masks as _masks
 from attnkit._indexing import as4d
@@ -165,9 +164,20 @@ def _check_mods(shapes: Shapes, q: torch.Tensor, attn_bias, softcap, sinks):
 
 
 def validated_call(
-    q, k, v, mask, scale, dropout_p, return_lse, attn_bias=None, softcap=None, sinks=None, score_mod=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike,
+    scale: float | None,
+    dropout_p: float,
+    return_lse: bool,
+    attn_bias: BiasLike = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: ScoreModLike = None,
 ) -> Call:
-    """Validate the arguments of one call."""
+    """The arguments of one :func:`attention` call, validated, as the :class:`~attnkit.kernels.Call`
+    kernels read (raises the clear errors of the public functions)."""
     shapes = check_qkv(q, k, v)
     mask = _check_mask(mask, q, shapes)
     tracing = compiling()
@@ -336,19 +346,14 @@ def attention(
     return out
 
 
-#: Calls of one signature (shapes, dtypes, devices, the mask's value, scale, autograd) that
-#: were validated and whose kernel was chosen, with a runner specialised to that kernel: a
-#: decoding step repeats the same call in every layer, and validating and walking the
-#: registry again would cost as much as the attention itself. Bounded; a new registration
-#: or use_kernels changes the key.
-LEAN_ENTRIES = 32
-_lean: OrderedDict = OrderedDict()
-_lean_lock = threading.Lock()
-#: The same for unmasked rank-4 calls keyed without their key length: a decoding step over a
-#: growing cache has a new Lk every step, and only its first layer would find no entry. Filled
-#: only when the built-in registry chose SDPA, whose choice and runner are the same for any
-#: Lk >= 1 there.
-_lean_any_length: OrderedDict = OrderedDict()
+# Calls of one signature (shapes, dtypes, devices, the mask's value, scale, autograd) that were
+# validated and whose kernel was chosen, with a runner specialised to that kernel, are kept in
+# attnkit._cache.LEAN: a decoding step repeats the same call in every layer, and validating and
+# walking the registry again would cost as much as the attention itself. A new registration or
+# use_kernels changes the key. attnkit._cache.LEAN_ANY_LENGTH keeps unmasked rank-4 calls keyed
+# without their key length: a decoding step over a growing cache has a new Lk every step, and
+# only its first layer would find no entry. It is filled only when the built-in registry chose
+# SDPA, whose choice and runner are the same for any Lk >= 1 there.
 
 
 def _lean_key(q, k, v, mask, scale):
@@ -364,7 +369,7 @@ def _lean_key(q, k, v, mask, scale):
         if mask_key is None:
             return None
     elif isinstance(mask, PreparedMask):
-        mask_key = ("prepared", mask.handle_id)  # unique for the process's life
+        mask_key = ("prepared", mask.uid)  # unique for the process's life
     else:
         return None  # tensors: their values decide, and reading them costs what the path saves
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -400,12 +405,12 @@ def _lean_runner(q, k, v, mask, scale):
     key = _lean_key(q, k, v, mask, scale)
     if key is None:
         return None
-    found = _lean.get(key)
+    found = _cache.LEAN.get(key)
     if found is not None:
         return found
     any_length = _any_length_key(key, q, k, v) if mask is None else None
     if any_length is not None:
-        found = _lean_any_length.get(any_length)
+        found = _cache.LEAN_ANY_LENGTH.get(any_length)
         if found is not None:
             return found
     call = validated_call(q, k, v, mask, scale, 0.0, False)  # raises as the full path does
@@ -413,14 +418,9 @@ def _lean_runner(q, k, v, mask, scale):
     runner = chosen.runner(call)
     if runner is None:
         return None
-    with _lean_lock:
-        _lean[key] = runner
-        while len(_lean) > LEAN_ENTRIES:
-            _lean.popitem(last=False)
-        if any_length is not None and chosen.name == "sdpa" and builtin_registry():
-            _lean_any_length[any_length] = runner
-            while len(_lean_any_length) > LEAN_ENTRIES:
-                _lean_any_length.popitem(last=False)
+    _cache.LEAN.put(key, runner)
+    if any_length is not None and chosen.name == "sdpa" and builtin_registry():
+        _cache.LEAN_ANY_LENGTH.put(any_length, runner)
     return runner
 
 
@@ -595,4 +595,6 @@ def explain(
     >>> attnkit.explain(q, q, q, return_lse=True).rejected["sdpa"]
     ('does not return the log-sum-exp (return_lse=True)',)
     """
-    return choose(validated_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod), kernel)
+    return choose(
+        validated_call(q, k, v, mask, scale, dropout_p, return_lse, attn_bias, softcap, sinks, score_mod), kernel
+    )

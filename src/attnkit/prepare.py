@@ -28,7 +28,6 @@ import itertools
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Union
 
 import numpy as np
 import torch
@@ -186,7 +185,10 @@ class PreparedMask:
     #: forms derived on request (int8 element masks, a device's copies): written by this class only
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    everything = property(lambda self: self.hides_nothing)
+    @property
+    def everything(self) -> bool:
+        """The same as :attr:`hides_nothing`."""
+        return self.hides_nothing
 
     def partial_bits(self, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The element masks of the partial blocks one byte a pair, for kernels that read them so.
@@ -269,9 +271,13 @@ class PreparedMask:
             for j in range(k0 // bk, -(-k1 // bk)):
                 r0, r1, c0, c1 = max(q0, i * bq), min(q1, (i + 1) * bq), max(k0, j * bk), min(k1, (j + 1) * bk)
                 codes = self.codes[:, :, i, j]  # (Bm, Hm)
-                tile = int8[tiles[:, :, i, j].clamp(min=0).long()][..., r0 - i * bq : r1 - i * bq, c0 - j * bk : c1 - j * bk]
+                tile = int8[tiles[:, :, i, j].clamp(min=0).long()][
+                    ..., r0 - i * bq : r1 - i * bq, c0 - j * bk : c1 - j * bk
+                ]
                 block = torch.where(
-                    (codes == _masks.FULL)[..., None, None], True, (codes == _masks.PARTIAL)[..., None, None] & (tile == 1)
+                    (codes == _masks.FULL)[..., None, None],
+                    True,
+                    (codes == _masks.PARTIAL)[..., None, None] & (tile == 1),
                 )
                 out[:, :, r0 - q0 : r1 - q0, c0 - k0 : c1 - k0] = block
         return out
@@ -332,7 +338,7 @@ class PreparedMask:
 
 
 #: What ``mask=`` takes: a mask object, a prepared mask, a bool or float tensor, or None.
-MaskLike = Union[_masks.Mask, PreparedMask, torch.Tensor, None]
+MaskLike = _masks.Mask | PreparedMask | torch.Tensor | None
 
 
 def prepare(
@@ -435,7 +441,16 @@ def _assemble(mask, q_len, kv_len, block_size, codes, limit, band, bits_and_ids)
     return prepared
 
 
-def rebuilt(q_len, kv_len, block_size, codes, kv_limit, bits, tile_ids, band) -> PreparedMask:
+def rebuilt(
+    q_len: int,
+    kv_len: int,
+    block_size: tuple[int, int],
+    codes: torch.Tensor,
+    kv_limit: torch.Tensor | None,
+    bits: torch.Tensor | None,
+    tile_ids: torch.Tensor,
+    band: tuple[int | None, int | None] | None,
+) -> PreparedMask:
     """A PreparedMask from the tensors of one (the plan compiled code carries as arguments):
     its groups are planned again from ``codes``, its partial blocks read from ``bits``."""
     return _assemble(None, q_len, kv_len, tuple(block_size), codes, kv_limit, band, (bits, tile_ids))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Union
 
 import torch
 
@@ -127,7 +126,7 @@ def _vmapped(fn):
 
 
 #: What ``score_mod=`` takes: ``fn(score, b, h, q_idx, kv_idx) -> score``, a ScoreMod, or None.
-ScoreModLike = Union[ScoreMod, Callable[..., torch.Tensor], None]
+ScoreModLike = ScoreMod | Callable[..., torch.Tensor] | None
 
 
 def as_score_mod(value: Callable[..., torch.Tensor] | ScoreMod | None) -> ScoreMod | None:

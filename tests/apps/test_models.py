@@ -15,7 +15,7 @@ from _oracle import naive_attention
 import attnkit
 from attnkit import masks
 
-DATA = Path(__file__).parent / "data" / "minilm_reference.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "minilm_reference.json"
 
 
 @pytest.fixture(scope="module")

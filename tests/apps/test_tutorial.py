@@ -12,7 +12,7 @@ from _oracle import naive_attention, randn
 
 import attnkit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scaled_dot_product_attention_returns_output_and_weights():

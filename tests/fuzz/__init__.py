@@ -1,1 +1,2 @@
-"""The fuzz suite (a package, so that its conftest does not shadow tests/conftest.py; shared helpers: tests/_oracle.py)."""
+"""The fuzz suite (a package, so that its conftest does not shadow tests/conftest.py; shared
+helpers: tests/_oracle.py)."""

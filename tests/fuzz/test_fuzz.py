@@ -1,7 +1,7 @@
 """Differential fuzzing: every kernel and mask combination against the float64 formula,
 outputs and gradients, edge values, and bad inputs that must raise clear errors.
 
-Each finding of the adversarial review has a regression test in tests/test_hardening.py;
+Each finding of the adversarial review has a regression test beside the feature it is about;
 this suite keeps looking for new ones.
 """
 

@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _oracle import TILED_KERNELS  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel,
     AutoModelForCausalLM,
@@ -419,7 +420,7 @@ def test_masks_keep_their_block_structure():
     assert isinstance(prepared, attnkit.PreparedMask)
     assert "document" in repr(prepared.mask) and "sliding_window" in repr(prepared.mask)
     q = torch.randn(1, 4, 300, 16)
-    assert attnkit.explain(q, q, q, prepared).kernel == "tiled"
+    assert attnkit.explain(q, q, q, prepared).kernel in TILED_KERNELS
 
 
 def test_sentence_transformers_minilm_gives_the_same_embeddings():

@@ -1,5 +1,7 @@
-"""The block-sparse kernel: block maps, the oracle around block boundaries, gradients,
-dropout, dispatch choices and O(L) memory."""
+"""The block-sparse kernels (native, fused, math: the "tiled" group) on one plan: the oracle around
+block boundaries and at any block size, gradients, poison that must not leak, when each of them is
+chosen over SDPA, and O(L) memory. Each engine's own tests: test_native.py, test_fused.py,
+test_math.py."""
 
 import pytest
 import torch
@@ -11,11 +13,13 @@ from _oracle import (
     pin_engine,
     randn,
     rounding_atol,
+    run_engine,
+    run_engines,
 )
 
 import attnkit
-from attnkit import masks
-from attnkit.kernels import tiled, tiles
+from attnkit import _cache, masks
+from attnkit.kernels import native, native_build, tiles
 
 # --- block maps --------------------------------------------------------------------------
 
@@ -65,8 +69,8 @@ def test_tiled_against_the_oracle_around_block_boundaries(length, dtype):
         gold, naive = gold_and_naive(q, k, v, dense)
         for blocks in SMALL_BLOCKS if length <= 127 else [None]:
             prepared = attnkit.prepare(mask, length, length, block_size=blocks)
-            out, lse = tiled.attention(q, k, v, prepared, scale=d**-0.5)
-            assert_oracle(out, gold, naive, what=f"{mask!r} blocks={blocks}")
+            for engine, (out, _) in run_engines(q, k, v, prepared, d**-0.5).items():
+                assert_oracle(out, gold, naive, what=f"{engine} {mask!r} blocks={blocks}")
 
 
 @pytest.mark.parametrize("lq,lk", [(1, 130), (130, 1), (70, 200), (200, 70)])
@@ -85,12 +89,18 @@ def test_log_sum_exp_and_fully_masked_rows_and_blocks():
     )
     ids = torch.tensor([0] * 50 + [1] * 50)
     mask = masks.document(ids) & masks.padding(torch.tensor([40]))  # queries 50.. see nothing
-    prepared = attnkit.prepare(mask, 100, 100, block_size=(16, 8))
-    out, lse = tiled.attention(q, k, v, prepared, scale=0.3)
     dense = mask.materialize(100, 100)
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~dense, float("-inf"))
-    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
-    assert (lse[..., 50:] == float("-inf")).all() and (out[..., 50:, :] == 0).all()
+    for blocks, dtype in (((16, 8), torch.float64), ((32, 8), torch.float32)):
+        prepared = attnkit.prepare(mask, 100, 100, block_size=blocks)
+        found = run_engines(q.to(dtype), k.to(dtype), v.to(dtype), prepared, 0.3)
+        assert len(found) == (
+            2 if dtype == torch.float64 else len(run_engines(q.float(), k.float(), v.float(), prepared, 0.3))
+        )
+        for engine, (out, lse) in found.items():
+            atol = 1e-12 if dtype == torch.float64 else 1e-5
+            assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=atol), engine
+            assert (lse[..., 50:] == float("-inf")).all() and (out[..., 50:, :] == 0).all(), engine
     assert any(not row.runs for row in prepared.groups[0].rows)  # whole row blocks are skipped
 
 
@@ -120,21 +130,27 @@ def test_tiled_gradients_against_the_oracle(dtype, blocks):
 
         gold = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], torch.float64)
         naive = grads(lambda q, k, v: naive_attention(q, k, v, dense)[0], dtype)
-        got = grads(lambda q, k, v: tiled.attention(q, k, v, prepared, scale=0.25)[0], dtype)
-        for name, g, n, o in zip("qkv", gold, naive, got):
-            assert torch.isfinite(o).all()
-            err = (o.double() - g).abs().max().item()
-            bound = (
-                1e-12 if dtype == torch.float64 else 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
-            )
-            assert err <= bound, f"d{name} {mask!r}: {err:.3e} > {bound:.3e}"
+        for engine in ENGINES:
+            if run_engine(engine, *(t.to(dtype) for t in (q64, k64, v64)), prepared, 0.25) is None:
+                continue
+            got = grads(lambda q, k, v: run_engine(engine, q, k, v, prepared, 0.25)[0], dtype)
+            for name, g, n, o in zip("qkv", gold, naive, got):
+                assert torch.isfinite(o).all()
+                err = (o.double() - g).abs().max().item()
+                bound = (
+                    1e-12
+                    if dtype == torch.float64
+                    else 3 * (n.double() - g).abs().max().item() + rounding_atol(g, dtype)
+                )
+                assert err <= bound, f"{engine} d{name} {mask!r}: {err:.3e} > {bound:.3e}"
 
 
 def test_tiled_gradcheck():
     q, k, v = (randn(1, 2, 21, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = masks.prefix_lm(3) | masks.sliding_window(2)
     prepared = attnkit.prepare(mask, 21, 21, block_size=(4, 4))
-    assert torch.autograd.gradcheck(lambda q, k, v: tiled.attention(q, k, v, prepared, scale=0.5)[0], (q, k, v))
+    for engine in ("fused", "math"):
+        assert torch.autograd.gradcheck(lambda q, k, v: run_engine(engine, q, k, v, prepared, 0.5)[0], (q, k, v))
 
 
 def test_poison_in_skipped_and_partial_blocks_does_not_leak():
@@ -174,10 +190,6 @@ def test_mask_tiles_past_the_cache_bound_are_kept_as_bool_and_never_evaluated_ag
     """Past the prepared mask's tile budget a tile is kept as its bool form alone (its additive
     form made per call); either way the mask's elements are evaluated once per tile, and heads
     of a group whose tiles agree are kept once."""
-    import importlib
-
-    pin_engine(monkeypatch, "fused")  # the cache of evaluated tiles is the PyTorch engines'
-    prepare_module = importlib.import_module("attnkit.prepare")  # the module (attnkit.prepare is the function)
     calls = {"n": 0}
 
     def fn(b, h, q, kv):
@@ -190,12 +202,12 @@ def test_mask_tiles_past_the_cache_bound_are_kept_as_bool_and_never_evaluated_ag
         (600_000, torch.float32, 2),
         (600_000, torch.bfloat16, 4),
     ):
-        monkeypatch.setattr(prepare_module, "TILE_CACHE_BYTES", limit)  # room for all; for the bool forms of most
+        monkeypatch.setattr(_cache, "PLAN_STORE_BYTES", limit)  # room for all; for the bool forms of most
         q, k, v = (randn(1, h, 700, 16, dtype=dtype, requires_grad=True) for h in (4, hkv, hkv))
         prepared = attnkit.prepare(masks.from_fn(fn, num_heads=4), 700, 700)
-        first = tiled.attention(q, k, v, prepared, scale=0.25)[0]
+        first = run_engine("fused", q, k, v, prepared, 0.25)[0]  # the store of evaluated tiles is the walk's
         evaluated = calls["n"]
-        second = tiled.attention(q, k, v, prepared, scale=0.25)[0]
+        second = run_engine("fused", q, k, v, prepared, 0.25)[0]
         assert calls["n"] == evaluated, "a second call evaluated the mask again"
         assert torch.equal(first, second)
         gold, naive = gold_and_naive(q.detach(), k.detach(), v.detach(), dense, scale=0.25)
@@ -207,7 +219,7 @@ def test_mask_tiles_past_the_cache_bound_are_kept_as_bool_and_never_evaluated_ag
         for g, w, name in zip(got, want, "qkv"):
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(g.double(), w, atol=tol * w.abs().max().item(), rtol=0, msg=f"d{name}")
-        held = [t for t in prepared.tiles.tiles.values() if isinstance(t, tiles.Tile)]
+        held = [t for t in _cache.plan_store(prepared).values() if isinstance(t, tiles.Tile)]
         assert held and all(t.allowed.shape[1] == 1 for t in held), "equal heads kept once"
         compact = [t.cached_additive is None for t in held]
         assert any(compact) == (limit < 2**20)
@@ -231,20 +243,20 @@ def test_dispatch_choices(monkeypatch):
     assert str(plan(None)) == "sdpa: no mask"
     assert str(plan(masks.causal())) == "sdpa: is_causal"
     doc = plan(masks.document(torch.arange(2048) // 256))
-    assert doc.kernel == "tiled" and str(doc) == (
-        "tiled: 12% of blocks kept, all full; fused engine (native engine turned off by ATTNKIT_NATIVE=0)"
-    )
-    assert plan(masks.sliding_window(128)).kernel == "tiled"
+    assert doc.kernel == "fused" and str(doc) == "fused: 12% of blocks kept, all full"
+    assert doc.rejected["native"] == ("native engine turned off by ATTNKIT_NATIVE=0",)
+    assert plan(masks.sliding_window(128)).kernel == "fused"
     one_length = plan(masks.padding(torch.tensor([1024])))  # every sequence's keys end at 1024: a cut, no mask
     assert one_length.reason == "sdpa: every sequence's keys end at 1024: no mask over the first 1024 keys"
     q2 = torch.empty(2, 2, 2048, 16)
-    assert attnkit.explain(q2, q2, q2, masks.padding(torch.tensor([1024, 2000]))).kernel == "tiled"
+    assert attnkit.explain(q2, q2, q2, masks.padding(torch.tensor([1024, 2000]))).kernel == "fused"
     assert plan(torch.ones(2048, 2048, dtype=torch.bool)).reason == "sdpa: the mask hides nothing here"
-    assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask: 100% of blocks kept"
+    dense = plan(torch.rand(2048, 2048) > 0.1)
+    assert dense.reason == "sdpa: dense mask" and "100% of blocks kept" in dense.rejected["fused"][0]
     assert plan(masks.causal(), length=64).reason == "sdpa: is_causal"
     assert "is small" in plan(masks.sliding_window(4), length=64).reason
     assert plan(torch.zeros(2048, 2048)).reason == "sdpa: dense mask (additive float mask)"
-    assert plan(None, dropout_p=0.1).kernel == "tiled"
+    assert plan(None, dropout_p=0.1).kernel == "math"
     assert plan(torch.zeros(64, 64), length=64, dropout_p=0.1).kernel == "reference"
     q = torch.empty(1, 2, 0, 16)
     assert attnkit.explain(q, q, q).kernel == "reference"
@@ -261,25 +273,25 @@ def test_dispatch_with_the_native_engine(monkeypatch):
         q, k = torch.empty(b, h, lq, 16, dtype=dtype), torch.empty(b, h, lk, 16, dtype=dtype)
         return attnkit.explain(q, k, k, mask)
 
-    rows = tiled.NATIVE_MIN_QUERIES
+    rows = native.MIN_QUERIES
     for mask in (None, masks.causal(), masks.sliding_window(128), masks.padding(torch.tensor([1000]))):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             got = plan(mask, dtype=dtype)
-            assert got.kernel == "tiled" and str(got).endswith("native engine (C++)"), got
-    assert str(plan(None)) == "tiled: no mask, 4096 query rows; native engine (C++)"
+            assert got.kernel == "native" and str(got).endswith(native_build.info()), got
+    assert str(plan(None)) == f"native: no mask, 4096 query rows; {native_build.info()}"
     for lk in (1, 16, 5000):  # the choice for an unmasked call does not depend on Lk
-        assert plan(None, h=1, lq=rows, lk=lk).kernel == "tiled"
+        assert plan(None, h=1, lq=rows, lk=lk).kernel == "native"
         assert plan(None, h=1, lq=rows - 1, lk=lk).kernel == "sdpa"
-    assert plan(None, b=rows // 16, h=1, lq=16).kernel == "tiled"
-    assert plan(None, b=rows, h=1, lq=tiled.NATIVE_MIN_ROWS - 1).kernel == "sdpa"  # decoding steps
+    assert plan(None, b=rows // 16, h=1, lq=16).kernel == "native"
+    assert plan(None, b=rows, h=1, lq=native.MIN_ROWS - 1).kernel == "sdpa"  # decoding steps
     assert plan(masks.causal(), h=8, lq=1, lk=4096).kernel == "sdpa"
     assert plan(None, dtype=torch.float64).kernel == "sdpa"
     grad = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
     assert attnkit.explain(grad, grad, grad).kernel == "sdpa"  # unmasked bf16 training: SDPA's bf16 backward
-    assert attnkit.explain(grad, grad, grad, masks.causal()).kernel == "tiled"
-    assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask: 100% of blocks kept"
+    assert attnkit.explain(grad, grad, grad, masks.causal()).kernel == "native"
+    assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask"
     window = plan(masks.sliding_window(128), dtype=torch.float64)
-    assert window.kernel == "tiled" and "fused engine (torch.float64 on cpu" in str(window), window
+    assert window.kernel == "fused" and window.rejected["native"] == ("does not take torch.float64",), window
 
 
 def test_dispatch_weighs_dtype_and_backward(monkeypatch):
@@ -290,16 +302,16 @@ def test_dispatch_weighs_dtype_and_backward(monkeypatch):
         return attnkit.explain(q, q, q, mask).kernel
 
     window = masks.sliding_window(1024)  # 42% of the blocks, masked diagonal tiles, no causal square
-    assert kernel(window, torch.float32, False) == "tiled"
-    assert kernel(window, torch.float32, True) == "tiled"
+    assert kernel(window, torch.float32, False) == "fused"
+    assert kernel(window, torch.float32, True) == "fused"
     assert kernel(window, torch.bfloat16, True) == "sdpa"  # masked tiles are slow in bf16 backward
     square = masks.prefix_lm(512) & masks.causal()  # causal: one causal square of 2048 rows
-    assert kernel(square, torch.bfloat16, True) == "tiled"
+    assert kernel(square, torch.bfloat16, True) == "fused"
     padding = masks.padding(torch.tensor([1024, 1500]))  # full blocks only
-    assert kernel(padding, torch.bfloat16, True, batch=2) == "tiled"
+    assert kernel(padding, torch.bfloat16, True, batch=2) == "fused"
     with torch.no_grad():
         q = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
-        assert attnkit.explain(q, q, q, window).kernel == "tiled"  # no backward under no_grad
+        assert attnkit.explain(q, q, q, window).kernel == "fused"  # no backward under no_grad
 
 
 # --- memory --------------------------------------------------------------------------------
@@ -333,7 +345,7 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, 
     forward and backward against the float64 oracle; junk past n is never read; GQA and
     bfloat16 too."""
     pin_engine(monkeypatch, engine)
-    expected = "tiled" if engine == "native" and lq >= tiled.NATIVE_MIN_ROWS else "sdpa"
+    expected = "native" if engine == "native" and lq >= native.MIN_ROWS else "sdpa"
     for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.float32, 4, 2), (torch.bfloat16, 4, 1)):
         q = randn(2, hq, lq, 16, dtype=dtype, requires_grad=True)
         k, v = (randn(2, hkv, 700, 16, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -357,5 +369,3 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, 
 
 
 # --- causal squares: row blocks that form a causal square run as one is_causal call ---------
-
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._python_dispatch
-from _oracle import assert_oracle, gold_and_naive, randn
+from _oracle import ENGINES, assert_oracle, gold_and_naive, pin_engine, randn
 
 import attnkit
 from attnkit import masks
@@ -30,7 +30,11 @@ def _step(q, k, v, prepared, sinks=None):
     return out.square().sum()
 
 
-def test_compiled_training_step_keeps_block_sparsity():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_compiled_training_step_keeps_block_sparsity(engine, monkeypatch):
+    """Each block-sparse kernel under torch.compile: native as its own operator, fused and math as
+    the walk's custom op, the plan passed as tensors."""
+    pin_engine(monkeypatch, engine)
     torch._dynamo.reset()
     q, k, v = (randn(1, 4, L, 32, requires_grad=True) for _ in range(3))
     prepared = attnkit.prepare(_documents(8), L, L)
@@ -53,7 +57,9 @@ def test_compiled_training_step_keeps_block_sparsity():
     assert largest_allocation(lambda: dense_mask(q, k, v).backward()) >= L * L  # what a mask object costs there
 
 
-def test_a_new_prepared_mask_runs_the_same_compiled_graph():
+@pytest.mark.parametrize("engine", ["native", "fused"])
+def test_a_new_prepared_mask_runs_the_same_compiled_graph(engine, monkeypatch):
+    pin_engine(monkeypatch, engine)
     torch._dynamo.reset()
     graphs = []
 
@@ -63,12 +69,14 @@ def test_a_new_prepared_mask_runs_the_same_compiled_graph():
 
     q, k, v = (randn(1, 2, 512, 16, requires_grad=True) for _ in range(3))
     compiled = torch.compile(_step, fullgraph=True, backend=backend)
-    for count in (4, 8, 16):  # other layouts, the same shapes: the handle is a tensor, not a constant
+    for count in (4, 8, 16):  # other layouts, the same shapes: the plan's tensors are inputs, not constants
         prepared = attnkit.prepare(_documents(count, 512), 512, 512)
         loss = compiled(q, k, v, prepared)
         assert torch.allclose(loss, _step(q, k, v, prepared), rtol=1e-5)
         loss.backward()
     assert len(graphs) == 1
+    op = {"native": "torch.ops.attnkit.native_forward", "fused": "torch.ops.attnkit.tiled_forward"}[engine]
+    assert op in graphs[0].code, graphs[0].code
 
 
 def test_compiled_sinks_and_lse_gradients():
@@ -99,7 +107,7 @@ def test_explain_under_compile_names_the_custom_op():
         return q
 
     torch.compile(f, fullgraph=True)(q, prepared)
-    assert "custom op over the PreparedMask" in seen[0]
+    assert "over the PreparedMask's tensors" in seen[0]
     assert seen[1].startswith("sdpa: under torch.compile")
 
 

@@ -7,23 +7,27 @@ build, cache and operator registrations: test_native_build.py.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from _oracle import OpCounter, alibi_formula, assert_oracle, gold_and_naive, naive_attention, oracle, pin_engine, randn, relative_formula
+from _oracle import (
+    OpCounter,
+    alibi_formula,
+    assert_oracle,
+    gold_and_naive,
+    naive_attention,
+    oracle,
+    pin_engine,
+    randn,
+    relative_formula,
+)
 
 import attnkit
 from attnkit import bias, masks
 from attnkit.kernels import native_build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -302,7 +306,9 @@ def test_inference_mode_no_grad_and_compile():
 def test_explain_names_the_kernel_its_build_and_why_not():
     q = randn(1, 2, 64, 16)
     plan = attnkit.explain(q, q, q, masks.sliding_window(8), kernel="tiled")
-    assert plan.kernel == "native" and native_build.info() in str(attnkit.explain(q, q, q, masks.sliding_window(8), return_lse=True))
+    assert plan.kernel == "native" and native_build.info() in str(
+        attnkit.explain(q, q, q, masks.sliding_window(8), return_lse=True)
+    )
     dropout = attnkit.explain(q, q, q, masks.sliding_window(8), dropout_p=0.1)
     assert dropout.kernel == "math" and "no dropout (dropout_p=0.1)" in dropout.rejected["native"]
     one = attnkit.explain(q[:, :, :1], q, q, masks.sliding_window(8))

@@ -109,7 +109,11 @@ def _stand_in_compiler(tmp_path: Path, library: Path, fail_after: int | None = N
     """A "compiler" that copies ``library`` where the link step writes (and counts its links)."""
     script = tmp_path / "stand-in-c++"
     count = tmp_path / "links"
-    fail = "" if fail_after is None else f'[ "$(wc -l < {count})" -gt {fail_after} ] && {{ echo "no more builds" >&2; exit 1; }}'
+    fail = (
+        ""
+        if fail_after is None
+        else f'[ "$(wc -l < {count})" -gt {fail_after} ] && {{ echo "no more builds" >&2; exit 1; }}'
+    )
     script.write_text(
         textwrap.dedent(
             f"""\
@@ -219,7 +223,9 @@ def test_opcheck_passes_on_the_backward_operator(built):
     out, lse = torch.ops.attnkit.native_forward(*args)
     q, k, v, *plan = args
     backward_args = (torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, *plan, False, False)
-    torch.library.opcheck(torch.ops.attnkit.native_backward.default, backward_args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.attnkit.native_backward.default, backward_args, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def test_the_operators_check_every_argument(built):
@@ -252,7 +258,9 @@ def test_the_forward_operator_traces_as_one_op_under_torch_compile(built):
 
     q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))
     prepared = attnkit.prepare(masks.sliding_window(40), 256, 256)
-    step = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, prepared).square().sum(), fullgraph=True, backend=backend)
+    step = torch.compile(
+        lambda q, k, v: attnkit.attention(q, k, v, prepared).square().sum(), fullgraph=True, backend=backend
+    )
     step(q, k, v).backward()
     code = graphs[0].code
     assert "torch.ops.attnkit.native_forward" in code, code

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._python_dispatch
-from _oracle import assert_oracle, gold_and_naive, randn
+from _oracle import TILED_KERNELS, assert_oracle, gold_and_naive, randn
 
 import attnkit
 from attnkit import masks
@@ -21,21 +21,26 @@ def test_sdpa_refuses_return_lse_with_a_reason():
 def test_explain_lists_every_other_kernels_reasons():
     q = randn(1, 2, 2048, 16)
     plan = attnkit.explain(q, q, q, masks.document(torch.arange(2048) // 256), dropout_p=0.0, return_lse=True)
-    assert plan.kernel == "tiled"
-    assert set(plan.rejected) == set(KERNELS) - {"tiled"}
+    assert plan.kernel in TILED_KERNELS
+    assert set(plan.rejected) == set(KERNELS) - {plan.kernel}
     assert plan.rejected["sdpa"] == ("does not return the log-sum-exp (return_lse=True)",)
     report = plan.report()
-    assert report.startswith("chosen tiled:") and "sdpa: does not return the log-sum-exp" in report
+    assert report.startswith(f"chosen {plan.kernel}:") and "sdpa: does not return the log-sum-exp" in report
     rank5 = attnkit.explain(q[None], q[None], q[None], masks.causal() & masks.sliding_window(3))
-    assert "takes inputs of rank 2 to 4, not 5" in rank5.rejected["tiled"][0]
+    for name in TILED_KERNELS:
+        assert "takes inputs of rank 2 to 4, not 5" in " ".join(rank5.rejected[name]), name
 
 
 def test_dispatch_is_device_aware():
-    """Off the CPU, auto never picks the tiled kernel's Python loop (meta tensors stand in for a GPU)."""
+    """Off the CPU, auto never picks the math kernel's Python loop (meta tensors stand in for a GPU),
+    and the CPU kernels say they run on the CPU."""
     q = torch.empty(1, 2, 2048, 16, device="meta")
     plan = attnkit.explain(q, q, q, masks.sliding_window(64) & masks.causal())
     assert plan.kernel == "sdpa"
-    assert "Python loop" in plan.rejected["tiled"][0] and "kernel='tiled' forces it" in plan.rejected["tiled"][0]
+    assert "Python loop" in plan.rejected["math"][0] and "kernel='math' forces it" in plan.rejected["math"][0]
+    assert (
+        plan.rejected["native"][0] == "runs on cpu, not meta" and plan.rejected["fused"][0] == "runs on cpu, not meta"
+    )
 
 
 class ToyKernel(Kernel):
@@ -149,10 +154,10 @@ def test_use_kernels_restricts_and_orders_the_choice():
     q = randn(1, 2, 300, 16)
     assert attnkit.explain(q, q, q).kernel == "sdpa"
     with attnkit.use_kernels(attnkit.kernels.TILED, "reference"):
-        assert attnkit.explain(q, q, q).kernel == "tiled"
+        assert attnkit.explain(q, q, q).kernel in TILED_KERNELS
         with attnkit.use_kernels("reference"):
             assert attnkit.explain(q, q, q, masks.causal()).kernel == "reference"
-        assert attnkit.explain(q, q, q, masks.causal()).kernel == "tiled"  # the order is the preference
+        assert attnkit.explain(q, q, q, masks.causal()).kernel in TILED_KERNELS  # the order is the preference
         assert attnkit.explain(q[None], q[None], q[None]).kernel == "reference"  # rank 5: tiled refuses
     with attnkit.use_kernels("sdpa"):
         with pytest.raises(ValueError, match="no kernel allowed here can run this call.*sdpa: does not return"):
@@ -181,11 +186,11 @@ def test_every_capable_kernel_declining_runs_the_first_of_them():
     saved, kernels = list(registry.PRIORITY), dict(registry.KERNELS)
     try:
         for k in saved:
-            if k is not attnkit.kernels.TILED:
+            if k is not attnkit.kernels.FUSED:
                 registry.unregister_kernel(k)
         q, k, v = (randn(1, 2, 64, 16) for _ in range(3))
         plan = attnkit.explain(q, k, v, masks.causal())  # tiled prefers SDPA's is_causal here
-        assert plan.kernel == "tiled" and "the only registered kernel" in plan.reason
+        assert plan.kernel in TILED_KERNELS and "the only registered kernel" in plan.reason
         out = attnkit.attention(q, k, v, masks.causal())
         gold, naive = gold_and_naive(q, k, v, masks.causal().materialize(64, 64))
         assert_oracle(out, gold, naive)

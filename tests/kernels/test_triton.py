@@ -129,11 +129,11 @@ def test_the_mask_reaches_the_kernel_as_data():
     """Causal and windows are evaluated from their band (two ints): no bit tiles. Other masks keep
     bits for their partial blocks only, never an Lq x Lk tensor; prepared at the kernel's block size."""
     q, k, v = _inputs(256, 256, torch.float32)
-    call = attnkit.functional._call(q, k, v, masks.causal(), None, 0.0, True)
+    call = attnkit.functional.validated_call(q, k, v, masks.causal(), None, 0.0, True)
     prepared = call.prepared_at(tk.TritonKernel.block_size)
     assert prepared.block_size == (tk.BLOCK_Q, tk.BLOCK_K) and prepared.band == (None, 0)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([50, 100, 60, 46]))
-    call = attnkit.functional._call(q, k, v, masks.document(ids) & masks.causal(), None, 0.0, True)
+    call = attnkit.functional.validated_call(q, k, v, masks.document(ids) & masks.causal(), None, 0.0, True)
     prepared = call.prepared_at(tk.TritonKernel.block_size)
     bits, listed = prepared.partial_bits()
     partial = int((prepared.codes == masks.PARTIAL).sum())
@@ -161,7 +161,7 @@ def test_gpu_benchmark_runs_end_to_end_in_the_interpreter(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "gpu.json"
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "gpu.py"), "--interpret", "--out", str(out)],

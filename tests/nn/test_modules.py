@@ -1,6 +1,5 @@
 """MultiHeadAttention: parity with torch.nn.MultiheadAttention, GQA, cross-attention, masks."""
 
-
 import pytest
 import torch
 import torch.utils._python_dispatch

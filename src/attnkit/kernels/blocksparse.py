@@ -167,6 +167,11 @@ def compile_refusals(call: Call) -> list[str]:
 # --- the walk of the PyTorch engines ---------------------------------------------------------
 
 
+Tensor = torch.Tensor
+Pair = tuple[torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Square:
     """Row blocks ``[a, b)`` that see keys ``[c, a)`` entirely and ``[a, b)`` causally (a document's
@@ -181,24 +186,30 @@ class Square:
 class Engine(Protocol):
     """What an engine module registers in :data:`ENGINES`."""
 
-    def forward_whole(self, call: tiles.TileCall, q, k, v) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward_whole(self, call: tiles.TileCall, q: Tensor, k: Tensor, v: Tensor) -> Pair | None:
         """The whole call in one call of its own (None: walk the plan)."""
 
-    def steps(self, call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q, k) -> list:
+    def steps(self, call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q: Tensor, k: Tensor) -> list:
         """The group's row blocks (and :class:`Square` s) in the order they are computed."""
 
-    def forward_run(self, call: tiles.TileCall, gi: int, sel: tiles.Select, q, k, v, row: RowBlock, run: Run):
+    def forward_run(
+        self, call: tiles.TileCall, gi: int, sel: tiles.Select, q: Tensor, k: Tensor, v: Tensor, row: RowBlock, run: Run
+    ) -> Pair:
         """``(out, lse)`` of one run, folded rows ``(B, Hkv, g*n, Dv)`` / ``(B, Hkv, g*n)``."""
 
-    def forward_square(self, call: tiles.TileCall, sq: Square, q, k, v):
+    def forward_square(self, call: tiles.TileCall, sq: Square, q: Tensor, k: Tensor, v: Tensor) -> Pair:
         """``(out, lse)`` of a :class:`Square`'s rows."""
 
-    def backward_whole(self, call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse):
+    def backward_whole(
+        self, call: tiles.TileCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+        grad_lse: Tensor | None,
+    ) -> Grads | None:  # fmt: skip
         """``(dq, dk, dv)`` in one call of its own (None: walk the plan)."""
 
     def backward_group(
-        self, call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads
-    ):
+        self, call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None, grads: dict,
+    ) -> Grads:  # fmt: skip
         """``(dq, dk, dv)`` of one group."""
 
 
@@ -282,19 +293,20 @@ def _backward(call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse, grads
     engine = ENGINES[call.engine]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    if call.may_empty_rows:  # rows a -inf bias or score_mod empties (lse -inf): no gradient flows through them
-        dead = lse == tiles.NEG_INF
-        grad_out = grad_out.masked_fill(dead[..., None], 0.0)
-        grad_lse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
+    # rows that see no key (lse -inf: hidden, or emptied by a -inf bias or score_mod) get no gradient,
+    # whatever their values read (the fused kernel computes 0 * dP for them, NaN where V holds NaN)
+    dead = lse == tiles.NEG_INF
+    grad_out = grad_out.masked_fill(dead[..., None], 0.0)
+    grad_lse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
     whole = engine.backward_whole(call, q, k, v, out, lse, grad_out, grad_lse)
     if whole is not None:
-        return whole
+        return whole[0].masked_fill(dead[..., None], 0.0), whole[1], whole[2]
     b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
     if _single(call):
         group = call.prepared.groups[0]
         sel = tiles.select(group, call.prepared, b, hq, hkv, q.device, call.indexed)
         dq, dk, dv = engine.backward_group(call, 0, group, sel, q, k, v, out, lse, grad_out, grad_lse, grads)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq.masked_fill(dead[..., None], 0.0).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     ct = tiles.compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
@@ -315,7 +327,7 @@ def _backward(call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse, grads
                 tiles.put(part, 1, heads, src, add=True)
                 if sel.batch is not None and not isinstance(sel.batch, tuple):
                     dst.index_copy_(0, sel.batch, part)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.masked_fill(dead[..., None], 0.0).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TileAttention(torch.autograd.Function):
@@ -381,7 +393,9 @@ def attention(
     simple = dropout_p == 0.0 and score_mod is None
     band = tiles.band_for(bias, q, k) if simple and engine == "fused" else None
     params = (() if bias is None else tuple(bias.params())) + (() if score_mod is None else score_mod.params)
-    call = tiles.TileCall(prepared, scale, dropout_p, seed or 0, engine, bias, softcap, params, score_mod=score_mod, band=band)
+    call = tiles.TileCall(
+        prepared, scale, dropout_p, seed or 0, engine, bias, softcap, params, score_mod=score_mod, band=band
+    )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
         return _TileAttention.apply(q, k, v, call, *params)
     return _forward(call, q, k, v)

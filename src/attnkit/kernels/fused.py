@@ -207,7 +207,7 @@ class _FusedEngine:
 
     def backward_whole(self, call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse):
         causal = _one_call(call, q, k) if grad_lse is None else None
-        if causal is None:
+        if causal is None or bool((torch.isnan(lse) | (lse == float("inf"))).any()):
             return None
         return _aten.flash_backward(
             grad_out.to(q.dtype).contiguous(),
@@ -220,10 +220,15 @@ class _FusedEngine:
             is_causal=causal,
         )
 
-    def backward_group(self, call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads):
+    def backward_group(
+        self, call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads
+    ):
         """One fused backward call per run (or per causal square and its rectangle), summed into
         :class:`_Sums`; with a gradient of the lse or of the bias's tensors, the math formula."""
-        if grad_lse is not None or call.bias_grad:
+        # the math formula for what PyTorch's fused backward cannot compute: gradients of the lse
+        # or of a bias's tensors, and rows whose lse is NaN or +inf (a NaN or Inf that a row sees:
+        # its weights are NaN by the formula, where exp(s - lse) would give 0 for some of them)
+        if grad_lse is not None or call.bias_grad or bool((torch.isnan(lse) | (lse == float("inf"))).any()):
             return tiled_math.ENGINE.backward_group(call, gi, group, sel, q, k, v, out, lse, grad_out, grad_lse, grads)
         lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
         hq, hkv = q.shape[1], k.shape[1]
@@ -338,7 +343,9 @@ class FusedKernel(Kernel):
         out, lse = blocksparse.attention(q4, k4, v4, prepared, engine="fused", scale=call.scale, bias=call.bias)
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
 
-    def backward_part(self, call, out, lse, grad_out, grad_lse):
+    def backward_part(
+        self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q4, k4, v4 = blocksparse.as4d(call)
         prepared = call.prepared_at(self.block_size)
         return blocksparse.backward_part(

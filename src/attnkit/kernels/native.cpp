@@ -966,15 +966,19 @@ struct Backward {
             float* pi = ps + i * tile;
             float* dsi = dps + i * tile;
             const float* ti = ts ? ts + i * tile : nullptr;
-            for (int64_t c = 0; c < step.kn; ++c)
+            // a hidden pair has P = 0 and no gradient whatever the row holds (its lse or delta may be
+            // NaN); a visible pair of a NaN row is NaN, even where its own score is -inf (as the formula's)
+            for (int64_t c = 0; c < step.kn; ++c) {
+                const uint32_t w = step.masked ? mask_word(step.bits + c * (pb.bq / 8)) : ~0u;
                 for (int j = 0; j < SB; j += W) {
                     const int64_t at = c * SB + j;
-                    const vf p0 = load(pi + at), p = p0 == vf{} ? vf{} : p0 * norm[j / W];  // hidden: 0 * NaN
+                    const vi shown = kept(w, j);
+                    const vf p = shown ? load(pi + at) * norm[j / W] : vf{};
                     store(pi + at, p);
-                    vf ds = p * (load(dsi + at) - load(delta + j));
-                    ds = p == vf{} ? vf{} : ds;  // a hidden pair has no gradient, whatever delta holds
-                    store(dsi + at, ds);
+                    const vf ds = p * (load(dsi + at) - load(delta + j));
+                    store(dsi + at, shown ? ds : vf{});
                 }
+            }
             if (gband) {  // d loss / d bias(kv - q) = dS, summed along the tile's diagonals
                 for (int64_t c = 0; c < step.kn; ++c) {
                     float* g = gband + (pb.Lk - 1 - step.k0 - c + r0);

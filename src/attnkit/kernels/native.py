@@ -23,16 +23,12 @@ Equivalent PyTorch code (forward)::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from attnkit.kernels import blocksparse, fused, native_build, tiles
 from attnkit.kernels.blocksparse import BLOCK_SIZE
 from attnkit.kernels.registry import Call, Kernel, Reason, Runner, first_derivative_only
-
-if TYPE_CHECKING:
-    from attnkit.prepare import PreparedMask
+from attnkit.prepare import PreparedMask
 
 __all__ = ["MIN_QUERIES", "MIN_ROWS", "NativeKernel", "backward", "forward"]
 
@@ -140,20 +136,25 @@ class NativeKernel(Kernel):
             state = native_build.loaded_state()
             if state is None or not state[0]:
                 reasons.append(state[1] if state else "not loaded in this process (an eager call builds and loads it)")
-            elif isinstance(call.mask, type(None)) or call.mask.block_size != BLOCK_SIZE:  # type: ignore[union-attr]
+            elif isinstance(call.mask, PreparedMask) and call.mask.block_size != BLOCK_SIZE:
                 reasons.append(f"under torch.compile: a PreparedMask of block size {BLOCK_SIZE} (the default)")
             return reasons
         ok, why = native_build.status()
         if not ok:
             reasons.append(why)
         if call.bias is not None and _band(call) is None:
-            reasons.append("a bias that is not a finite function of kv - q alone (the math kernel evaluates it per tile)")
+            reasons.append(
+                "a bias that is not a finite function of kv - q alone (the math kernel evaluates it per tile)"
+            )
         return reasons
 
     def prefers(self, call: Call) -> tuple[bool, Reason]:
         s = call.shapes
         if s.lq < MIN_ROWS:
-            return False, f"{s.lq} queries: it computes {native_build.ROWS} rows at a time (decoding steps run elsewhere)"
+            return (
+                False,
+                f"{s.lq} queries: it computes {native_build.ROWS} rows at a time (decoding steps run elsewhere)",
+            )
         if call.compiling:
             return True, "under torch.compile: torch.ops.attnkit.native_forward over the PreparedMask's tensors"
         how = native_build.info()
@@ -199,14 +200,24 @@ class NativeKernel(Kernel):
             prepared = call.mask
             bq, bk = prepared.block_size  # type: ignore[union-attr]
             out, lse = torch.ops.attnkit.native_forward(
-                q4, k4, v4, *prepared.native_plan(), None, bq, bk, call.scale, call.softcap or 0.0  # type: ignore[union-attr]
+                q4,
+                k4,
+                v4,
+                *prepared.native_plan(),
+                None,
+                bq,
+                bk,
+                call.scale,
+                call.softcap or 0.0,  # type: ignore[union-attr]
             )
         else:
             prepared = call.prepared_at(self.block_size)
             out, lse = forward(q4, k4, v4, prepared, scale=call.scale, softcap=call.softcap, band=_band(call))
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
 
-    def backward_part(self, call, out, lse, grad_out, grad_lse):
+    def backward_part(
+        self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q4, k4, v4 = blocksparse.as4d(call)
         prepared = call.prepared_at(self.block_size)
         return backward(

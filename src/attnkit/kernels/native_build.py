@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from attnkit.prepare import PreparedMask
+    pass
 
 __all__ = [
     "ENABLED",
@@ -227,7 +227,12 @@ def _compile(compiler: str, target: Path) -> None:
                 raise RuntimeError(f"building attnkit's native engine failed:\n$ {' '.join(cmd)}\n{tail}")
         if not lib.exists() or lib.stat().st_size == 0:
             raise RuntimeError(f"building attnkit's native engine wrote no library ({' '.join(cmd)})")
-        manifest = {"interface": VERSION, "size": lib.stat().st_size, "sha256": _digest(lib), "torch": torch.__version__}
+        manifest = {
+            "interface": VERSION,
+            "size": lib.stat().st_size,
+            "sha256": _digest(lib),
+            "torch": torch.__version__,
+        }
         _manifest(lib).write_text(json.dumps(manifest))
         os.replace(_manifest(lib), _manifest(target))  # the manifest first: a reader of the new
         os.replace(lib, target)  # library finds it; a reader in between sees a mismatch and waits on the lock
@@ -337,7 +342,8 @@ def _load() -> _Loaded:
             _loaded = _Loaded(False, f"native engine unavailable: {err}".split("\n")[0])
             if _compiler() is not None:  # a compiler that fails is worth a word; no compiler is a known case
                 warnings.warn(
-                    f"attnkit's native CPU engine could not be built or loaded; the other CPU kernels run instead.\n{err}",
+                    "attnkit's native CPU engine could not be built or loaded; the other CPU kernels run "
+                    f"instead.\n{err}",
                     RuntimeWarning,
                     stacklevel=3,
                 )

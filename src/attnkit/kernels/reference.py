@@ -59,6 +59,16 @@ def zero_hidden_queries(q: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
     return torch.where(visible, q, q.new_zeros(()))
 
 
+def zero_empty_rows(out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The output rows that may attend no key set to 0: a row of weight 0 times a key that holds
+    NaN (used by another query) would be NaN in a matmul, and such a row gives 0 by contract."""
+    allowed = allowed_pairs(mask)
+    if allowed is None:
+        return out
+    visible = allowed.any(dim=-1, keepdim=True)  # (..., Lq or 1, 1)
+    return torch.where(visible, out, out.new_zeros(()))
+
+
 def zero_unused_keys(
     k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, sync: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,7 +272,7 @@ def run_with_weights(call: Call, *, out_from_weights: bool = True) -> tuple[torc
     else:
         out = _weighted(weights, v, call.dropout_p)
         weights = weights.to(dtype)
-    return out.to(dtype), weights, lse
+    return zero_empty_rows(out, dense).to(dtype), weights, lse
 
 
 def _whole(call):

@@ -410,7 +410,9 @@ def _named(kernel) -> Kernel | KernelGroup:
 def _kernel_named(kernel) -> Kernel:
     found = _named(kernel)
     if isinstance(found, KernelGroup):
-        raise AttnkitValueError(f"{found.name!r} names a group of kernels ({', '.join(found.members)}), not one kernel.")
+        raise AttnkitValueError(
+            f"{found.name!r} names a group of kernels ({', '.join(found.members)}), not one kernel."
+        )
     return found
 
 

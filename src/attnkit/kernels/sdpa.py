@@ -93,9 +93,11 @@ def _dense_runner(kernel: Kernel, call: Call) -> Runner:
         if not all_used:
             zero = k.new_zeros(())
             k, v = torch.where(used, k, zero), torch.where(used, v, zero)
-        if not all_visible:
-            q = torch.where(visible, q, q.new_zeros(()))
-        return sdpa(q, k, v, dense, scale=scale, dropout_p=0.0, shapes=shapes)
+        if all_visible:
+            return sdpa(q, k, v, dense, scale=scale, dropout_p=0.0, shapes=shapes)
+        q = torch.where(visible, q, q.new_zeros(()))
+        out = sdpa(q, k, v, dense, scale=scale, dropout_p=0.0, shapes=shapes)
+        return torch.where(visible, out, out.new_zeros(()))  # a row that sees nothing gives 0 (0 * NaN)
 
     return first_derivative_only(masked, kernel) if call.backward else masked
 
@@ -179,7 +181,7 @@ class SDPAKernel(Kernel):
             if dense is not None:
                 bias = bias.masked_fill(~dense, float("-inf")) if dense.dtype == torch.bool else bias + dense.to(work)
             out = sdpa(q.to(work), k.to(work), v.to(work), bias, **kw)
-            return out.to(call.q.dtype), None
+            return reference.zero_empty_rows(out, dense).to(call.q.dtype), None
         if call.mask is None:
             return sdpa(call.q, call.k, call.v, None, **kw), None
         if call.causal_shift() == 0 and call.scale > 0.0:  # PyTorch's is_causal path needs scale > 0
@@ -192,4 +194,4 @@ class SDPAKernel(Kernel):
         dense = reference.dense_mask(call)
         k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
         q = reference.zero_hidden_queries(call.q, dense)
-        return sdpa(q, k, v, dense, **kw), None
+        return reference.zero_empty_rows(sdpa(q, k, v, dense, **kw), dense), None

@@ -166,7 +166,9 @@ class _MathEngine:
     def backward_whole(self, call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse):
         return None
 
-    def backward_group(self, call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads):
+    def backward_group(
+        self, call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads
+    ):
         lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
         hq, hkv = q.shape[1], k.shape[1]
         ct = tiles.compute_dtype(q.dtype)
@@ -208,8 +210,9 @@ class MathKernel(Kernel):
         if call.compiling:
             return True, "under torch.compile: block-sparse through a custom op over the PreparedMask's tensors"
         if call.q.device.type != "cpu":
-            return False, lambda: (
-                f"on {call.q.device.type} it is a Python loop of small matmuls (kernel='math' forces it)"
+            return (
+                False,
+                lambda: f"on {call.q.device.type} it is a Python loop of small matmuls (kernel='math' forces it)",
             )
         if call.score_mods():
             p = call.prepared_at(self.block_size)
@@ -251,7 +254,9 @@ class MathKernel(Kernel):
         )
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
 
-    def backward_part(self, call, out, lse, grad_out, grad_lse):
+    def backward_part(
+        self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q4, k4, v4 = blocksparse.as4d(call)
         return blocksparse.backward_part(
             q4,

@@ -405,11 +405,15 @@ EXP_FLOOR = -60.0
 
 
 def weights(s: torch.Tensor, shift: torch.Tensor, tile: Tile | None) -> torch.Tensor:
-    """``exp(s - shift)`` in place, hidden pairs exactly 0 (the softmax numerator)."""
+    """``exp(s - shift)`` in place, hidden pairs and scores of -inf exactly 0 (the softmax numerator;
+    the floor would give a score of -inf the weight exp(-60))."""
+    minus_inf = s == NEG_INF if s.dtype == torch.float32 else None
     s = s.sub_(shift)
-    if s.dtype == torch.float32:
+    if minus_inf is not None:
         s = s.clamp_(min=EXP_FLOOR)
     p = s.exp_()
+    if minus_inf is not None:
+        p = p.masked_fill_(minus_inf, 0.0)
     return p if tile is None else p.mul_(tile.allowed)
 
 

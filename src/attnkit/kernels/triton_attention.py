@@ -290,7 +290,10 @@ if AVAILABLE:
                 BAND,
                 FP32,
             )
+            # a NaN score a row sees makes its max NaN (the formula's; max() alone would drop it)
+            nan_here = tl.sum(tl.where(s != s, 1, 0), 1) > 0
             m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(nan_here | (m_i != m_i), float("nan"), m_new)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.where(keep, tl.exp(s - m_use[:, None]), 0.0)
             alpha = tl.exp(m_i - m_use)
@@ -302,7 +305,9 @@ if AVAILABLE:
             m_i = m_new
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        out = tl.where((l_i == 0.0)[:, None], 0.0, out)  # a row that sees no key: 0 (0 * NaN in V too)
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        lse = tl.where(l_i != l_i, float("nan"), lse)  # NaN where a score it sees is NaN, not -inf
         tl.store(
             O + b * sob + h * soh + offs_m[:, None] * sol + offs_dv[None, :],
             out.to(O.dtype.element_ty),
@@ -393,7 +398,9 @@ if AVAILABLE:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         lse = tl.load(LSE + bh * LQ + offs_m, mask=row_ok, other=float("-inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: every p is 0
+        empty = lse == float("-inf")  # rows that see no key: no gradient, whatever q or K/V hold
+        lse = tl.where(empty, float("inf"), lse)  # every p is 0
+        q = tl.where(empty[:, None], 0.0, q)
         delta = tl.load(DELTA + bh * LQ + offs_m, mask=row_ok, other=0.0)
         limit, slope = _limit_and_slope(LIMIT, SLOPES, mb, h, LK, HAS_LIMIT, ALIBI)
         dq = tl.zeros([BQ, BD], tl.float32)
@@ -454,7 +461,7 @@ if AVAILABLE:
             else:
                 dv_part = tl.dot(tl.trans(p).to(do.dtype), do)
                 dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
+            ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)  # hidden pairs: no gradient, even 0 * NaN
             if SOFTCAP:
                 capped = s / softcap  # tanh of the capped score, where kept
                 ds = ds * tl.where(keep, 1.0 - capped * capped, 0.0)
@@ -472,6 +479,7 @@ if AVAILABLE:
             tl.atomic_add(
                 DV_ + kv_rows[:, None] * DV + offs_dv[None, :], dv_part, mask=col_ok[:, None] & (offs_dv[None, :] < DV)
             )
+        dq = tl.where(empty[:, None], 0.0, dq)
         tl.store(
             DQ + bh * LQ * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None] & (offs_d[None, :] < D)
         )
@@ -741,7 +749,9 @@ class TritonKernel(Kernel):
         out, lse = triton_attention(call)
         return out, lse if call.return_lse else None
 
-    def backward_part(self, call, out, lse, grad_out, grad_lse):
+    def backward_part(
+        self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # its backward takes delta = rowsum(grad_out * out) from the output it is given: with the
         # merged output and lse, that is the gradient of this part of the keys
         s = call.shapes
