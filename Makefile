@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test test-torch lint docs wheel fuzz bench tutorial clean
+.PHONY: demo test test-torch test-native-builds lint docs wheel fuzz bench tutorial clean
 LINTED := src tests benchmarks examples scripts docs/hooks.py
 
 $(BIN)/python:
@@ -58,7 +58,26 @@ $(VENV_NEXT)/.installed: pyproject.toml
 test-torch: $(VENV_NEXT)/.installed
 	$(VENV_NEXT)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
 	ATTNKIT_NATIVE=0 $(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider
-	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_native.py  # the engine built against this torch
+	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py tests/kernels/test_native_build.py  # the engine built against this torch
+
+# the native engine's tests on the builds of other CPUs than this one, in caches of their own:
+# AVX2 (x86-64-v3: 8 floats a vector, bfloat16 widened to float32) and AVX-512 without AVX512-BF16
+# (x86-64-v4), and a subset under AddressSanitizer and UndefinedBehaviorSanitizer (their runtimes
+# preloaded into Python; any report ends the run)
+NATIVE_TESTS := tests/kernels/test_native.py tests/kernels/test_nan.py
+SANITIZED := tests/kernels/test_native.py -k "every_mask or score_modifications or awkward or junk or rows_that_see"
+test-native-builds: export ATTNKIT_REQUIRE_NATIVE = 1
+test-native-builds: $(VENV)/.test-installed
+	@if [ "$$(uname -m)" = x86_64 ]; then \
+		ATTNKIT_NATIVE_ARCH=x86-64-v3 ATTNKIT_CACHE=build/native-v3 $(BIN)/python -m pytest -q -p no:cacheprovider $(NATIVE_TESTS) || exit 1; \
+		if grep -qw avx512f /proc/cpuinfo; then \
+			ATTNKIT_NATIVE_ARCH=x86-64-v4 ATTNKIT_CACHE=build/native-v4 $(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py || exit 1; \
+		fi; \
+	fi
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		ATTNKIT_NATIVE_SANITIZE=address,undefined ATTNKIT_CACHE=build/native-sanitized \
+		$(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZED)
 
 # ruff (rules in pyproject.toml) and mypy over src/attnkit
 lint: $(VENV)/.test-installed

@@ -99,7 +99,7 @@ def candidates(q, k, v, mask, mods, device):
     out["attnkit triton"] = ours
     plain = not mods
     dense = None
-    if mask is not None and not isinstance(mask, masks._Causal):
+    if mask is not None and not isinstance(mask, masks._kinds.Causal):
         dense = mask.materialize(q.shape[2], k.shape[2], device=device) if q.shape[2] <= 16384 else "too big"
     bias_dense = None
     if "attn_bias" in mods and q.shape[2] <= 16384:
@@ -121,7 +121,7 @@ def candidates(q, k, v, mask, mods, device):
             continue  # softcap: SDPA has none
         if mods.get("attn_bias") is not None and bias_dense is None:
             continue
-        causal = isinstance(mask, masks._Causal)
+        causal = isinstance(mask, masks._kinds.Causal)
         attn_mask = dense
         if bias_dense is not None:
             causal_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=device).tril()
@@ -145,7 +145,7 @@ def flex_candidate(q, k, v, mask, mods, length):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if mask is not None and not isinstance(
-        mask, (masks._Causal, masks._SlidingWindow, masks._PrefixLM, masks._Combine)
+        mask, (masks._kinds.Causal, masks._kinds.SlidingWindow, masks._kinds.PrefixLM, masks._base.Combine)
     ):
         return None
     device = q.device
@@ -160,16 +160,16 @@ def flex_candidate(q, k, v, mask, mods, length):
 
             def mask_mod(b, h, qi, ki):  # document & causal
                 return (ids[qi] == ids[ki]) & (ki <= qi)
-        elif isinstance(m, masks._Causal):
+        elif isinstance(m, masks._kinds.Causal):
 
             def mask_mod(b, h, qi, ki):
                 return ki <= qi
-        elif isinstance(m, masks._SlidingWindow):
+        elif isinstance(m, masks._kinds.SlidingWindow):
             left = m.left
 
             def mask_mod(b, h, qi, ki):
                 return (ki <= qi) & (ki >= qi - left)
-        elif isinstance(m, masks._PrefixLM):
+        elif isinstance(m, masks._kinds.PrefixLM):
             prefix = m.prefix_len
 
             def mask_mod(b, h, qi, ki):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -163,6 +164,8 @@ def pin_engine(monkeypatch, engine: str) -> None:
 
     if engine == "native":
         if not native_build.available():
+            if native_build.ENABLED and os.environ.get("ATTNKIT_REQUIRE_NATIVE") == "1":  # CI: it must build
+                pytest.fail(f"the native engine must run here (ATTNKIT_REQUIRE_NATIVE=1): {native_build.status()[1]}")
             pytest.skip(native_build.status()[1])
         return
     _forget_runners()

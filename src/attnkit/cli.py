@@ -1,15 +1,14 @@
-"""The ``attnkit`` command (also ``python -m attnkit``): argparse subcommands only;
-the work is done by the library."""
+"""The ``attnkit`` command (also ``python -m attnkit``): argparse subcommands only. Each command
+checks its arguments, makes its output folder and calls one ``run`` of :mod:`attnkit.apps`; errors
+come back as one line and exit code 2."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from attnkit.errors import AttnkitError, missing_extra
 
@@ -57,10 +56,6 @@ def _length(text: str) -> int:
     return value
 
 
-#: Optimizer steps of ``attnkit train speech`` per minute on 2 cores (batch 32), measured.
-SPEECH_STEPS_PER_MINUTE = 230
-
-
 def _number_in(text: str, low: float, high: float, what: str, where: str) -> float:
     """``text`` as a float in [low, high] (nan refused), or an argparse error saying ``what``/``where``."""
     try:
@@ -80,142 +75,6 @@ def _minutes(text: str) -> float:
 def _fraction(text: str) -> float:
     """argparse type: a number in [0, 1]."""
     return _number_in(text, 0.0, 1.0, "a number in [0, 1]", "in [0, 1] (0 = start of the text, 1 = end)")
-
-
-def _capture(model, call, tokens, layers: int, heads: int, rows_text) -> dict:
-    """Run ``call()`` under capture: full weights when they fit the page, else statistics and rows."""
-    import torch
-
-    import attnkit
-
-    length = len(tokens)
-    _say(f"running the model on {length:,} tokens ...")
-    if _fits_full_view(length, layers, heads) and rows_text is None:
-        with attnkit.capture(model) as cap, torch.no_grad():
-            call()
-        return {"kind": "full", "weights": cap.stack(), "tokens": tokens}
-    rows = _rows(rows_text, length)
-    with attnkit.capture(model, mode="stats", rows=rows) as cap, torch.no_grad():
-        call()
-    return {"kind": "long", "capture": cap, "tokens": tokens, "rows": rows}
-
-
-def _warn_unknown(text: str, tokens, offsets, unknown: str | None, special, model_name: str) -> None:
-    """Say which characters of ``text`` came out as the model's unknown token, and what to do."""
-    if not unknown:
-        return
-    spans = [span for token, span in zip(tokens, offsets) if token == unknown and span[1] > span[0]]
-    if not spans:
-        return
-    chars: list[str] = []
-    for start, end in spans:
-        chars.extend(c for c in text[start:end] if c not in chars and not c.isspace())
-    shown = " ".join(chars[:20]) + (f" ... ({len(chars)} in all)" if len(chars) > 20 else "")
-    words = sum(1 for t in tokens if t == unknown or t not in special)
-    _say(
-        f"warning: {len(spans)} of {words} tokens came out as {unknown} (characters not in {model_name}'s "
-        f"vocabulary: {shown}); the model sees one placeholder for each. To look at this text, pass --model DIR with a "
-        "local HuggingFace model whose vocabulary covers it (a folder holding config.json, the weights and "
-        "the tokenizer, e.g. a Chinese BERT saved with save_pretrained)."
-    )
-
-
-def _run_minilm(text, rows_text=None) -> dict:
-    """The packaged MiniLM on ``text`` (cut at its 512-token limit)."""
-    from attnkit.models import MiniLM
-
-    _say("loading all-MiniLM-L6-v2 (attnkit.models.MiniLM) ...")
-    model = MiniLM.from_package()
-    encoding = model.tokenizer.encode(text)
-    if encoding.overflowing:  # the tokenizer cut the text at the model's limit
-        end = encoding.offsets[-2][1] if len(encoding.offsets) > 1 else 0
-        _say(
-            f"note: all-MiniLM-L6-v2 reads at most {model.max_seq_length} tokens: showing the text up to "
-            f"character {end} of {len(text)} ({len(text[:end].split())} of {len(text.split())} words)."
-        )
-    tokens = model.tokens(text)
-    _warn_unknown(text, encoding.tokens, encoding.offsets, "[UNK]", ("[CLS]", "[SEP]"), "all-MiniLM-L6-v2")
-    ids, lengths = model.tokenize([text])
-    run = _capture(model, lambda: model(ids, lengths), tokens, 6, 12, rows_text)
-    return {**run, "special": ("[CLS]", "[SEP]"), "title": text[:200]}
-
-
-def _run_recall(text, args) -> dict:
-    """The shipped RecallLM on ``text`` (its vocabulary) or on a generated text of ``--length`` tokens."""
-    import torch
-
-    from attnkit.models.recall import RecallLM, make_batch
-
-    _say("loading RecallLM (attnkit.models.RecallLM) ...")
-    model = RecallLM.from_package()
-    report, marks = [], {}
-    if text is not None:
-        ids = model.tokenize(text)
-    else:
-        g = torch.Generator().manual_seed(args.seed)
-        tokens, targets = make_batch(1, args.length, pairs=8, queries=1, task=model.task, generator=g, depth=args.depth)
-        at = int((targets[0] != -100).nonzero()[0])
-        ids = tokens[0, : at + 1]  # ends with "? key": the model's turn
-        asked = int(ids[-1])
-        needle = int((ids[:-2] == asked).nonzero()[0])
-        marks = {"needle": needle}
-        truth = model.task.tokens[int(targets[0, at])]
-        report.append(
-            f"the text asks for {model.task.tokens[asked]}, stated at position {needle:,} "
-            f"({at - needle:,} tokens before the question); the answer is {truth}"
-        )
-    words = model.tokens_of(ids)
-    c = model.config
-    run = _capture(model, lambda: model(ids[None]), words, c.num_layers, c.num_heads, args.rows)
-    answer, p = model.answer(ids[None])[0]
-    report.append(
-        f"RecallLM answers: {answer or '(no query at the end: the text must end with ? k<number>)'}"
-        + (f" (p={p:.2f})" if answer else "")
-    )
-    return {**run, "special": ("<bos>",), "title": f"RecallLM, {len(words):,} tokens", "marks": marks, "report": report}
-
-
-def _run_checkpoint(path, text, rows_text=None) -> dict:
-    """The same from a local HuggingFace checkpoint folder, run with attn_implementation='attnkit'."""
-    from attnkit._validate import AttnkitValueError
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise AttnkitValueError(
-            f"--model must be 'recall' or a folder with a config.json (a saved checkpoint), but got {path!r}."
-        )
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
-    import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
-
-    config = AutoConfig.from_pretrained(folder)
-    if getattr(config, "is_encoder_decoder", False):
-        raise AttnkitValueError(
-            f"attnkit show takes encoder or decoder checkpoints; {folder} holds an encoder-decoder "
-            f"({config.model_type}). Use attnkit.capture in Python to look at it."
-        )
-    _say(f"loading {folder} (attn_implementation='attnkit') ...")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModel.from_pretrained(folder, attn_implementation="attnkit").eval()
-    except OSError as err:
-        raise AttnkitValueError(f"cannot load the checkpoint in {folder}: {str(err).splitlines()[0]}") from None
-    attnkit.integrations.transformers.check_model(model)
-    limit = getattr(tokenizer, "model_max_length", None)
-    limit = limit if isinstance(limit, int) and limit < 1_000_000 else None
-    encoded = tokenizer(text, return_tensors="pt", truncation=limit is not None, max_length=limit)
-    if limit is not None and len(tokenizer(text)["input_ids"]) > limit:
-        _say(f"note: {folder.name} reads at most {limit} tokens: showing the first {limit}.")
-    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
-    if getattr(tokenizer, "is_fast", False):
-        spans = tokenizer(text, return_offsets_mapping=True, truncation=limit is not None, max_length=limit)
-        _warn_unknown(
-            text, tokens, spans["offset_mapping"], tokenizer.unk_token, tokenizer.all_special_tokens, folder.name
-        )
-    layers = getattr(config, "num_hidden_layers", 1)
-    heads = getattr(config, "num_attention_heads", 1)
-    run = _capture(model, lambda: model(**encoded), tokens, layers, heads, rows_text)
-    return {**run, "special": tuple(tokenizer.all_special_tokens), "title": text[:200]}
 
 
 def _read_text(args) -> str | None:
@@ -242,551 +101,48 @@ def _read_text(args) -> str | None:
     return args.text
 
 
-def _rows(text, length: int) -> list[int]:
-    """--rows "a,b,-1" as query rows in [0, length)."""
-    from attnkit._validate import AttnkitValueError
-
-    try:
-        rows = [int(x) for x in (text or "-1").split(",") if x.strip()]
-    except ValueError:
-        raise AttnkitValueError(
-            f"--rows must be comma-separated token positions, e.g. 0,-1, but got {text!r}."
-        ) from None
-    bad = [r for r in rows if not -length <= r < length]
-    if bad or not rows:
-        raise AttnkitValueError(f"--rows {text!r}: positions must be in {-length}..{length - 1} for {length} tokens.")
-    return sorted({r % length for r in rows})
-
-
-#: Inputs longer than this many tokens get the long view (statistics and chosen rows).
-LONG_FROM = 1024
-
-
-def _fits_full_view(length: int, layers: int, heads: int) -> bool:
-    """Whether every layer's full weights fit the interactive page (else: the long view)."""
-    from attnkit.viz.html import MAX_CELLS
-
-    return length <= LONG_FROM and layers * heads * length * length <= MAX_CELLS
-
-
 def show(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from attnkit.inspect.summary import summarize
-    from attnkit.viz import attention_grid, save_html, visualize_attention
+    from attnkit.apps import show as app
 
     out = _out_dir(args.out)  # before the model runs: a bad --out fails fast
-    text = _read_text(args)
-    if args.model == "recall":
-        run = _run_recall(text, args)
-    elif args.model is None:
-        run = _run_minilm(text, args.rows)
-    else:
-        run = _run_checkpoint(args.model, text, args.rows)
-    if run["kind"] == "long":
-        return _write_long(out, run)
-    weights, tokens, special = run["weights"], run["tokens"], run["special"]
-    layers, heads = weights.shape[:2]  # (layers, heads, L, L)
-    for name, value, limit in (("--layer", args.layer, layers), ("--head", args.head, heads)):
-        if value is not None and not 0 <= value < limit:
-            raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
-
-    title = run.get("title") or text
-    written = [
-        save_html(
-            out / "attention.html", weights, tokens, layer_names=[f"layer {i}" for i in range(layers)], title=title
-        )
-    ]
-    _say("drawing the figures ...")
-    attention_grid(weights, out / "attention.png", tokens=tokens, title=title)
-    written.append(out / "attention.png")
-    picked = []
-    if args.layer is not None or args.head is not None:
-        wanted_layers = [args.layer] if args.layer is not None else range(layers)
-        wanted_heads = [args.head] if args.head is not None else range(heads)
-        picked = [(layer, head) for layer in wanted_layers for head in wanted_heads]
-    for layer, head in picked:
-        path = out / f"attention_layer{layer}_head{head}.png"
-        visualize_attention(weights[layer, head], tokens, path, title=f"layer {layer}, head {head}")
-        written.append(path)
-    # float16 halves the file (weights in [0, 1] keep 3 significant digits)
-    np.savez_compressed(
-        out / "attention.npz",
-        tokens=np.array(tokens),
-        weights=weights.numpy().astype(np.float16),
-        layers=np.array([f"layer {i}" for i in range(layers)]),
-    )
-    written.append(out / "attention.npz")
-
-    if len(tokens) <= 300:
-        print(f"tokens ({len(tokens)}): {' '.join(tokens)}")
-        print()
-    print(summarize(weights, tokens, special=special))
-    for line in run.get("report", []):
-        print(line)
-    print()
-    for path in written:
-        print(f"wrote {path}")
-    return 0
-
-
-def _write_long(out: Path, run: dict) -> int:
-    """The long view: statistics per layer and head, key mass, the chosen rows' weights."""
-    import numpy as np
-
-    from attnkit.viz.long import long_figures, save_long_html
-
-    cap, tokens, rows = run["capture"], run["tokens"], run["rows"]
-    title = run.get("title") or f"{len(tokens):,} tokens"
-    _say(f"{len(tokens):,} tokens: writing the long view (statistics, and the weights of rows {rows}) ...")
-    written = [save_long_html(out / "long.html", cap.stats, tokens, rows, cap.weights, title=title)]
-    written += long_figures(out, cap.stats, tokens, rows, cap.weights, title=title, marks=run.get("marks"))
-    stacked: dict[str, Any] = {  # entropy in bits, as everywhere else
-        name: np.stack([getattr(s, name)[0].numpy() for s in cap.stats]).astype(np.float32)
-        for name in ("entropy_bits", "max_weight", "sink_mass", "mean_distance")
-    }
-    np.savez_compressed(
-        out / "attention_stats.npz",
-        tokens=np.array(tokens),
-        rows=np.array(rows),
-        received=np.stack([s.received[0].numpy() for s in cap.stats]).astype(np.float32),
-        row_weights=np.stack([w[0].numpy() for w in cap.weights]).astype(np.float32),
-        **stacked,
-    )
-    written.append(out / "attention_stats.npz")
-    print(f"layer  head  entropy (bits)  first-token mass  mean distance   (means over {len(tokens):,} query rows)")
-    for layer, st in enumerate(cap.stats):
-        summary = st.head_summary()
-        for head in range(len(summary["entropy"])):
-            print(
-                f"{layer:>5}  {head:>4}  {float(summary['entropy'][head]) / math.log(2):>14.2f}  "
-                f"{float(summary['sink_mass'][head]):>16.1%}  {float(summary['mean_distance'][head]):>13,.0f}"
-            )
-    for line in run.get("report", []):
-        print(line)
-    print()
-    for path in written:
-        print(f"wrote {path}")
-    return 0
-
-
-def _command(args) -> str:
-    """The command that reproduces a training run (recorded with the weights)."""
-    return f"attnkit train {args.model} --steps {args.steps} --seed {args.seed} --batch-size {args.batch_size}"
-
-
-def _save_trained(args, model, record, path: Path, summary: str) -> int:
-    """Record the command with the weights, write them to ``path`` and print ``summary``."""
-    record["command"] = _command(args)
-    written = model.save(path, training=record)
-    print(summary)
-    print(f"wrote {written}")
-    return 0
+    return app.run(args, out, _read_text(args))
 
 
 def train(args: argparse.Namespace) -> int:
-    if args.model == "captioner":
-        return _train_captioner(args)
-    if args.model == "recommender":
-        return _train_recommender(args)
-    if args.model == "recall":
-        return _train_recall(args)
-    if args.model == "speech":
-        return _train_speech(args)
-    from attnkit.models.translator import WEIGHTS
-    from attnkit.models.translator import train as train_translator
+    from attnkit.apps import train as app
 
-    _out_dir(args.out)
-    _say(f"training DateTranslator: {args.steps} steps, seed {args.seed}, batch {args.batch_size}")
-    model, record = train_translator(args.steps, seed=args.seed, batch_size=args.batch_size)
-    return _save_trained(
-        args,
-        model,
-        record,
-        Path(args.out) / WEIGHTS,
-        f"exact match on 1000 fresh dates: {record['exact_match_1000']:.1%} "
-        f"(final loss {record['final_loss']:.4f}, {record['seconds']:.0f} s)",
-    )
-
-
-def _train_captioner(args) -> int:
-    from attnkit.models.captioner import WEIGHTS
-    from attnkit.models.captioner import train as train_captioner
-
-    out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
-    _say(f"training DigitCaptioner: {steps} steps, seed {args.seed}, batch {batch_size}")
-    model, record = train_captioner(steps, seed=args.seed, batch_size=batch_size)
-    return _save_trained(
-        args,
-        model,
-        record,
-        out / WEIGHTS,
-        f"test split, 500 strips of 2-6 digits: {record['test_exact']:.1%} exact captions, "
-        f"{record['test_word_accuracy']:.1%} words, {record['test_alignment']:.1%} aligned "
-        f"({record['seconds']:.0f} s of training)",
-    )
-
-
-def _train_speech(args) -> int:
-    from attnkit.models.speech import TEST_VOICES, TRAIN_VOICES, WEIGHTS, dataset, evaluate
-    from attnkit.models.speech import train as train_speech
-
-    out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
-    _say(
-        f"training SpeechRecognizer: {steps} steps, seed {args.seed}, batch {batch_size}, on espeak-ng speech "
-        f"({len(TRAIN_VOICES)} training voices: accents en-us, en-gb, en-029, en-us-nyc with every variant "
-        "but the held-out ones, and other languages' voices reading the English words)"
-    )
-    model, record = train_speech(steps, seed=args.seed, batch_size=batch_size, log=_say)
-    _say("scoring 100 utterances of held-out voices ...")
-    h = record["held_out_100"] = evaluate(model, dataset(100, TEST_VOICES, 10_000))
-    return _save_trained(
-        args,
-        model,
-        record,
-        out / WEIGHTS,
-        f"held-out voices, 100 utterances: {h['exact']:.1%} exact, CER {h['cer']:.1%}, "
-        f"{h['monotonic']:.0%} monotonic alignments ({record['seconds']:.0f} s); "
-        "benchmarks/speech.py scores 500",
-    )
-
-
-def _train_recall(args) -> int:
-    from attnkit.models.recall import WEIGHTS, accuracy
-    from attnkit.models.recall import train as train_recall
-
-    out, steps, batch_size = _out_dir(args.out), args.steps, args.batch_size
-    _say(f"training RecallLM: {steps} steps, seed {args.seed}, batch {batch_size}, texts of 64 growing to 1024 tokens")
-    model, record = train_recall(steps, seed=args.seed, batch_size=batch_size, log=_say)
-    record["accuracy_1024"] = accuracy(model, 1024, n=200, seed=1)
-    return _save_trained(
-        args,
-        model,
-        record,
-        out / WEIGHTS,
-        f"first-query accuracy on 200 fresh texts of 1024 tokens: {record['accuracy_1024']:.1%} "
-        f"({record['seconds']:.0f} s of training); benchmarks/long_context.py measures 4k-32k",
-    )
-
-
-def _train_recommender(args) -> int:
-    from attnkit.models.recommender import WEIGHTS
-    from attnkit.models.recommender import train as train_recommender
-
-    out, epochs, batch_size = _out_dir(args.out), args.steps, args.batch_size
-    _say(f"training SASRec on MovieLens-100K: {epochs} epochs, seed {args.seed}, batch {batch_size}")
-    model, record = train_recommender(epochs, seed=args.seed, batch_size=batch_size, log=_say)
-    return _save_trained(
-        args,
-        model,
-        record,
-        out / WEIGHTS,
-        f"test: HR@10 {record['test_HR@10']:.3f}, NDCG@10 {record['test_NDCG@10']:.3f} "
-        f"(best validation NDCG@10 {record['best_valid_NDCG@10']:.3f}, {record['seconds']:.0f} s)",
-    )
+    args.out = _out_dir(args.out)
+    return app.run(args)
 
 
 def recommend(args: argparse.Namespace) -> int:
-    from attnkit._validate import AttnkitValueError
-    from attnkit.models import movielens
-    from attnkit.models.recommender import SASRec
-    from attnkit.viz import save_html, visualize_attention
-    from attnkit.viz.html import bars_overview, cut_labels
+    from attnkit.apps import recommend as app
 
-    out = _out_dir(args.out)
-    users = movielens.split().test
-    if args.user not in users:
-        raise AttnkitValueError(f"--user must be a MovieLens-100K user id (1 to {max(users)}), but got {args.user}.")
-    history = movielens.history(args.user, "test")  # everything but the held-out last item
-    names = movielens.titles()
-    model = SASRec.from_package()
-    top = model.recommend([history], k=args.k)[0]
-    print(f"user {args.user}: the last {min(5, len(history))} of {len(history)} movies")
-    for item in history[-5:]:
-        print(f"  {names.get(item, item)}")
-    print(f"top {args.k}:")
-    for rank, item in enumerate(top, 1):
-        print(f"  {rank:2d}. {names.get(item, item)}")
-    explained = model.explain(history)
-    shown = min(args.last, len(explained["items"]))
-    weights = explained["weights"][..., -shown:]  # (layers, heads, shown)
-    labels, _ = cut_labels(explained["titles"][-shown:], 40)
-    drew_on = model.attribute(history, top)  # (k, n): each history item's part of each score
-    items = []
-    for item, row in zip(top, drew_on):
-        best = row.topk(min(3, len(row)))
-        items.append(
-            (
-                names.get(item, str(item)),
-                [(explained["titles"][j], v) for v, j in zip(best.values.tolist(), best.indices.tolist()) if v > 0],
-            )
-        )
-    overview = bars_overview(
-        f"Top {len(top)} for user {args.user}, and the past movies each one drew on most",
-        items,
-        note=f"{len(history)} movies in the history. Each bar: how much that past movie raises the title's score "
-        "through the last layer's attention (its weight times its value, read along the title's embedding). "
-        "The heatmap and model views show the weights themselves.",
-        captions=[
-            "drew on most:" if bars else "no past movie raises it: the score comes from elsewhere" for _, bars in items
-        ],
-    )
-    written = [out / "recommend.png", out / "recommend.html"]
-    visualize_attention(
-        weights.mean(1),
-        [f"layer {i}" for i in range(len(weights))],
-        written[0],
-        key_tokens=labels,
-        xlabel="history (oldest to newest)",
-        ylabel="",
-        title=f"user {args.user}: the next-item query's attention (mean of heads)",
-    )
-    save_html(
-        written[1],
-        weights[:, :, None, :],
-        ["next item"],
-        key_tokens=labels,
-        layer_names=[f"layer {i}" for i in range(len(weights))],
-        title=f"user {args.user}: attention over the history",
-        axes=("query (the next item)", f"past movie (the last {shown}, oldest first)"),
-        overview=overview,
-        focus=(len(weights) - 1, None),
-    )
-    for path in written:
-        _say(f"wrote {path}")
-    return 0
-
-
-def _read_image(path):
-    """A (8, 8n) image in [0, 16] from a .npy file (load_digits' scale) or a .png (0-1 or 0-255 grey)."""
-    import numpy as np
-
-    from attnkit._validate import AttnkitValueError
-
-    file = Path(path)
-    if not file.is_file():
-        raise AttnkitValueError(f"--image {path!r} is not a file.")
-    if file.suffix.lower() == ".npy":
-        try:
-            return np.load(file, allow_pickle=False).astype(np.float32)
-        except (ValueError, TypeError, EOFError) as err:
-            raise AttnkitValueError(f"--image {path!r} is not a numpy array file of numbers: {err}.") from None
-    if file.suffix.lower() == ".png":
-        import matplotlib.image
-
-        try:
-            pixels = matplotlib.image.imread(file)
-        except (SyntaxError, ValueError, OSError) as err:  # Pillow reports a file that is not a PNG as SyntaxError
-            raise AttnkitValueError(f"--image {path!r} is not a readable PNG image ({err}).") from None
-        if pixels.ndim == 3:
-            pixels = pixels[..., :3].mean(axis=-1)
-        top = 255.0 if pixels.max() > 1.0 else 1.0
-        return (pixels / top * 16.0).astype(np.float32)
-    raise AttnkitValueError(f"--image must be a .npy or .png file, but got {path!r}.")
+    return app.run(args, _out_dir(args.out))
 
 
 def caption(args: argparse.Namespace) -> int:
-    import random
+    from attnkit.apps import caption as app
 
-    from attnkit._validate import AttnkitValueError
-    from attnkit.models.captioner import WORDS, DigitCaptioner, digits, split, strip_of
-    from attnkit.viz.regions import region_figure, save_region_html
-
-    out = _out_dir(args.out)
-    if (args.digits is None) == (args.image is None):
-        raise AttnkitValueError("give --digits (e.g. --digits 7,3,1) or --image FILE, one of them.")
-    if args.digits is not None:
-        try:
-            wanted = [int(d) for d in args.digits.split(",")]
-        except ValueError:
-            raise AttnkitValueError(
-                f"--digits must be digits 0-9 separated by commas, but got {args.digits!r}."
-            ) from None
-        if not wanted or not all(0 <= d <= 9 for d in wanted) or len(wanted) > 8:
-            raise AttnkitValueError(f"--digits must be 1 to 8 digits 0-9 separated by commas, but got {args.digits!r}.")
-        _, labels = digits()
-        rng = random.Random(args.seed)
-        pool = split("test").tolist()
-        chosen = [rng.choice([i for i in pool if int(labels[i]) == d]) for d in wanted]
-        image = strip_of(chosen)
-        _say(f"test-split digits {chosen} ({' '.join(WORDS[d] for d in wanted)})")
-    else:
-        image = _read_image(args.image)
-    model = DigitCaptioner.from_package()
-    result = model.caption_with_attention(image)
-    words = result["words"]
-    print(" ".join(words))
-    last = result["weights"][-1].mean(0)  # (words, patches): last layer, mean of heads
-    written = [out / "caption.png", out / "caption.html"]
-    region_figure(
-        result["image"], words, last, result["grid"], written[0], title=f"{' '.join(words)} (last layer, mean of heads)"
-    )
-    save_region_html(
-        written[1],
-        result["image"],
-        words,
-        result["weights"],
-        result["grid"],
-        layers=[f"decoder layer {i} (cross)" for i in range(len(result["weights"]))],
-        title=" ".join(words),
-    )
-    for path in written:
-        _say(f"wrote {path}")
-    return 0
+    return app.run(args, _out_dir(args.out))
 
 
 def listen(args: argparse.Namespace) -> int:
-    import numpy as np
+    from attnkit.apps import listen as app
 
-    from attnkit._validate import AttnkitValueError
-    from attnkit.models.speech import SpeechRecognizer, examples, read_wav, say, write_wav
-    from attnkit.viz import save_html
-    from attnkit.viz.html import waveform_overview
-    from attnkit.viz.speech import attended_spans, speech_figure
-
-    out = _out_dir(args.out)
-    given = [x is not None for x in (args.file, args.say)] + [args.example is not None]
-    if sum(given) != 1:
-        raise AttnkitValueError('give FILE.wav, --say "4 0 7" or --example N (one of them).')
-    if args.say is not None:
-        digits = "".join(args.say.split())
-        samples, rate = say(digits, "en-gb-x-rp", "f3"), 16000
-        write_wav(out / "said.wav", samples, rate)
-        _say(f"espeak-ng (en-gb-x-rp+f3, a held-out voice) said {digits}: {out / 'said.wav'}")
-    else:
-        path = args.file
-        if args.example is not None:
-            shipped = examples()
-            if not 1 <= args.example <= len(shipped):
-                raise AttnkitValueError(f"--example must be 1..{len(shipped)}, but got {args.example}.")
-            path, truth = shipped[args.example - 1]
-            _say(f"example {args.example}: {path} (spoken digits {truth})")
-        samples, rate = read_wav(path)
-        if samples.ndim > 1:
-            _say(f"note: {samples.shape[0]} channels: using their mean")
-            samples = samples.mean(0)
-    model = SpeechRecognizer.from_package()
-    found = model.transcribe_with_attention(samples, rate)
-    print(found["text"] if found["text"] else "(no digits heard)")
-    last = found["attention"][-1].mean(0)  # (chars, frames): last layer, mean of heads
-    written = [out / "listen.png", out / "listen.html"]
-    speech_figure(
-        samples,
-        rate,
-        found["features"],
-        found["chars"],
-        last,
-        found["frame_times"],
-        written[0],
-        title=f"heard {found['text'] or '(nothing)'} (last decoder layer, mean of heads)",
-    )
-    frames = [f"{t:.2f}s" for t in found["frame_times"].tolist()]
-    # the end token is no character of the transcript: it often rests on the first frames
-    spans = [s for s in attended_spans(found["chars"], last, found["frame_times"]) if s[0] != "</s>"]
-    save_html(
-        written[1],
-        found["attention"],
-        found["chars"],
-        key_tokens=frames,
-        layer_names=[f"decoder layer {i} (cross)" for i in range(found["attention"].shape[0])],
-        title=f"heard {found['text'] or '(nothing)'}",
-        axes=("output character", "audio frame (40 ms)"),
-        focus=(found["attention"].shape[0] - 1, None),
-        overview=waveform_overview(
-            f"heard {found['text'] or '(no digits)'}: each character over the stretch of audio it was read from",
-            samples,
-            rate,
-            spans,
-            note="Shaded: the frames where the last decoder layer's cross-attention (mean of heads) is at least "
-            "half its peak for that character. The heatmap and model views show every layer and head.",
-        ),
-    )
-    np.savez_compressed(
-        out / "listen.npz",
-        attention=found["attention"].numpy(),
-        chars=np.array(found["chars"]),
-        frame_times=found["frame_times"].numpy(),
-    )
-    for path in written:
-        _say(f"wrote {path}")
-    return 0
-
-
-def _shown(chars):
-    """Characters as figure labels: a visible mark for the space."""
-    return ["\u2423" if ch == " " else ch for ch in chars]
-
-
-def _load_translator(path, cls):
-    from attnkit._validate import AttnkitValueError
-
-    if not Path(path).is_file():
-        raise AttnkitValueError(f"--weights {path!r} is not a file: give a .safetensors file written by attnkit train.")
-    try:
-        return cls.load(path)
-    except Exception as err:  # safetensors, json and state-dict errors: all mean "not our weights"
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise AttnkitValueError(
-            f"--weights {path!r} is not a DateTranslator weights file written by attnkit train ({first})."
-        ) from None
+    return app.run(args, _out_dir(args.out))
 
 
 def translate(args: argparse.Namespace) -> int:
-    from attnkit.models.translator import DateTranslator
-    from attnkit.viz import attention_grid, save_html, visualize_attention
+    from attnkit.apps import translate as app
 
-    out = _out_dir(args.out)
-    model = _load_translator(args.weights, DateTranslator) if args.weights else DateTranslator.from_package()
-    result = model.translate_with_attention(args.text)
-    print(result["output"])
-    weights = result["weights"]  # (layers, heads, L_out, L_in)
-    inputs, outputs = _shown(result["input_tokens"]), result["output_tokens"]
-    last = weights[-1].mean(dim=0)
-    written = [out / "alignment.png", out / "alignment_grid.png", out / "alignment.html"]
-    visualize_attention(
-        last,
-        outputs,
-        written[0],
-        key_tokens=inputs,
-        xlabel="input character",
-        ylabel="output character",
-        title=f"{args.text} \u2192 {result['output']} (last layer, mean of heads)",
-    )
-    attention_grid(
-        weights,
-        written[1],
-        tokens=outputs,
-        key_tokens=inputs,
-        title=f"cross-attention: {args.text} (rows: output, columns: input)",
-    )
-    save_html(
-        written[2],
-        weights,
-        outputs,
-        key_tokens=inputs,
-        layer_names=[f"decoder layer {i} (cross)" for i in range(len(weights))],
-        title=f"{args.text} \u2192 {result['output']}",
-        axes=("output character", "input character"),
-        start="heatmap",
-        focus=(len(weights) - 1, None),  # the alignment: last layer, mean of heads
-    )
-    for path in written:
-        _say(f"wrote {path}")
-    return 0
-
-
-#: ``attnkit train MODEL``: default (steps, batch size); the recommender's steps are epochs.
-TRAIN_DEFAULTS = {
-    "translator": (1500, 128),
-    "captioner": (4000, 96),
-    "recommender": (120, 128),
-    "recall": (5000, 32),
-    "speech": (9200, 32),  # = --minutes 40; the shipped weights
-}
+    return app.run(args, _out_dir(args.out))
 
 
 def build_parser() -> argparse.ArgumentParser:
     from attnkit import __version__
+    from attnkit.apps.show import LONG_FROM
+    from attnkit.apps.train import SPEECH_STEPS_PER_MINUTE
 
     parser = argparse.ArgumentParser(prog="attnkit", description="Exact attention you can see into.")
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
@@ -929,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args = parser.parse_args(argv)
     if args.command == "train":  # defaults that depend on the model
+        from attnkit.apps.train import SPEECH_STEPS_PER_MINUTE, TRAIN_DEFAULTS
+
         steps, batch_size = TRAIN_DEFAULTS[args.model]
         if args.minutes is not None:
             if args.model != "speech" or args.steps is not None:

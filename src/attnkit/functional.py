@@ -183,16 +183,16 @@ def validated_call(
     tracing = compiling()
     if not tracing and isinstance(mask, _masks.Mask):
         mask.check_values(shapes.lq, shapes.lk)
-    attn_bias, softcap, sinks = _check_mods(shapes, q, attn_bias, softcap, sinks)
-    score_mod = _check_score_mod(score_mod, q)
-    if score_mod is not None and shapes.rank > 4:
+    bias_object, softcap, sinks = _check_mods(shapes, q, attn_bias, softcap, sinks)
+    mod = _check_score_mod(score_mod, q)
+    if mod is not None and shapes.rank > 4:
         raise AttnkitValueError(f"score_mod takes inputs of rank 2 to 4, but q has rank {shapes.rank}.")
     learned = [
         t
         for t in (
-            *(attn_bias.params() if attn_bias is not None else ()),
+            *(bias_object.params() if bias_object is not None else ()),
             sinks,
-            *(score_mod.params if score_mod is not None else ()),
+            *(mod.params if mod is not None else ()),
         )
         if t is not None
     ]
@@ -208,10 +208,10 @@ def validated_call(
         bool(return_lse),
         backward,
         tracing,
-        bias=attn_bias,
+        bias=bias_object,
         softcap=softcap,
         sinks=sinks,
-        score_mod=score_mod,
+        score_mod=mod,
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit.cli import main
-from attnkit.models import speech
+from attnkit.models import speech, speech_audio
 from attnkit.models.speech import SpeechRecognizer
 
 HAVE_ESPEAK = shutil.which("espeak-ng") is not None
@@ -206,7 +206,7 @@ def test_training_smoke():
 
 
 def test_missing_espeak_is_named(monkeypatch):
-    monkeypatch.setattr(speech.shutil, "which", lambda name: None)
+    monkeypatch.setattr(speech_audio.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="apt-get install espeak-ng"):
         speech.say("407")
 
@@ -229,11 +229,12 @@ def test_listen_cli_end_to_end(tmp_path, capsys):
 
 def test_train_minutes_sets_the_steps(monkeypatch, capsys):
     from attnkit import cli
+    from attnkit.apps import train
 
     seen = {}
-    monkeypatch.setattr(cli, "_train_speech", lambda args: seen.setdefault("steps", args.steps) and 0)
+    monkeypatch.setattr(train, "speech", lambda args: seen.setdefault("steps", args.steps) and 0)
     assert cli.main(["train", "speech", "--minutes", "2"]) == 0
-    assert seen["steps"] == 2 * cli.SPEECH_STEPS_PER_MINUTE
+    assert seen["steps"] == 2 * train.SPEECH_STEPS_PER_MINUTE
     for bad in (["train", "translator", "--minutes", "2"], ["train", "speech", "--minutes", "2", "--steps", "9"]):
         with pytest.raises(SystemExit):
             cli.main(bad)

@@ -213,10 +213,8 @@ def test_low_precision_gradients_of_every_engine_against_the_formula(sizes, data
     want = torch.autograd.grad(gold, (q64, k64, v64), up)
     naive_grads = torch.autograd.grad(naive, (q, k, v), up.to(dtype))
     refs = [(naive, *naive_grads)]
-    with engine_pinned(engine):
-        ran = str(attnkit.explain(q, k, v, mask, kernel="tiled", **ours))
-    if "; fused engine" in ran and "sinks" not in ours:  # PyTorch's own kernel ran it: its error level counts
-        refs.append(_fused_dense(q, k, v, allowed, theirs.get("add"), up.to(dtype)))
+    if "sinks" not in ours and "softcap" not in ours:  # TESTING.md: the larger of PyTorch's fused kernel's error
+        refs.append(_fused_dense(q, k, v, allowed, theirs.get("add"), up.to(dtype)))  # and the naive formula's
     for name, o, w, *n in zip(["out", "dq", "dk", "dv"], (out, *got), (gold, *want), *refs):
         worst = max(n, key=lambda x: (x.double() - w).abs().max().item())  # TESTING.md: the larger error
         # fuzzed problems: the naive error floored at four roundings of gold's scale (TESTING.md)

@@ -362,8 +362,8 @@ def test_ring_sinks_must_be_a_tensor():
 
 
 def test_ring_error_names_each_peer_once():
-    from attnkit.distributed.ring import _Group
+    from attnkit.distributed.ring import RingGroup
 
-    message = str(_Group(None, 5).error(1, "receiving from rank 1", None))
+    message = str(RingGroup(None, 5).error(1, "receiving from rank 1", None))
     assert message.count("rank 1") == 1 and "It may have died" in message
-    assert "Rank 1 and rank 2 may have died" in str(_Group(None, 5).error([1, 2], "gathering", None))
+    assert "Rank 1 and rank 2 may have died" in str(RingGroup(None, 5).error([1, 2], "gathering", None))

@@ -81,7 +81,7 @@ def test_cross_attention_grid_labels_both_axes():
 
 def test_long_view_entropy_is_in_bits(tmp_path):
     from attnkit.inspect import AttentionStats
-    from attnkit.viz.long import _asset, long_data, long_figures
+    from attnkit.viz.long import asset, long_data, long_figures
 
     heads, length = 2, 64
     uniform = torch.full((1, heads, length), float(torch.log(torch.tensor(16.0))))  # 16 equal keys: 4 bits
@@ -98,7 +98,7 @@ def test_long_view_entropy_is_in_bits(tmp_path):
     data = long_data([stats], [f"t{i}" for i in range(length)], [], [], title="t")
     assert data["summary"]["entropy"] == [[pytest.approx(4.0), pytest.approx(4.0)]]
     long_figures(tmp_path, [stats], [f"t{i}" for i in range(length)], [], [], title="t")
-    assert "mean entropy (bits)" in _asset("long.html") and "nats" not in _asset("long.html")
+    assert "mean entropy (bits)" in asset("long.html") and "nats" not in asset("long.html")
 
 
 def test_caption_overlay_keeps_the_digit_visible(tmp_path):

@@ -20,7 +20,7 @@ from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnega
 from attnkit.bias import BiasLike
 from attnkit.distributed import layout as _layout
 from attnkit.distributed.layout import pieces, positions
-from attnkit.distributed.ring import DEFAULT_TIMEOUT, RingError, _Group, ring_attention
+from attnkit.distributed.ring import DEFAULT_TIMEOUT, RingError, RingGroup, ring_attention
 from attnkit.nn.attention import MultiHeadAttention
 from attnkit.prepare import MaskLike
 
@@ -65,7 +65,7 @@ def shard(
     (tensor([0., 1., 2., 3., 4., 5., 6., 7., 8., 9.]), tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9]))
     """
     dim = _dim(x, dim)
-    comm = _Group(group, DEFAULT_TIMEOUT)
+    comm = RingGroup(group, DEFAULT_TIMEOUT)
     parts = pieces(x.shape[dim], comm.size, _layout.check_layout(layout))[comm.rank]
     local = torch.cat([x.narrow(dim, a, b - a) for a, b in parts], dim=dim)
     return local, torch.cat([torch.arange(a, b, device=x.device) for a, b in parts])
@@ -84,7 +84,7 @@ def unshard(
     evaluation and checks; training keeps the parts).
     """
     dim = _dim(local, dim)
-    comm = _Group(group, timeout)
+    comm = RingGroup(group, timeout)
     layout = _layout.check_layout(layout)
     if comm.size == 1:
         return local
@@ -182,7 +182,7 @@ def explain(
     q_len = check_nonnegative_int(q_len, "q_len")
     kv_len = q_len if kv_len is None else check_nonnegative_int(kv_len, "kv_len")
     if world_size is None:
-        world_size = _Group(group, DEFAULT_TIMEOUT).size
+        world_size = RingGroup(group, DEFAULT_TIMEOUT).size
     world_size = check_nonnegative_int(world_size, "world_size")
     if world_size < 1:
         raise AttnkitValueError(f"world_size must be >= 1, but got {world_size}.")
@@ -239,7 +239,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
 
     def holds_a_shard(self) -> bool:
         """Whether this layer runs over several ranks (each holding a part of the sequence)."""
-        return _Group(self.group, self.timeout).size > 1
+        return RingGroup(self.group, self.timeout).size > 1
 
     def local_positions(self, local_length: int, device: Device = None) -> torch.Tensor:
         """The global positions ``(L_local,)`` of this rank's part of a sequence split under
@@ -248,7 +248,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         A collective when the group has several ranks (it gathers the parts' lengths): pass
         ``positions=`` to :meth:`forward`, from :func:`shard`, to skip it.
         """
-        comm = _Group(self.group, self.timeout)
+        comm = RingGroup(self.group, self.timeout)
         lengths = comm.all_gather(torch.tensor([local_length]), "gathering the parts' lengths for the positions")
         total = sum(int(n) for n in lengths)
         local = _layout.positions(total, comm.size, comm.rank, self.layout)

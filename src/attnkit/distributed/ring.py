@@ -19,6 +19,7 @@ import datetime
 import math
 import time
 import zlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,10 @@ class RingError(AttnkitError, RuntimeError):
     """A rank of the ring failed, died or disagreed with the others."""
 
 
-class _Group:
+class RingGroup:
     """The process group, this rank, and transfers that fail with a clear error."""
 
-    def __init__(self, group, timeout):
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float):
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise AttnkitValueError("group= was given but torch.distributed is not initialized.")
@@ -69,7 +70,7 @@ class _Group:
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def wait(self, work, peer: int | None, what: str, timeout: float | None = None) -> None:
+    def wait(self, work: Any, peer: int | None, what: str, timeout: float | None = None) -> None:
         try:
             done = work.wait(datetime.timedelta(seconds=self.timeout if timeout is None else timeout))
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
@@ -77,7 +78,7 @@ class _Group:
         if done is False:
             raise self.error(peer, what, None)
 
-    def error(self, peer, what: str, cause) -> RingError:
+    def error(self, peer: int | list[int] | None, what: str, cause: BaseException | None) -> RingError:
         peers = [] if peer is None else list(peer) if isinstance(peer, (list, tuple)) else [peer]
         if peers and all(f"rank {p}" in what for p in peers):  # the peers are named already: refer back
             who, whose = ("It", "its error") if len(peers) == 1 else ("They", "their errors")
@@ -131,7 +132,7 @@ class _Group:
             raise self.error(peers, what, first.__cause__) from first
         return out
 
-    def exchange(self, sends, recvs) -> list:
+    def exchange(self, sends: list, recvs: list) -> list:
         """Post point-to-point transfers: ``sends``/``recvs`` are ``(peer, tensor, tag)``."""
         ops = [dist.P2POp(dist.isend, t, self.global_rank(p), self.group, tag) for p, t, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_rank(p), self.group, tag) for p, t, tag in recvs]
@@ -147,7 +148,7 @@ class _Group:
             ) from e
         return [(w, p, f"{verb} rank {p}") for w, (p, verb) in zip(works, peers)]
 
-    def finish(self, pending) -> None:
+    def finish(self, pending: list) -> None:
         for work, peer, what in pending:
             self.wait(work, peer, what)
 
@@ -207,7 +208,7 @@ def _describe(q, k, v, mask, attn_bias, softcap, scale, sinks, layout) -> torch.
     return torch.tensor(values, dtype=torch.int64)
 
 
-def _agree(comm: _Group, desc: torch.Tensor) -> list[torch.Tensor]:
+def _agree(comm: RingGroup, desc: torch.Tensor) -> list[torch.Tensor]:
     """All ranks' descriptions; raise naming the ranks and fields that differ."""
     rows = comm.all_gather(desc, "checking that every rank called ring_attention alike")
     for field, name in enumerate(_FIELDS):
@@ -519,7 +520,7 @@ def ring_attention(
 
     Backends: gloo (CPU tensors) and NCCL (CUDA tensors) run the same code.
     """
-    comm = _Group(group, timeout)
+    comm = RingGroup(group, timeout)
     layout = _layout.check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

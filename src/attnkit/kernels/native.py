@@ -198,17 +198,11 @@ class NativeKernel(Kernel):
         q4, k4, v4 = blocksparse.as4d(call)
         if call.compiling:
             prepared = call.mask
-            bq, bk = prepared.block_size  # type: ignore[union-attr]
+            assert isinstance(prepared, PreparedMask), "compiled calls carry a PreparedMask"
+            bq, bk = prepared.block_size
+            plan = prepared.native_plan()
             out, lse = torch.ops.attnkit.native_forward(
-                q4,
-                k4,
-                v4,
-                *prepared.native_plan(),
-                None,
-                bq,
-                bk,
-                call.scale,
-                call.softcap or 0.0,  # type: ignore[union-attr]
+                q4, k4, v4, *plan, None, bq, bk, call.scale, call.softcap or 0.0
             )
         else:
             prepared = call.prepared_at(self.block_size)

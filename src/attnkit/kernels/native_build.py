@@ -166,8 +166,8 @@ def _library_path(compiler: str) -> Path:
     for part in (SOURCE.read_bytes(), version.encode(), torch.__version__.encode(), torch.__file__.encode()):
         key.update(part)
         key.update(b"\0")
-    for part in (_cpu_key(), _arch(), " ".join(_sanitize())):
-        key.update(part.encode())
+    for text in (_cpu_key(), _arch(), " ".join(_sanitize())):
+        key.update(text.encode())
         key.update(b"\0")
     return cache_dir() / f"native-{key.hexdigest()[:20]}" / "libattnkit_native.so"
 

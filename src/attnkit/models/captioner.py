@@ -16,9 +16,7 @@ a multiple of 5 form the test split; training never sees them.
 from __future__ import annotations
 
 import functools
-import math
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +28,7 @@ from attnkit import masks
 from attnkit._types import ArrayLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int
 from attnkit.models._weights import ShippedWeights
+from attnkit.models.training import Trainer, loop, warmup_cosine
 from attnkit.models.translator import DecoderLayer, EncoderLayer
 from attnkit.nn import KVCache
 
@@ -341,37 +340,22 @@ def train(
     progress: bool | None = True,
 ) -> tuple[DigitCaptioner, dict]:
     """Train a DigitCaptioner on augmented train-split strips; reproducible from ``seed``."""
-    from tqdm.auto import tqdm
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = DigitCaptioner(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, max(1, steps // 20)))
+    trainer = Trainer(model, optimizer, scheduler, clip=1.0)
+    losses: list[float] = []
 
-    def schedule(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    start = time.perf_counter()
-    losses = []
-    bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
-    for step in bar:
-        model.train()
+    def work(step: int) -> dict:
         images, words_in, target = batch(rng, batch_size)
         logits = model(images, words_in)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=PAD)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        if step % 25 == 0 or step == steps - 1:
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-    model.eval()
+        losses.append(trainer.step(loss))
+        return {"loss": losses[-1]}
+
+    result = loop(trainer, steps, work, progress=progress)
     record = {
         "steps": steps,
         "seed": seed,
@@ -379,7 +363,7 @@ def train(
         "lr": lr,
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": result.seconds,
         "torch": torch.__version__,
     }
     record.update({f"test_{k}": v for k, v in evaluate(model, 500, seed=seed + 1).items()})

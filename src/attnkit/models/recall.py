@@ -18,8 +18,6 @@ It is built from :class:`attnkit.MultiHeadAttention` layers, so ``attnkit.captur
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,6 +28,7 @@ from torch import nn
 from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models._weights import ShippedWeights
+from attnkit.models.training import Trainer, loop, warmup_times_cosine
 from attnkit.nn import MultiHeadAttention, RotaryEmbedding
 
 __all__ = ["Config", "RecallLM", "Task", "accuracy", "make_batch", "train", "WEIGHTS"]
@@ -290,39 +289,35 @@ def train(
     log: Callable[[str], object] = print,
 ) -> tuple[RecallLM, dict]:
     """Train on texts of ``min_length`` growing to ``max_length`` tokens (seeded)."""
-    from tqdm.auto import tqdm
-
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = RecallLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+    trainer = Trainer(
+        model, opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_times_cosine(steps, max(1, steps // 20)))
     )
-    start, history = time.perf_counter(), []
-    bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
-    running = None
-    for step in bar:
+
+    def work(step: int) -> dict:
         length = _length_at(step, steps, min_length, max_length)
         n = max(4, min(batch_size, batch_size * 256 // length))  # at most batch_size x 256 tokens a step
         tokens, targets = make_batch(n, length, pairs=pairs, queries=queries, task=model.task, generator=g)
-        model.train()
         logits = model(tokens)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{running:.3f}", length=length)
-        if (step + 1) % max(1, steps // 10) == 0:
-            acc = accuracy(model, 256, n=64, seed=1000 + step)
-            history.append({"step": step + 1, "loss": running, "length": length, "accuracy_256": acc})
-            if log is not None:
-                log(f"step {step + 1}: loss {running:.3f}, length {length}, accuracy at 256 tokens {acc:.0%}")
-    model.eval()
+        trainer.step(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+        return {"loss": f"{trainer.running:.3f}", "length": length}
+
+    def check(step: int) -> dict:
+        acc = accuracy(model, 256, n=64, seed=1000 + step)
+        length = _length_at(step, steps, min_length, max_length)
+        return {"step": step + 1, "loss": trainer.running, "length": length, "accuracy_256": acc}
+
+    def describe(step: int, m: dict) -> str:
+        at_256 = m["accuracy_256"]
+        return f"step {step + 1}: loss {m['loss']:.3f}, length {m['length']}, accuracy at 256 tokens {at_256:.0%}"
+
+    result = loop(
+        trainer, steps, work, progress=progress, every=max(1, steps // 10), evaluate=check, last=False, log=log,
+        describe=describe,
+    )  # fmt: skip
     record = {
         "steps": steps,
         "seed": seed,
@@ -332,7 +327,7 @@ def train(
         "max_length": max_length,
         "pairs": pairs,
         "queries": queries,
-        "seconds": round(time.perf_counter() - start, 1),
-        "history": history,
+        "seconds": result.seconds,
+        "history": result.history,
     }
     return model, record

@@ -15,7 +15,6 @@ The Terminator and Das Boot.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models import movielens
 from attnkit.models._weights import ShippedWeights
+from attnkit.models.training import Trainer, loop
 from attnkit.nn import MultiHeadAttention
 
 WEIGHTS = "sasrec_ml100k.safetensors"
@@ -251,52 +251,44 @@ def train(
     log: Callable[[str], object] = print,
 ) -> tuple[SASRec, dict]:
     """Train on the training split; keep the weights with the best validation NDCG@10."""
-    from tqdm.auto import tqdm
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = SASRec(config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=lr), clip=None)
     sequences = [s for s in movielens.split().train.values() if len(s) >= 2]
-    best, history, start = -1.0, [], time.perf_counter()
-    best_state: dict[str, torch.Tensor] | None = None
-    bar = tqdm(range(epochs), desc="training", unit="epoch", disable=not progress)
-    for epoch in bar:
-        model.train()
+    losses: list[float] = []
+
+    def work(epoch: int) -> dict:
         total, count = 0.0, 0
         for inputs, targets in _batches(rng, sequences, batch_size, config.max_len):
             ids, lengths = model.pad(inputs)
             target, _ = model.pad(targets)
             real = target != 0  # score only real positions: the full softmax over every item is the cost
             logits = model.scores(model(ids, lengths)[real])  # (N, num_items + 1)
-            loss = F.cross_entropy(logits, target[real])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total, count = total + loss.item(), count + 1
-        bar.set_postfix(loss=f"{total / count:.3f}")
-        if (epoch + 1) % evaluate_every == 0 or epoch == epochs - 1:
-            metrics = evaluate(model, "valid")
-            history.append({"epoch": epoch + 1, "loss": total / count, **{f"valid_{k}": v for k, v in metrics.items()}})
-            if log is not None:
-                log(
-                    f"epoch {epoch + 1}: loss {total / count:.3f}, valid HR@10 {metrics['HR@10']:.3f}, "
-                    f"NDCG@10 {metrics['NDCG@10']:.3f}"
-                )
-            if metrics["NDCG@10"] > best:
-                best = metrics["NDCG@10"]
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    model.eval()
+            total, count = total + trainer.step(F.cross_entropy(logits, target[real])), count + 1
+        losses.append(total / count)
+        return {"loss": f"{total / count:.3f}"}
+
+    def check(epoch: int) -> dict:
+        metrics = evaluate(model, "valid")
+        return {"epoch": epoch + 1, "loss": losses[-1], **{f"valid_{k}": v for k, v in metrics.items()}}
+
+    def describe(epoch: int, m: dict) -> str:
+        hr, ndcg = m["valid_HR@10"], m["valid_NDCG@10"]
+        return f"epoch {epoch + 1}: loss {m['loss']:.3f}, valid HR@10 {hr:.3f}, NDCG@10 {ndcg:.3f}"
+
+    result = loop(
+        trainer, epochs, work, unit="epoch", progress=progress, every=evaluate_every, evaluate=check,
+        best="valid_NDCG@10", log=log, describe=describe,
+    )  # fmt: skip
     record = {
         "epochs": epochs,
         "seed": seed,
         "batch_size": batch_size,
         "lr": lr,
-        "best_valid_NDCG@10": best,
-        "seconds": round(time.perf_counter() - start, 1),
-        "history": history,
+        "best_valid_NDCG@10": result.best if result.best is not None else -1.0,
+        "seconds": result.seconds,
+        "history": result.history,
         **{f"test_{k}": v for k, v in evaluate(model, "test").items()},
     }
     return model, record

@@ -16,9 +16,7 @@ All three kinds of attention of the tutorial, in one model built from attnkit pa
 
 from __future__ import annotations
 
-import math
 import random
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +29,7 @@ from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_positive_int, short
 from attnkit.models import dates
 from attnkit.models._weights import ShippedWeights
+from attnkit.models.training import Trainer, loop, warmup_cosine
 from attnkit.nn import KVCache, MultiHeadAttention
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -367,40 +366,28 @@ def train(
     Returns the model (in eval mode) and a record of the run (steps, seed, final loss,
     exact match on 1000 fresh dates, seconds).
     """
-    from tqdm.auto import tqdm
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = DateTranslator(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, max(1, steps // 20)))
+    trainer = Trainer(model, optimizer, scheduler, clip=1.0)
+    losses: list[float] = []
+    shown: dict = {}
 
-    def schedule(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    start = time.perf_counter()
-    bar = tqdm(range(steps), desc="training", unit="step", disable=not progress)
-    losses = []
-    for step in bar:
-        model.train()
+    def work(step: int) -> dict:
         source, lengths, target_in, target = batch(model, rng, batch_size)
         logits = model(source, lengths, target_in)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
+        losses.append(trainer.step(loss))
         if step % 25 == 0 or step == steps - 1:
             accuracy = (logits.argmax(-1) == target).all(dim=1).float().mean().item()
-            bar.set_postfix(loss=f"{loss.item():.4f}", acc=f"{accuracy:.1%}")
+            shown.update(loss=losses[-1], acc=f"{accuracy:.1%}")
             if log is not None:
-                log(step, loss.item(), accuracy)
-    model.eval()
+                log(step, losses[-1], accuracy)
+        return shown
+
+    result = loop(trainer, steps, work, progress=progress)
     record = {
         "steps": steps,
         "seed": seed,
@@ -409,7 +396,7 @@ def train(
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "exact_match_1000": exact_match(model, dates.dataset(1000, seed + 1)),
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": result.seconds,
         "torch": torch.__version__,
     }
     return model, record

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from attnkit._types import ArrayLike, PathLike
 from attnkit._validate import AttnkitValueError
-from attnkit.viz.heatmap import _figure, as_array, save
+from attnkit.viz.heatmap import as_array, new_figure, save
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +35,7 @@ def attention_grid(
             "Use cap.stack() to stack captured weights."
         )
     layers, heads, lq, lk = array.shape
-    Figure = _figure()
+    Figure = new_figure()
     from attnkit.viz._fonts import font_families
 
     families = list(font_families())

@@ -27,7 +27,7 @@ def as_array(weights: ArrayLike) -> np.ndarray:
     raise AttnkitTypeError(f"weights must be a torch.Tensor or numpy array, but got {type(weights).__name__}.")
 
 
-def _figure() -> type[Figure]:
+def new_figure() -> type[Figure]:
     """matplotlib's ``Figure`` (figures are drawn without pyplot: no window, no backend change)."""
     try:
         from matplotlib.figure import Figure
@@ -117,7 +117,7 @@ def visualize_attention(
         The ``matplotlib.figure.Figure``. No window is opened, so it works on
         machines without a display.
     """
-    Figure = _figure()
+    Figure = new_figure()
     from attnkit.viz._fonts import font_families
 
     shape = tuple(getattr(weights, "shape", ()))

@@ -57,7 +57,7 @@ def cut_labels(labels: Iterable[object], limit: int = MAX_LABEL) -> tuple[list[s
     return out, cut
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
     """A file of the page (HTML, CSS or JavaScript) shipped in ``attnkit/viz/static``."""
     return (resources.files("attnkit.viz") / "static" / name).read_text(encoding="utf-8")
 
@@ -67,12 +67,12 @@ def fill(template: str, **values: str) -> str:
     return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)] if m.group(1) in values else m.group(0), template)
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """``text`` without control and bidirectional-override characters (for the page title)."""
     return "".join(ch for ch in text if unicodedata.category(ch) not in ("Cc", "Cf"))
 
 
-def _script_json(value) -> str:
+def script_json(value: object) -> str:
     """JSON that is safe inside a <script> element (no "</script>", no HTML parsing)."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     for raw, escaped in (
@@ -173,12 +173,12 @@ def attention_html(
         "weights": base64.b64encode(quantized.tobytes()).decode("ascii"),
     }
     return fill(
-        _asset("attention.html"),
-        title=html.escape(_printable(str(title))),
-        style=_font_face(" ".join([str(title), *tokens, *key_tokens, *names, *axes, _overview_text(overview)]))
-        + _asset("attention.css"),
-        script=_asset("attention.js"),
-        data=_script_json(data),
+        asset("attention.html"),
+        title=html.escape(printable(str(title))),
+        style=font_face(" ".join([str(title), *tokens, *key_tokens, *names, *axes, _overview_text(overview)]))
+        + asset("attention.css"),
+        script=asset("attention.js"),
+        data=script_json(data),
     )
 
 
@@ -261,12 +261,12 @@ def _overview_text(overview: dict | None) -> str:
     return " ".join(parts)
 
 
-#: The family of the glyphs a page embeds (see :func:`_font_face`); the CSS and the
+#: The family of the glyphs a page embeds (see :func:`font_face`); the CSS and the
 #: canvases list it first, so characters the system fonts lack are drawn from it.
 GLYPH_FAMILY = "attnkit-glyphs"
 
 
-def _font_face(text: str) -> str:
+def font_face(text: str) -> str:
     """An ``@font-face`` carrying the page's non-ASCII glyphs ('' when it has none).
 
     A fresh machine may have no CJK fonts: without this, the browser would draw the

@@ -21,8 +21,8 @@ import torch
 
 from attnkit._types import PathLike
 from attnkit._validate import AttnkitValueError
-from attnkit.viz.heatmap import _figure, as_array
-from attnkit.viz.html import _asset, _font_face, _printable, _script_json, fill
+from attnkit.viz.heatmap import as_array, new_figure
+from attnkit.viz.html import asset, fill, font_face, printable, script_json
 
 if TYPE_CHECKING:
     from attnkit.inspect import AttentionStats
@@ -106,10 +106,10 @@ def long_html(
     """The HTML page (see the module docstring); raises if it would exceed :data:`MAX_PAGE_BYTES`."""
     data = long_data(stats, tokens, rows, row_weights, **kwargs)
     page = fill(
-        _asset("long.html"),
-        title=html.escape(_printable(data["title"])),
-        style=_font_face(" ".join([data["title"], *data["tokens"][:20000]])),
-        data=_script_json(data),
+        asset("long.html"),
+        title=html.escape(printable(data["title"])),
+        style=font_face(" ".join([data["title"], *data["tokens"][:20000]])),
+        data=script_json(data),
     )
     size = len(page.encode("utf-8"))
     if size > MAX_PAGE_BYTES:
@@ -148,7 +148,7 @@ def long_figures(
     ``long_keymass.png`` (mass each key receives, per layer) and ``long_rows.png`` (the chosen
     rows' weights over the text, per layer and head). ``marks``: ``{label: position}`` drawn
     as vertical lines (e.g. the needle)."""
-    Figure = _figure()
+    Figure = new_figure()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layers = len(stats)
@@ -223,7 +223,7 @@ def long_figures(
                 ax.tick_params(labelsize=7)
                 if layer == 0:
                     ax.set_title(
-                        f"query row {row} ({_printable(str(tokens[row]))}): its weight on each key "
+                        f"query row {row} ({printable(str(tokens[row]))}): its weight on each key "
                         f"(max per bin of {max(1, lk // bins)} tokens)",
                         fontsize=9,
                     )

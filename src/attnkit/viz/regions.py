@@ -19,7 +19,7 @@ import torch
 
 from attnkit._types import ArrayLike, PathLike
 from attnkit._validate import AttnkitValueError
-from attnkit.viz.heatmap import _figure, as_array, save
+from attnkit.viz.heatmap import as_array, new_figure, save
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -65,7 +65,7 @@ def region_figure(
     peak. Returns the Figure."""
     import numpy as np
 
-    Figure = _figure()
+    Figure = new_figure()
     image, attention = _check(image, words, attention, grid)
     n = len(words)
     fig = Figure(figsize=(max(3.0, image.shape[1] / 8 * 1.1 + 1), 1.0 + 1.35 * max(n, 1)), layout="constrained")
@@ -102,7 +102,7 @@ def region_html(
     ``attention`` is ``(words, patches)`` or, to choose among them on the page,
     ``(layers, heads, words, patches)`` (the page offers each layer's heads and their mean).
     """
-    from attnkit.viz.html import _asset, _printable, _script_json, fill
+    from attnkit.viz.html import asset, fill, printable, script_json
 
     full = as_array(attention)
     if full.ndim == 2:
@@ -121,7 +121,7 @@ def region_html(
         "layerNames": names,
         "attention": [[[[round(float(v), 4) for v in w] for w in h] for h in layer] for layer in full],
     }
-    return fill(_asset("regions.html"), title=html.escape(_printable(str(title))), data=_script_json(data))
+    return fill(asset("regions.html"), title=html.escape(printable(str(title))), data=script_json(data))
 
 
 def save_region_html(

@@ -10,7 +10,7 @@ import numpy as np
 
 from attnkit._types import ArrayLike, PathLike
 from attnkit._validate import AttnkitValueError
-from attnkit.viz.heatmap import _figure, as_array
+from attnkit.viz.heatmap import as_array, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -55,7 +55,7 @@ def speech_figure(
     """Three panels sharing the time axis: the waveform, the log-mel spectrogram, and the
     cross-attention of each output character over the audio frames (``attention: (chars, frames)``),
     with each character's peak marked. Returns the figure (saved when ``save_path`` is given)."""
-    Figure = _figure()
+    Figure = new_figure()
     samples = np.asarray(samples, dtype=np.float32)
     feats = as_array(features)  # (T, mels) at 100 frames/s
     att = as_array(attention)  # (chars, frames)

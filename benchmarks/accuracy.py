@@ -1,0 +1,213 @@
+"""How exact the native engine is next to PyTorch's own kernel: the error ratio on random masked problems.
+
+    python benchmarks/accuracy.py [--problems 1000] [--seed 0] [--dtype float32] [--out FILE]
+
+Each problem draws a batch, GQA heads, lengths (1 to 300, Lq != Lk for some), a head size (2 to
+64), a mask (causal, windows, prefix-LM, documents, padding, a random dense mask, a predicate), a
+scale and how sharp the scores are (q and k scaled up to 4x: rows of large log-sum-exp, where a
+backward that does not renormalise its weights loses accuracy), and a random upstream gradient.
+For the output and each gradient it measures the max error against the float64 formula of:
+
+- ``native``: ``attnkit.attention(..., kernel="native")``;
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with the dense bool mask (PyTorch's
+  fused CPU kernel), its fully masked rows set to 0 as attnkit's contract gives them;
+- ``naive``: the naive formula in the same dtype.
+
+The ratio is native's error over the larger of sdpa's and naive's (TESTING.md's rule passes at
+2x for the output, 3x for gradients, plus one rounding at gold's scale). Prints the median, the
+90th percentile and the worst ratio of each quantity and how many problems pass the rule, and
+writes ``benchmarks/results/accuracy.json`` (with ``lscpu``'s model and flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks
+from attnkit.kernels import native_build
+
+RESULTS = Path(__file__).parent / "results"
+QUANTITIES = ("out", "dq", "dk", "dv")
+
+
+def _mask(rng: random.Random, b: int, lq: int, lk: int):
+    kind = rng.choice(["causal", "window", "prefix", "document", "padding", "dense", "predicate", "none"])
+    if kind == "causal":
+        return masks.causal(rng.choice(["bottom_right", "top_left"])), kind
+    if kind == "window":
+        return masks.sliding_window(rng.randint(0, 60), rng.randint(0, 8)), kind
+    if kind == "prefix":
+        return masks.prefix_lm(rng.randint(0, lk)), kind
+    if kind == "document" and lq == lk:
+        docs = sorted(rng.randrange(4) for _ in range(lq))
+        return masks.document(torch.tensor(docs)) & masks.causal(), kind
+    if kind == "padding":
+        return masks.padding(torch.tensor([rng.randint(1, lk) for _ in range(b)])), kind
+    if kind == "dense":
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        t = torch.rand(b, 1, lq, lk, generator=g) > rng.uniform(0.2, 0.9)
+        t[..., 0] = True  # every row sees a key: PyTorch's NaN rows are not what is measured here
+        return t, kind
+    if kind == "predicate":
+        period = rng.randint(2, 7)
+        return masks.from_fn(lambda bb, h, i, j: ((i - j) % period == 0) | (j <= 1)), kind
+    return None, "none"
+
+
+def _problem(rng: random.Random, dtype: torch.dtype) -> dict:
+    b, hkv = rng.randint(1, 3), rng.randint(1, 2)
+    hq = hkv * rng.randint(1, 2)
+    lq = rng.randint(16, 300)  # the native engine's own range (it declines fewer than 16 queries)
+    lk = lq if rng.random() < 0.6 else rng.randint(1, 300)
+    d = rng.choice([2, 4, 8, 16, 32, 40, 64])
+    sharp = rng.choice([1.0, 1.0, 2.0, 3.0, 4.0])
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    q = torch.randn(b, hq, lq, d, generator=g, dtype=torch.float64) * sharp
+    k = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64) * sharp
+    v = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64)
+    up = torch.randn(b, hq, lq, d, generator=g, dtype=torch.float64)
+    mask, kind = _mask(rng, b, lq, lk)
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "up": up,
+        "mask": mask,
+        "kind": kind,
+        "sharp": sharp,
+        "shape": (b, hq, hkv, lq, lk, d),
+    }
+
+
+def _allowed(mask, lq, lk):
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        return mask
+    return attnkit.prepare(mask, lq, lk).materialize()
+
+
+def _formula(q, k, v, allowed, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-2, -1)) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def _sdpa(q, k, v, allowed, scale):
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if allowed is not None:  # rows that see no key: 0, as attnkit's contract gives them
+        out = torch.where(allowed.any(-1, keepdim=True), out, 0.0)
+    return out
+
+
+def _errors(fn, p, dtype, gold) -> list[float]:
+    q, k, v = (p[n].to(dtype).requires_grad_() for n in "qkv")
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), p["up"].to(dtype))
+    return [float((t.double() - g).abs().max()) for t, g in zip((out, *grads), gold)]
+
+
+def measure(p: dict, dtype: torch.dtype) -> dict:
+    b, hq, hkv, lq, lk, d = p["shape"]
+    scale = d**-0.5
+    allowed = _allowed(p["mask"], lq, lk)
+    q64, k64, v64 = (p[n].clone().requires_grad_() for n in "qkv")
+    gold_out = _formula(q64, k64, v64, allowed, scale)
+    gold = [gold_out.detach(), *torch.autograd.grad(gold_out, (q64, k64, v64), p["up"])]
+    found = {
+        "native": _errors(
+            lambda q, k, v: attnkit.attention(q, k, v, p["mask"], kernel="native", scale=scale), p, dtype, gold
+        ),
+        "sdpa": _errors(lambda q, k, v: _sdpa(q, k, v, allowed, scale), p, dtype, gold),
+        "naive": _errors(lambda q, k, v: _formula(q, k, v, allowed, scale), p, dtype, gold),
+    }
+    eps = torch.finfo(dtype).eps
+    row = {"kind": p["kind"], "shape": p["shape"], "sharp": p["sharp"]}
+    for i, name in enumerate(QUANTITIES):
+        reference = max(found["sdpa"][i], found["naive"][i])
+        rounding = 2 * eps * float(gold[i].abs().max())  # one rounding at gold's scale (TESTING.md's atol)
+        factor = 2.0 if name == "out" else 3.0
+        row[name] = {
+            "native": found["native"][i],
+            "sdpa": found["sdpa"][i],
+            "naive": found["naive"][i],
+            "ratio": found["native"][i] / reference
+            if reference > 0
+            else (0.0 if found["native"][i] == 0 else math.inf),
+            "passes": found["native"][i] <= factor * found["naive"][i] + rounding,
+        }
+    return row
+
+
+def _cpu() -> dict:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {
+        "model": fields.get("Model name", platform.processor()).strip(),
+        "flags": fields.get("Flags", "").strip(),
+        "engine": native_build.info(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=str(RESULTS / "accuracy.json"))
+    args = parser.parse_args()
+    ok, why = native_build.status()
+    if not ok:
+        raise SystemExit(f"the native engine is not available here: {why}")
+    dtype = getattr(torch, args.dtype)
+    rng = random.Random(args.seed)
+    rows = []
+    for i in range(args.problems):
+        rows.append(measure(_problem(rng, dtype), dtype))
+        if (i + 1) % 100 == 0:
+            print(f"{i + 1} problems", flush=True)
+    summary = {}
+    print(f"\n{args.problems} random masked problems, {args.dtype}; ratio = native error / max(SDPA's, naive's)\n")
+    print("| quantity | median ratio | 90th percentile | worst | passes the rule |")
+    print("|---|---|---|---|---|")
+    for name in QUANTITIES:
+        ratios = sorted(r[name]["ratio"] for r in rows)
+        passed = sum(r[name]["passes"] for r in rows)
+        summary[name] = {
+            "median": statistics.median(ratios),
+            "p90": ratios[int(0.9 * (len(ratios) - 1))],
+            "worst": ratios[-1],
+            "passes": passed,
+        }
+        s = summary[name]
+        print(f"| {name} | {s['median']:.2f} | {s['p90']:.2f} | {s['worst']:.2f} | {passed} of {len(rows)} |")
+    worst = max(rows, key=lambda r: max(r[n]["ratio"] for n in QUANTITIES))
+    print(
+        f"\nworst problem: {worst['kind']} shape (B, Hq, Hkv, Lq, Lk, D) = {worst['shape']}, sharpness {worst['sharp']}"
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cpu": _cpu(), "torch": torch.__version__, "dtype": args.dtype, "summary": summary,
+                               "problems": rows}, indent=1))  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""The kinds of masks: causal, sliding windows, prefix-LM, documents, padding, ``from_fn``
+predicates and a KV cache's alignment (``cached``). Each is a :class:`~attnkit.masks._base.Mask`
+with its ``elements`` and ``block_codes``; users make them with :mod:`attnkit.masks`' functions."""
+
+from __future__ import annotations
+
+import copy
+import numbers
+
+import torch
+
+from attnkit import _cache
+from attnkit._indexing import as4d, check_offset, fmt, own, per_seq, shifted
+from attnkit._validate import (
+    AttnkitTypeError,
+    AttnkitValueError,
+    check_int_tensor,
+    check_nonnegative_int,
+    short,
+)
+from attnkit.masks._base import (
+    Mask,
+    Positional,
+    as_mask,
+    batch_of,
+    block_minmax,
+    indexed_positions,
+    value_of,
+    values_of,
+)
+
+__all__ = ["Cached", "Causal", "Document", "FromFn", "Padding", "PrefixLM", "SlidingWindow"]
+
+
+class Causal(Positional, Mask):
+    def __init__(self, align: str, q_offset=0, kv_offset=0):
+        self._set_positions(align, q_offset, kv_offset)
+        self.batch_size = batch_of(self.q_offset, self.kv_offset)
+
+    def value_key(self):
+        key = self._position_value()
+        return None if key is None else ("causal", key)
+
+    def band(self, q_len, kv_len):
+        shift = self._index_shift(q_len, kv_len)  # key j is visible iff j <= i + shift
+        return None if shift is None else (None, shift)
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        return as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
+
+    def block_codes(self, b):
+        p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
+        return b.code(full=k_hi <= p_lo, empty=k_lo > p_hi)
+
+    def __repr__(self):
+        return f"causal({self._position_repr()})"
+
+
+class SlidingWindow(Positional, Mask):
+    def __init__(self, left: int, right: int, align: str, q_offset=0, kv_offset=0):
+        self.left = check_nonnegative_int(left, "left")
+        self.right = check_nonnegative_int(right, "right")
+        self._set_positions(align, q_offset, kv_offset)
+        self.batch_size = batch_of(self.q_offset, self.kv_offset)
+
+    def value_key(self):
+        key = self._position_value()
+        return None if key is None else ("window", self.left, self.right, key)
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        p, j = self._q_pos(q_idx, q_len, kv_len), self._k_pos(kv_idx)
+        return as4d((j >= p - self.left) & (j <= p + self.right))
+
+    def block_codes(self, b):
+        p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
+        full = (k_lo >= p_hi - self.left) & (k_hi <= p_lo + self.right)
+        empty = (k_hi < p_lo - self.left) | (k_lo > p_hi + self.right)
+        return b.code(full, empty)
+
+    def band(self, q_len, kv_len):
+        shift = self._index_shift(q_len, kv_len)
+        return None if shift is None else (shift - self.left, shift + self.right)
+
+    def __repr__(self):
+        return f"sliding_window(left={self.left}, right={self.right}, {self._position_repr()})"
+
+
+class PrefixLM(Positional, Mask):
+    def __init__(self, prefix_len, align: str, q_offset=0, kv_offset=0):
+        if isinstance(prefix_len, torch.Tensor):
+            prefix_len = own(check_int_tensor(prefix_len, "prefix_len", (1,)))
+            if prefix_len.device.type == "cpu" and (prefix_len < 0).any():
+                raise AttnkitValueError(f"prefix_len must be >= 0, but got {short(prefix_len.tolist())}.")
+        elif isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
+            prefix_len = check_nonnegative_int(int(prefix_len), "prefix_len")
+        else:
+            prefix_len = check_nonnegative_int(prefix_len, "prefix_len")
+        self.prefix_len = prefix_len
+        self._set_positions(align, q_offset, kv_offset)
+        self.batch_size = batch_of(prefix_len, self.q_offset, self.kv_offset)
+
+    def tensors(self):
+        own = (self.prefix_len,) if isinstance(self.prefix_len, torch.Tensor) else ()
+        return own + self._position_tensors()
+
+    def value_key(self):
+        key, prefix = self._position_value(), value_of(self.prefix_len)
+        return None if key is None or prefix is None else ("prefix", prefix, key)
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        j = self._k_pos(kv_idx)
+        causal = j <= self._q_pos(q_idx, q_len, kv_len)
+        return as4d((j < per_seq(self.prefix_len, kv_idx.device)) | causal)
+
+    def block_codes(self, b):
+        prefix = per_seq(self.prefix_len, b.device)
+        p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
+        full = (k_hi < prefix) | (k_hi <= p_lo)
+        empty = (k_lo >= prefix) & (k_lo > p_hi)
+        return b.code(full, empty)
+
+    def __repr__(self):
+        return f"prefix_lm(prefix_len={fmt(self.prefix_len)}, {self._position_repr()})"
+
+
+class Document(Mask):
+    def __init__(self, ids, q_offset=0, kv_offset=0):
+        ids = check_int_tensor(ids, "ids", (1, 2))
+        self.ids = own(ids if ids.dim() == 2 else ids[None])  # (B or 1, L)
+        self.q_offset = check_offset(q_offset, "q_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
+        self.batch_size = batch_of(self.ids, self.q_offset, self.kv_offset)
+
+    def tensors(self):
+        return (self.ids,) + tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
+
+    def value_key(self):
+        values = values_of(self.ids, self.q_offset, self.kv_offset)
+        return None if values is None else ("document", self.is_part, values)
+
+    is_part = False
+
+    def check(self, q_len, kv_len):
+        length = self.ids.shape[-1]
+        plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
+        if plain and not self.is_part and (q_len != length or kv_len != length):
+            raise AttnkitValueError(
+                f"document mask was built for sequences of length L={length} but is used with "
+                f"Lq={q_len}, Lk={kv_len}. A document mask is for self-attention over the "
+                "packed sequence: pass ids with one entry per token (or q_offset/kv_offset "
+                "for a part of it)."
+            )
+
+    def check_values(self, q_len, kv_len):
+        length = self.ids.shape[-1]
+        for name, off, n in (("q_offset", self.q_offset, q_len), ("kv_offset", self.kv_offset, kv_len)):
+            off = torch.as_tensor(off).reshape(-1)
+            lo, hi = (int(off.min()), int(off.max())) if off.numel() else (0, 0)
+            if lo < 0 or hi + n > length:
+                raise AttnkitValueError(
+                    f"document mask holds ids for L={length} tokens, but {name} in [{lo}, {hi}] "
+                    f"with {n} positions reaches past them."
+                )
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)
+        other.q_offset = shifted(self.q_offset, q_start)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
+        other.is_part = True
+        return other
+
+    def positions(self, q_len, kv_len, device=None):
+        return indexed_positions(self.q_offset, self.kv_offset, q_len, kv_len, device or self.ids.device)
+
+    def _in_cache(self, start):
+        other = self._part(0, 0, 0, 0, 0, 0)
+        other.q_offset = self.q_offset + start  # (B,): query i of sequence b is token start[b] + i
+        other.batch_size = batch_of(self.ids, other.q_offset, self.kv_offset)
+        return other
+
+    def _ids_at(self, offset, idx: torch.Tensor) -> torch.Tensor:
+        """ids of positions ``idx + offset``: ``(B or 1, n)``."""
+        ids = self.ids.to(idx.device)
+        pos = idx.reshape(1, -1) + per_seq(offset, idx.device, 2)
+        pos = pos.expand(ids.shape[0], -1) if pos.shape[0] == 1 else pos
+        ids = ids.expand(pos.shape[0], -1) if ids.shape[0] == 1 else ids
+        return torch.gather(ids, 1, pos.clamp(0, ids.shape[-1] - 1))
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        qi = self._ids_at(self.q_offset, q_idx[:, 0])  # (B, tq)
+        ki = self._ids_at(self.kv_offset, kv_idx[0])  # (B, tk)
+        return (qi[:, :, None] == ki[:, None, :])[:, None]  # (B, 1, tq, tk)
+
+    def block_codes(self, b):
+        dev = b.device
+        plain = all(isinstance(x, int) and x == 0 for x in (self.q_offset, self.kv_offset))
+        if plain and b.q_len == b.keys == self.ids.shape[-1]:
+            ids = self.ids.to(dev)
+            q_ids = k_ids = ids
+        else:
+            q_ids = self._ids_at(self.q_offset, torch.arange(b.q_len, device=dev))
+            k_ids = self._ids_at(self.kv_offset, torch.arange(b.keys, device=dev))
+        q_min, q_max = block_minmax(q_ids, b.bq)  # (B, nq)
+        k_min, k_max = block_minmax(k_ids, b.bk)  # (B, nk)
+        q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]  # (B, 1, nq, 1)
+        k_min, k_max = k_min[:, None, None, :], k_max[:, None, None, :]  # (B, 1, 1, nk)
+        full = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+        empty = (q_max < k_min) | (k_max < q_min)  # id ranges that cannot meet
+        return b.code(full, empty)
+
+    def __repr__(self):
+        ids = self.ids if self.ids.shape[0] > 1 else self.ids[0]
+        extra = "".join(
+            f", {name}={fmt(x)}"
+            for name, x in (("q_offset", self.q_offset), ("kv_offset", self.kv_offset))
+            if not (isinstance(x, int) and x == 0)
+        )
+        return f"document(ids of shape {tuple(ids.shape)}{extra})"
+
+
+class Padding(Mask):
+    def __init__(self, lengths, kv_offset=0):
+        if lengths is None or isinstance(lengths, (str, bytes)):
+            raise AttnkitTypeError(
+                f"lengths must be a sequence of ints or an integer tensor of shape (B,), but got {short(lengths)}."
+            )
+        lengths = own(check_int_tensor(lengths, "lengths", (1,)))
+        if lengths.device.type == "cpu" and (lengths < 0).any():
+            raise AttnkitValueError(f"lengths must be >= 0, but got {short(lengths.tolist())}.")
+        self.lengths = lengths
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
+        self.batch_size = batch_of(self.lengths, self.kv_offset) or lengths.shape[0]
+
+    def tensors(self):
+        return (self.lengths,) + ((self.kv_offset,) if isinstance(self.kv_offset, torch.Tensor) else ())
+
+    def value_key(self):
+        values = values_of(self.lengths, self.kv_offset)
+        return None if values is None else ("padding", self.is_part, values)
+
+    is_part = False
+
+    def check_values(self, q_len, kv_len):
+        if self.is_part or isinstance(self.kv_offset, torch.Tensor) or self.kv_offset:
+            return  # a shard of the keys: lengths count from the sequence's start
+        longest = int(self.lengths.max()) if self.lengths.numel() else 0
+        if longest > kv_len:
+            raise AttnkitValueError(
+                f"padding mask has a sequence of length {longest} but the keys have only "
+                f"Lk={kv_len} positions. lengths must be <= Lk."
+            )
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
+        other.is_part = True  # lengths may reach past the part's keys
+        return other
+
+    def key_limit(self):
+        return self.lengths - self.kv_offset
+
+    def limit_only(self):
+        return True
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        lengths = self.lengths.to(kv_idx.device)[:, None, None, None]  # (B, 1, 1, 1)
+        return kv_idx + per_seq(self.kv_offset, kv_idx.device) < lengths  # (B, 1, 1, tk)
+
+    def block_codes(self, b):
+        lengths = self.lengths.to(b.device)[:, None, None, None]  # (B, 1, 1, 1)
+        off = per_seq(self.kv_offset, b.device)
+        return b.code(full=b.k_hi + off < lengths, empty=b.k_lo + off >= lengths)
+
+    def __repr__(self):
+        extra = "" if isinstance(self.kv_offset, int) and self.kv_offset == 0 else f", kv_offset={fmt(self.kv_offset)}"
+        return f"padding(lengths={short(self.lengths.tolist())}{extra})"
+
+
+class FromFn(Mask):
+    def __init__(self, fn, batch_size, num_heads, q_offset, kv_offset):
+        if not callable(fn):
+            raise AttnkitTypeError(f"from_fn takes a function fn(b, h, q_idx, kv_idx), but got {short(fn)}.")
+        self.fn = fn
+        self.batch_size = None if batch_size is None else check_nonnegative_int(batch_size, "batch_size")
+        self.num_heads = None if num_heads is None else check_nonnegative_int(num_heads, "num_heads")
+        self.q_offset = check_offset(q_offset, "q_offset")
+        self.kv_offset = check_offset(kv_offset, "kv_offset")
+
+    def tensors(self):
+        return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
+
+    def lead_shape(self):
+        return (self.batch_size or 1, self.num_heads or 1)
+
+    def value_key(self):
+        # the function's code and the contents of what it closes over (attnkit._cache.fingerprint):
+        # a closure whose captured tensor changes has another key; None where that cannot be known
+        offsets = values_of(self.q_offset, self.kv_offset)
+        fn = _cache.fingerprint(self.fn)
+        return None if offsets is None or fn is None else ("from_fn", fn, self.batch_size, self.num_heads, offsets)
+
+    def cacheable(self) -> bool:
+        # without a value key the predicate may change behind the mask's back: never cached by identity
+        return self.value_key() is not None
+
+    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
+        other = copy.copy(self)
+        other.q_offset = shifted(self.q_offset, q_start)
+        other.kv_offset = shifted(self.kv_offset, kv_start)
+        return other
+
+    def positions(self, q_len, kv_len, device=None):
+        return indexed_positions(self.q_offset, self.kv_offset, q_len, kv_len, device or self._device())
+
+    def _in_cache(self, start):
+        other = copy.copy(self)
+        other.q_offset = self.q_offset + start  # (B,): q_idx is each query's position in its sequence
+        return other
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        dev = q_idx.device
+        b = torch.arange(self.batch_size or 1, device=dev).view(-1, 1, 1, 1)
+        h = torch.arange(self.num_heads or 1, device=dev).view(1, -1, 1, 1)
+        qi = q_idx.reshape(1, 1, -1, 1) + per_seq(self.q_offset, dev)
+        ki = kv_idx.reshape(1, 1, 1, -1) + per_seq(self.kv_offset, dev)
+        out = self.fn(b, h, qi, ki)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            what = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise AttnkitTypeError(
+                f"a from_fn mask function must return a bool tensor (True = may attend), but got {what}."
+            )
+        out = as4d(out)
+        shape = (b.shape[0], h.shape[0], q_idx.shape[0], kv_idx.shape[1])
+        try:
+            return out.expand(torch.broadcast_shapes(out.shape, (out.shape[0], out.shape[1], *shape[2:])))
+        except RuntimeError:
+            raise AttnkitValueError(
+                f"a from_fn mask function returned shape {tuple(out.shape)}, which does not broadcast "
+                f"to (B, H, tq, tk) = {shape}. Combine the index tensors b, h, q_idx, kv_idx by broadcasting."
+            ) from None
+
+    def block_codes(self, b):
+        rows = []
+        k_len = b.keys
+        pad = -k_len % b.bk
+        kv_idx = torch.arange(k_len, device=b.device)[None, :]
+        for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory
+            q_idx = torch.arange(i * b.bq, min((i + 1) * b.bq, b.q_len), device=b.device)[:, None]
+            e = self.elements(q_idx, kv_idx, b.q_len, b.kv_len).view(torch.uint8)  # (B, H, tq, Lk)
+            # over the rows first (one pass each over the tile), then over each block's keys
+            lo, hi = e.amin(dim=-2), e.amax(dim=-2)  # (B, H, Lk)
+            lo = torch.nn.functional.pad(lo, (0, pad), value=1).view(*lo.shape[:2], -1, b.bk).amin(-1)
+            hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(*hi.shape[:2], -1, b.bk).amax(-1)
+            rows.append(b.code(lo == 1, hi == 0))  # (B, H, nk)
+        if not rows:
+            return torch.zeros(1, 1, 0, b.nk, dtype=torch.int8, device=b.device)
+        return torch.stack(rows, dim=-2)  # (B, H, nq, nk)
+
+    def __repr__(self):
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return f"from_fn({name}, batch_size={self.batch_size}, num_heads={self.num_heads})"
+
+
+class Cached(Mask):
+    def __init__(self, mask, start, lengths):
+        self.start = own(check_int_tensor(start, "start", (1,)))
+        self.lengths = own(check_int_tensor(lengths, "lengths", (1,)))
+        if self.start.shape != self.lengths.shape:
+            raise AttnkitValueError(
+                f"start and lengths must have one entry per sequence, but got shapes "
+                f"{tuple(self.start.shape)} and {tuple(self.lengths.shape)}."
+            )
+        self.mask = None if mask is None else as_mask(mask)._in_cache(self.start)
+        self.batch_size = self.start.shape[0]
+
+    def tensors(self):
+        return (self.start, self.lengths) + (self.mask.tensors() if self.mask else ())
+
+    def value_key(self):
+        values = values_of(self.start, self.lengths)
+        inner = None if self.mask is None else self.mask.value_key()
+        if values is None or (self.mask is not None and inner is None):
+            return None
+        return ("cached", values, inner)
+
+    def cacheable(self):
+        return self.mask is None or self.mask.cacheable()
+
+    def key_limit(self):
+        return self.lengths
+
+    def lead_shape(self):
+        own = (self.batch_size, 1)
+        return own if self.mask is None else tuple(torch.broadcast_shapes(own, self.mask.lead_shape()))
+
+    def check_values(self, q_len, kv_len):
+        longest = int(self.lengths.max()) if self.lengths.numel() else 0
+        if longest > kv_len:
+            raise AttnkitValueError(f"cached mask has a sequence of length {longest} but only Lk={kv_len} keys.")
+
+    def limit_only(self):
+        return self.mask is None
+
+    def positions(self, q_len, kv_len, device=None):
+        device = device or self.start.device
+        q = self.start.to(device)[:, None] + torch.arange(q_len, device=device)  # (B, Lq): after each fill
+        return q, torch.arange(kv_len, device=device)[None, :]
+
+    def _ends(self, q_len, device):
+        """Where each sequence's queries end, ``(B, 1, 1, 1)``."""
+        return (self.start.to(device) + q_len).view(-1, 1, 1, 1)
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        device = kv_idx.device
+        valid = as4d(kv_idx < self.lengths.to(device).view(-1, 1, 1, 1))  # (B, 1, 1, tk)
+        if self.mask is None:
+            return valid
+        return as4d(self.mask.elements(q_idx, kv_idx, q_len, self._ends(q_len, device))) & valid
+
+    def block_codes(self, b):
+        lengths = self.lengths.to(b.device).view(-1, 1, 1, 1)
+        valid = b.code(full=b.k_hi < lengths, empty=b.k_lo >= lengths)  # (B, 1, 1, nk)
+        if self.mask is None:
+            return valid
+        inner = as4d(self.mask.block_codes(b.with_kv_len(self._ends(b.q_len, b.device))))
+        return torch.minimum(inner, valid)
+
+    def __repr__(self):
+        return f"cached({self.mask!r}, start={short(self.start.tolist())}, lengths={short(self.lengths.tolist())})"
