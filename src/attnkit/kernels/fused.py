@@ -175,6 +175,14 @@ class _Sums:
         return self.t
 
 
+def _backward_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The lse as PyTorch's fused backward needs it, with no host sync: 0 for a row that sees no
+    key (its weights exp(s - 0) are then 0 under the -inf mask), and NaN for a row whose lse is +inf
+    (an Inf that the row sees: its weights are NaN by the formula, where exp(s - inf) would give 0
+    for the finite scores); a NaN lse stays NaN and makes the row's weights NaN."""
+    return torch.where(lse == tiles.NEG_INF, 0.0, torch.where(lse == float("inf"), float("nan"), lse))
+
+
 class _FusedEngine:
     """The fused walk's parts (registered in :data:`attnkit.kernels.blocksparse.ENGINES`)."""
 
@@ -207,7 +215,7 @@ class _FusedEngine:
 
     def backward_whole(self, call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse):
         causal = _one_call(call, q, k) if grad_lse is None else None
-        if causal is None or bool((torch.isnan(lse) | (lse == float("inf"))).any()):
+        if causal is None:
             return None
         return _aten.flash_backward(
             grad_out.to(q.dtype).contiguous(),
@@ -215,7 +223,7 @@ class _FusedEngine:
             k,
             v,
             out.to(q.dtype),
-            lse.to(tiles.compute_dtype(q.dtype)),
+            _backward_lse(lse).to(tiles.compute_dtype(q.dtype)),
             scale=call.scale,
             is_causal=causal,
         )
@@ -226,11 +234,10 @@ class _FusedEngine:
         """One fused backward call per run (or per causal square and its rectangle), summed into
         :class:`_Sums`; with a gradient of the lse or of the bias's tensors, the math formula."""
         # the math formula for what PyTorch's fused backward cannot compute: gradients of the lse
-        # or of a bias's tensors, and rows whose lse is NaN or +inf (a NaN or Inf that a row sees:
-        # its weights are NaN by the formula, where exp(s - lse) would give 0 for some of them)
-        if grad_lse is not None or call.bias_grad or bool((torch.isnan(lse) | (lse == float("inf"))).any()):
+        # or of a bias's tensors
+        if grad_lse is not None or call.bias_grad:
             return tiled_math.ENGINE.backward_group(call, gi, group, sel, q, k, v, out, lse, grad_out, grad_lse, grads)
-        lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
+        lse_safe = _backward_lse(lse)
         hq, hkv = q.shape[1], k.shape[1]
         ct = tiles.compute_dtype(q.dtype)
         dq, dk, dv = _Sums(q, ct), _Sums(k, ct), _Sums(v, ct)
