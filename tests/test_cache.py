@@ -17,6 +17,7 @@ from _oracle import naive_attention, randn
 
 import attnkit
 from attnkit import _cache, masks
+from attnkit.kernels import native_build
 
 
 def _want(q, k, v, mask, lq, lk):
@@ -161,10 +162,37 @@ def test_a_prepared_masks_store_dies_with_it():
     prepared = attnkit.prepare(mask, 300, 300)
     attnkit.attention(q, k, v, prepared, kernel="fused")
     assert _cache.plan_store(prepared).values()  # evaluated tiles
-    old_id = id(prepared)
     del prepared
     gc.collect()
     again = attnkit.prepare(masks.from_fn(lambda b, h, i, j: (i - j) % 5 == 0), 300, 300)
-    assert id(again) == old_id or True  # either way:
-    assert _cache.plan_store(again).values() == []
+    assert _cache.plan_store(again).values() == []  # at the old id or not
     _close(attnkit.attention(q, k, v, again, kernel="fused"), _want(q, k, v, again.mask, 300, 300))
+
+
+def test_decoding_steps_with_a_new_padding_mask_each_share_one_runner_and_stay_exact():
+    """A decoding step builds a new masks.padding(lengths) each step: its calls are kept without
+    the lengths (LEAN_LIMITS), one runner takes them per call. Every step equals the formula,
+    whatever its lengths (equal, different, 0, Lk); lengths past Lk raise as on a first call;
+    NaN past each length never reaches the output."""
+    _cache.clear()
+    q, k, v = randn(3, 4, 1, 16), randn(3, 2, 40, 16), randn(3, 2, 40, 16)
+    steps = ([40, 7, 0], [39, 7, 1], [5, 5, 5], [40, 40, 40], [1, 2, 3], [0, 0, 0])
+    with torch.no_grad():
+        for lengths in steps:
+            mask = masks.padding(torch.tensor(lengths))
+            poisoned_k, poisoned_v = k.clone(), v.clone()
+            for b, n in enumerate(lengths):
+                poisoned_k[b, :, n:], poisoned_v[b, :, n:] = float("nan"), float("inf")
+            got = attnkit.attention(q, poisoned_k, poisoned_v, mask)
+            _close(got, _want(q, k, v, mask, 1, 40))
+        native = native_build.available()
+        chosen = attnkit.explain(q, k, v, masks.padding(torch.tensor([3, 4, 5]))).kernel
+        assert chosen == ("native" if native else "sdpa")
+        assert len(_cache.LEAN_LIMITS) == (1 if native else 0)
+        with pytest.raises(ValueError, match="Lk=40"):
+            attnkit.attention(q, k, v, masks.padding(torch.tensor([41, 1, 1])))
+        # another signature (a longer cache) is another entry, exact too
+        k2, v2 = randn(3, 2, 50, 16), randn(3, 2, 50, 16)
+        mask = masks.padding(torch.tensor([50, 9, 20]))
+        _close(attnkit.attention(q, k2, v2, mask), _want(q, k2, v2, mask, 1, 50))
+        assert len(_cache.LEAN_LIMITS) == (2 if native else 0)

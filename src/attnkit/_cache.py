@@ -19,6 +19,12 @@ cache                              key                                          
                                    autograd and inference mode, the registry's state
                                    (``functional._lean_key``)
 :data:`LEAN_ANY_LENGTH`            the same without Lk, for unmasked rank-4 calls SDPA runs   32 entries
+:data:`LEAN_LIMITS`                the same with a padding mask's lengths left out (their     32 entries
+                                   count kept): its runner takes them per call
+                                   (``Kernel.limit_runner``)
+:data:`DENSE_PLANS`                ``(nq, nk, block size)``: the native engine's plan of      32 entries
+                                   every block kept (padding's decoding steps add their
+                                   limits to it; ``native.limit_plan``)
 :func:`plan_store`                 per PreparedMask (held weakly): the tiles and layouts a    64 MiB each
                                    kernel derives from it (``(kernel, what, ...)``)
 :data:`SCORE_MOD_STYLE`            a ``score_mod`` function (held weakly): whether it          weak
@@ -47,8 +53,10 @@ import numpy as np
 import torch
 
 __all__ = [
+    "DENSE_PLANS",
     "LEAN",
     "LEAN_ANY_LENGTH",
+    "LEAN_LIMITS",
     "PREPARED",
     "SCORE_MOD_STYLE",
     "Bounded",
@@ -102,6 +110,10 @@ PREPARED = Bounded(16, "prepared masks")
 LEAN = Bounded(32, "lean runners")
 #: The same for unmasked rank-4 calls, keyed without the key length (a growing KV cache).
 LEAN_ANY_LENGTH = Bounded(32, "lean runners, any key length")
+#: The same for calls with a padding mask, keyed without its lengths: runners that take them.
+LEAN_LIMITS = Bounded(32, "lean runners, any padding lengths")
+#: The native engine's plan of every block kept, by its sizes (plain tensors, never changed).
+DENSE_PLANS = Bounded(32, "plans of every block kept")
 #: How each score_mod function evaluates: "broadcast" or "vmap".
 SCORE_MOD_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -151,7 +163,7 @@ def plan_store(prepared: object) -> PlanStore:
 
 def clear() -> None:
     """Empty every cache (the prepared masks and lean runners; per-mask stores die with their masks)."""
-    for cache in (PREPARED, LEAN, LEAN_ANY_LENGTH):
+    for cache in (PREPARED, LEAN, LEAN_ANY_LENGTH, LEAN_LIMITS, DENSE_PLANS):
         cache.clear()
 
 

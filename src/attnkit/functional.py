@@ -353,7 +353,10 @@ def attention(
 # use_kernels changes the key. attnkit._cache.LEAN_ANY_LENGTH keeps unmasked rank-4 calls keyed
 # without their key length: a decoding step over a growing cache has a new Lk every step, and
 # only its first layer would find no entry. It is filled only when the built-in registry chose
-# SDPA, whose choice and runner are the same for any Lk >= 1 there.
+# SDPA, whose choice and runner are the same for any Lk >= 1 there. attnkit._cache.LEAN_LIMITS
+# keeps calls with a padding mask keyed without its lengths (a decoding step's new mask each
+# step), filled only when the built-in registry chose a kernel whose Kernel.limit_runner takes
+# the lengths per call (the native engine's row path, chosen for any lengths there).
 
 
 def _lean_key(q, k, v, mask, scale):
@@ -400,6 +403,14 @@ def _any_length_key(key: tuple, q, k, v) -> tuple | None:
     return (key[0], k.shape[:2] + k.shape[3:], v.shape[:2] + v.shape[3:], *key[3:])
 
 
+def _limit_free_key(key: tuple, mask) -> tuple | None:
+    """``key`` with a padding mask's lengths left out (``Mask.limit_free_key``), or None."""
+    if not isinstance(mask, _masks.Mask):
+        return None
+    free = mask.limit_free_key()
+    return None if free is None else (*key[:9], free, *key[10:])
+
+
 def _lean_runner(q, k, v, mask, scale):
     """A cached runner for this call's signature (made on the first call of it), or None."""
     key = _lean_key(q, k, v, mask, scale)
@@ -413,6 +424,14 @@ def _lean_runner(q, k, v, mask, scale):
         found = _cache.LEAN_ANY_LENGTH.get(any_length)
         if found is not None:
             return found
+    limit_free = _limit_free_key(key, mask)
+    if limit_free is not None:
+        by_limits = _cache.LEAN_LIMITS.get(limit_free)
+        if by_limits is not None:
+            lq, lk = q.shape[-2], k.shape[-2]
+            mask.check_values(lq, lk)  # the lengths are all that differ: their checks, as the full path's
+            limits = tuple(min(max(n, 0), lk) for n in mask.key_limit_values())
+            return lambda q, k, v: by_limits(q, k, v, limits)
     call = validated_call(q, k, v, mask, scale, 0.0, False)  # raises as the full path does
     chosen = choose(call).chosen
     runner = chosen.runner(call)
@@ -421,6 +440,10 @@ def _lean_runner(q, k, v, mask, scale):
     _cache.LEAN.put(key, runner)
     if any_length is not None and chosen.name == "sdpa" and builtin_registry():
         _cache.LEAN_ANY_LENGTH.put(any_length, runner)
+    if limit_free is not None and builtin_registry():
+        by_limits = chosen.limit_runner(call)
+        if by_limits is not None:
+            _cache.LEAN_LIMITS.put(limit_free, by_limits)
     return runner
 
 

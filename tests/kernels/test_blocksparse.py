@@ -249,7 +249,9 @@ def test_dispatch_choices(monkeypatch):
     one_length = plan(masks.padding(torch.tensor([1024])))  # every sequence's keys end at 1024: a cut, no mask
     assert one_length.reason == "sdpa: every sequence's keys end at 1024: no mask over the first 1024 keys"
     q2 = torch.empty(2, 2, 2048, 16)
-    assert attnkit.explain(q2, q2, q2, masks.padding(torch.tensor([1024, 2000]))).kernel == "fused"
+    two_lengths = attnkit.explain(q2, q2, q2, masks.padding(torch.tensor([1024, 2000])))
+    by_limit = "sdpa: each sequence's keys end at its own limit: one call per limit over those keys, no mask"
+    assert two_lengths.reason == by_limit
     assert plan(torch.ones(2048, 2048, dtype=torch.bool)).reason == "sdpa: the mask hides nothing here"
     dense = plan(torch.rand(2048, 2048) > 0.1)
     assert dense.reason == "sdpa: dense mask" and "100% of blocks kept" in dense.rejected["fused"][0]
@@ -307,8 +309,8 @@ def test_dispatch_weighs_dtype_and_backward(monkeypatch):
     assert kernel(window, torch.bfloat16, True) == "sdpa"  # masked tiles are slow in bf16 backward
     square = masks.prefix_lm(512) & masks.causal()  # causal: one causal square of 2048 rows
     assert kernel(square, torch.bfloat16, True) == "fused"
-    padding = masks.padding(torch.tensor([1024, 1500]))  # full blocks only
-    assert kernel(padding, torch.bfloat16, True, batch=2) == "fused"
+    padding = masks.padding(torch.tensor([1024, 1500]))  # each sequence's own keys: SDPA over them
+    assert kernel(padding, torch.bfloat16, True, batch=2) == "sdpa"
     with torch.no_grad():
         q = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
         assert attnkit.explain(q, q, q, window).kernel == "fused"  # no backward under no_grad
@@ -345,7 +347,7 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, 
     forward and backward against the float64 oracle; junk past n is never read; GQA and
     bfloat16 too."""
     pin_engine(monkeypatch, engine)
-    expected = "native" if engine == "native" and lq >= native.MIN_ROWS else "sdpa"
+    expected = "native" if engine == "native" and (lq >= native.MIN_ROWS or lq <= native.FEW_ROWS) else "sdpa"
     for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.float32, 4, 2), (torch.bfloat16, 4, 1)):
         q = randn(2, hq, lq, 16, dtype=dtype, requires_grad=True)
         k, v = (randn(2, hkv, 700, 16, dtype=dtype, requires_grad=True) for _ in range(2))

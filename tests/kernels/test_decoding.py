@@ -1,9 +1,11 @@
-"""Decoding steps: the SDPA kernel's lean runner for mask objects and the KV cache's common fill.
+"""Decoding steps: the lean runners for mask objects and the KV cache's common fill.
 
 A decoding step repeats one call signature in every layer and step; the lean path validates and
-chooses once per signature. For a mask object (its value is part of the signature) the SDPA
-kernel's runner makes the dense mask, the used keys and the visible queries once; the keys no query
-uses are zeroed on every call (test_cache.py: why no copy is reused).
+chooses once per signature. A padding mask (a memory's lengths, a cache with room left) runs on
+the native engine's row path, which reads only each sequence's keys (or, without the engine, as
+SDPA over each sequence's keys); for another mask object (its value is part of the signature)
+the SDPA kernel's runner makes the dense mask, the used keys and the visible queries once, and
+the keys no query uses are zeroed on every call (test_cache.py: why no copy is reused).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from _oracle import Ops, assert_oracle, gold_and_naive, naive_attention, randn
 
 import attnkit
 from attnkit import functional, masks
-from attnkit.kernels import sdpa
+from attnkit.kernels import native_build, sdpa
 from attnkit.nn import KVCache
+
+#: The kernel of a decoding step with a padding mask: the native engine's row path where it runs.
+PADDING_KERNEL = "native" if native_build.available() else "sdpa"
 
 
 def _calls(monkeypatch) -> dict:
@@ -50,12 +55,12 @@ def test_a_padding_mask_of_several_lengths_takes_the_lean_path_exactly(monkeypat
         gold, naive = gold_and_naive(q, clean_k, clean_v, mask.materialize(1, 22))
         assert_oracle(out, gold, naive, what=f"step {step}")
     assert calls["n"] == 1, calls  # the first call only
-    assert attnkit.explain(q, k, v, mask).kernel == "sdpa"
+    assert attnkit.explain(q, k, v, mask).kernel == PADDING_KERNEL
 
 
 def test_unused_keys_are_zeroed_on_every_call_of_the_lean_runner():
-    """The keys past each sequence's length are zeroed on every call (no copy is reused): a change
-    of a kept key in place and junk written into a padded key later are both seen."""
+    """The lean runner reads the keys on every call (nothing derived from them is kept): a change
+    of a kept key in place and junk written into a padded key later are both seen, or not read."""
     mask = masks.padding(torch.tensor([3, 7]))
     k, v = randn(2, 1, 8, 8), randn(2, 1, 8, 8)
     q = randn(2, 1, 1, 8)
@@ -198,6 +203,7 @@ def test_a_decoding_step_with_a_causal_mask_goes_to_sdpa_unmasked():
 def test_small_padding_masks_read_only_each_sequences_keys():
     q, k, v = randn(3, 4, 1, 16), randn(3, 4, 500, 16), randn(3, 4, 500, 16)
     mask = masks.padding(torch.tensor([500, 120, 7]))
-    assert "keys past each sequence's end unread" in str(attnkit.explain(q, k, v, mask))
+    plan = attnkit.explain(q, k, v, mask)
+    assert plan.kernel == PADDING_KERNEL and ("only those keys" in str(plan) or "over those keys" in str(plan))
     gold, naive = gold_and_naive(q, k, v, mask.materialize(1, 500))
     assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)

@@ -42,9 +42,10 @@ def spy():
         yield counter
 
 
-def check_forward_and_gradients(q, k, v, mask, what, scale=None, theirs=None, **ours):
-    """attnkit (tiled) against the oracle in float64 and in the inputs' dtype: out 2x, gradients 3x.
-    ``ours``: attnkit's modification arguments; ``theirs``: the oracle's (float64 tensors)."""
+def check_forward_and_gradients(q, k, v, mask, what, scale=None, theirs=None, small=False, **ours):
+    """attnkit (native) against the oracle in float64 and in the inputs' dtype: out 2x, gradients 3x.
+    ``ours``: attnkit's modification arguments; ``theirs``: the oracle's (float64 tensors);
+    ``small``: a few query rows (each dK/dV entry sums a few products: TESTING.md's floor)."""
     theirs = theirs or {}
     allowed = allowed_of(mask, q.shape[2], k.shape[2])
     out = attnkit.attention(q, k, v, mask, kernel="native", scale=scale, **ours)
@@ -52,14 +53,14 @@ def check_forward_and_gradients(q, k, v, mask, what, scale=None, theirs=None, **
     gold = oracle(q64, k64, v64, allowed, scale=scale, **theirs)
     low = {n: (t.to(q.dtype) if isinstance(t, torch.Tensor) else t) for n, t in theirs.items()}
     naive = oracle(q, k, v, allowed, scale=scale, **low)
-    assert_oracle(out, gold, naive, what=what)
+    assert_oracle(out, gold, naive, what=what, small=small)
     if not q.requires_grad:
         return
     up = torch.randn(out.shape, dtype=torch.float64)
     got, naive_grads = (torch.autograd.grad(o, (q, k, v), up.to(o.dtype)) for o in (out, naive))
     want = torch.autograd.grad(gold, (q64, k64, v64), up)  # float64 leaves: gold's gradients unrounded
     for name, o, g, n in zip("qkv", got, want, naive_grads):
-        assert_oracle(o, g, n, factor=3.0, what=f"d{name} {what}")
+        assert_oracle(o, g, n, factor=3.0, what=f"d{name} {what}", small=small)
 
 
 MASKS = {
@@ -153,12 +154,64 @@ def test_sink_and_bias_gradients_reach_their_tensors():
     "lq, lk, d, dv", [(1, 1, 8, 8), (7, 113, 40, 8), (113, 7, 80, 80), (1023, 1025, 8, 40), (17, 300, 128, 64)]
 )
 def test_awkward_sizes_and_head_dims(lq, lk, d, dv):
-    """Lengths that are no multiple of any block, head dims 8-128 and Dv != D (forced to the tiled
-    kernel: the native engine runs from 16 queries, the fused one below)."""
+    """Lengths that are no multiple of any block, head dims 8-128 and Dv != D (the one-query and
+    7-query calls take the engine's row path, the others its tile path)."""
     q = randn(2, 2, lq, d, requires_grad=True)
     k, v = randn(2, 1, lk, d, requires_grad=True), randn(2, 1, lk, dv, requires_grad=True)
     for mask in (None, masks.causal(), masks.sliding_window(5)):
         check_forward_and_gradients(q, k, v, mask, f"{lq}x{lk} d={d} dv={dv} {mask!r}")
+
+
+@pytest.mark.parametrize("lq", [1, 3, 8, 9])
+@pytest.mark.parametrize(
+    "name", ["none", "causal", "window", "document_causal", "padding", "from_fn_per_head", "dense_random", "union"]
+)
+def test_few_query_rows_forward_and_gradients(lq, name, spy):
+    """Calls of at most 8 queries (decoding) take the engine's row path (one item per sequence,
+    K/V head and group of query heads; 9 takes the tile path): the formula's output and lse, and
+    gradients through the tile path's backward, for masks shared by the heads and per head."""
+    b, hq, hkv, lk, d = 4, 8, 2, 333, 24
+    q = randn(b, hq, lq, d, requires_grad=True)
+    k, v = (randn(b, hkv, lk, d, requires_grad=True) for _ in range(2))
+    check_forward_and_gradients(q, k, v, MASKS[name](b, hq, lq, lk), f"{name} lq={lq}", small=lq <= 8)
+    assert spy.counts == {"attnkit::native_forward": 1, "attnkit::native_backward": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["alibi", "softcap", "relative_learned", "sinks"])
+def test_few_query_rows_with_score_modifications(kind, dtype):
+    b, hq, hkv, lq, lk, d = 3, 4, 4, 2, 150, 16
+    q = randn(b, hq, lq, d, dtype=dtype, requires_grad=True)
+    k, v = (randn(b, hkv, lk, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    slopes, table, sinks = bias.alibi_slopes(hq), 0.5 * torch.randn(32, hq), torch.randn(hq)
+    ours, theirs = {
+        "alibi": ({"attn_bias": bias.alibi(slopes)}, {"add": alibi_formula(slopes, lq, lk)}),
+        "softcap": ({"softcap": 2.5}, {"softcap": 2.5}),
+        "relative_learned": (
+            {"attn_bias": bias.relative(table.clone().requires_grad_())},
+            {"add": relative_formula(table, lq, lk)},
+        ),
+        "sinks": ({"sinks": sinks}, {"sinks": sinks.double()}),
+    }[kind]
+    mask = masks.padding(torch.tensor([150, 7, 0])) & masks.causal()
+    check_forward_and_gradients(q, k, v, mask, f"{kind} {dtype}", theirs=theirs, small=True, **ours)
+
+
+def test_few_query_rows_never_read_hidden_keys():
+    """The row path reads no key that no query of the call may see: NaN and inf stored past each
+    sequence's length and in hidden blocks leave the output and lse bit for bit as they were."""
+    mask = masks.padding(torch.tensor([300, 41, 0, 129])) & masks.from_fn(lambda b, h, i, j: (j < 64) | (j >= 192))
+    q, k, v = randn(4, 4, 2, 32), randn(4, 2, 300, 32), randn(4, 2, 300, 32)
+    clean = attnkit.attention(q, k, v, mask, kernel="native", return_lse=True)
+    pk, pv = k.clone(), v.clone()
+    pk[1, :, 41:], pv[1, :, 41:] = float("nan"), float("inf")
+    pk[3, :, 129:], pv[3, :, 129:] = float("inf"), float("nan")
+    pk[:, :, 64:192], pv[:, :, 64:192] = float("nan"), float("nan")
+    pk[2], pv[2] = float("nan"), float("nan")
+    poisoned = attnkit.attention(q, pk, pv, mask, kernel="native", return_lse=True)
+    for a, b_ in zip(clean, poisoned):
+        assert torch.equal(a, b_)
+    assert (clean[0][2] == 0).all() and torch.isneginf(clean[1][2]).all()
 
 
 def test_grouped_heads_equal_repeated_kv():

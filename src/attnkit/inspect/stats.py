@@ -17,7 +17,7 @@ import torch
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.bias import BiasLike
 from attnkit.functional import validated_call
-from attnkit.kernels import registry, tiles
+from attnkit.kernels import native, registry, tiles
 from attnkit.prepare import MaskLike, Run
 from attnkit.score_mods import ScoreModLike
 
@@ -240,10 +240,13 @@ def attention_stats(
     q4, k4, v4 = (t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     call = validated_call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
     with torch.no_grad():
-        plan = registry.choose(call)
-        _, lse = registry.run(call, plan)  # includes the sinks' mass
-        assert lse is not None, "return_lse was asked for"
-        stats = _reduce(call, lse, sink_tokens, topk)
+        if call.q.device.type == "cpu" and call.q.dtype != torch.float64 and not registry.refusals("native", call):
+            stats = _on_the_engine(call, sink_tokens, topk)
+        else:
+            plan = registry.choose(call)
+            _, lse = registry.run(call, plan)  # includes the sinks' mass
+            assert lse is not None, "return_lse was asked for"
+            stats = _reduce(call, lse, sink_tokens, topk)
     if q.dim() < 4:
         lifted: dict[str, Any] = {}
         for f in fields(stats):
@@ -258,6 +261,24 @@ def _lift(mask, rank: int):
     if isinstance(mask, torch.Tensor):
         return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
     return mask
+
+
+def _on_the_engine(call, sink_tokens: int, topk: int) -> AttentionStats:
+    """The statistics from the native engine's own two passes (``torch.ops.attnkit.native_stats``)."""
+    lq, lk = call.q.shape[2], call.k.shape[2]
+    qpos, kpos = _positions(call.mask_object(), lq, lk, call.q.device, torch.float32)
+    out = native.stats(call, qpos, kpos, sink_tokens, topk)
+    return AttentionStats(**_with_sink_entropy(call, out))
+
+
+def _with_sink_entropy(call, out: dict) -> dict:
+    """``out`` with the sink's own term in each row's entropy (the sink is one more outcome)."""
+    if call.sinks is not None:
+        lse = out["lse"]
+        w_sink = torch.exp(call.sinks.to(lse.dtype).view(-1, 1) - lse)
+        w_sink = torch.where(torch.isfinite(lse), w_sink, torch.zeros_like(w_sink))
+        out = {**out, "entropy": out["entropy"] + torch.special.xlogy(w_sink, w_sink).neg()}
+    return out
 
 
 def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionStats:
@@ -302,11 +323,7 @@ def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionSt
             _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, acc)
             for name in out:
                 tiles.put_rows(out[name], sel, getattr(acc, name))
-    if call.sinks is not None:  # the sink is one more outcome of each row's distribution
-        w_sink = torch.exp(call.sinks.to(ct).view(-1, 1) - lse)
-        w_sink = torch.where(torch.isfinite(lse), w_sink, torch.zeros_like(w_sink))
-        out["entropy"] = out["entropy"] + torch.special.xlogy(w_sink, w_sink).neg()
-    return AttentionStats(lse=lse, **out)
+    return AttentionStats(**_with_sink_entropy(call, {"lse": lse, **out}))
 
 
 def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:

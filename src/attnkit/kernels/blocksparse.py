@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from attnkit.kernels import _aten, tiles
+from attnkit.kernels import _aten, sdpa, tiles
 from attnkit.kernels.lse import merge
 from attnkit.kernels.registry import Call, Reason, double_backward_error
 from attnkit.prepare import Group, PreparedMask, RowBlock, Run, rebuilt
@@ -111,6 +111,11 @@ def sparse_pays(
         return False, small
     if call.hides_nothing_here():
         return False, "the mask hides nothing here"
+    limit = call.shared_key_limit()
+    if limit is not None:
+        return False, f"every sequence's keys end at {limit}: SDPA over those keys"
+    if sdpa.per_sequence_limits(call) is not None:  # no mask, no copy, the keys past a limit unread
+        return False, "each sequence's keys end at its own limit: SDPA over each one's keys (a call per limit)"
     padding = call.limit_only() and s.lk >= limits.padding_min_keys
     if call.pairs < limits.min_pairs and s.lk <= limits.min_keys and not padding:
         return False, small

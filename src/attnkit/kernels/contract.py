@@ -27,8 +27,10 @@ Reason = Union[str, Callable[[], str]]
 
 #: A function that runs later calls of one signature: ``(q, k, v) -> out`` (see :meth:`Kernel.runner`).
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: The same for calls whose key limits change: ``(q, k, v, limits) -> out`` (:meth:`Kernel.limit_runner`).
+LimitRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
 
-__all__ = ["Call", "Kernel", "Reason", "Runner", "double_backward_error", "mark_first_derivative_only"]
+__all__ = ["Call", "Kernel", "LimitRunner", "Reason", "Runner", "double_backward_error", "mark_first_derivative_only"]
 
 
 @dataclass
@@ -159,16 +161,36 @@ class Call:
         """Whether the mask hides exactly the keys past each sequence's limit (padding)."""
         return self.facts().limit_only
 
+    def key_limits(self) -> tuple[int, ...] | None:
+        """Each sequence's key limit, clamped to ``[0, Lk]``, as Python ints, when the mask hides
+        exactly the keys from there on (padding, a cache with room left); 4-D inputs. Read from the
+        mask itself (one host read of B ints), not from a preparation; None for other masks and
+        while tracing (where a PreparedMask's own shared limit is used)."""
+        if not self.limit_only() or self.shapes.rank != 4 or self.tensor_mask or self.compiling:
+            return None
+
+        def read() -> tuple[int, ...] | None:
+            if isinstance(self.mask, PreparedMask):
+                limit = self.mask.kv_limit
+                return None if limit is None else tuple(limit.tolist())
+            mask = self.mask_object()
+            limits = None if mask is None else mask.key_limit_values()
+            lk = self.shapes.lk
+            return None if limits is None else tuple(min(max(n, 0), lk) for n in limits)
+
+        return self.cached("key limits", read)  # type: ignore[return-value]
+
     def shared_key_limit(self) -> int | None:
         """``n`` when the mask hides exactly the keys from ``n`` on, the same ``n > 0`` for every
-        sequence (a padding mask of one length: a decoding step over a cache with room left);
-        4-D inputs. Padding masks are prepared for it (block codes from the lengths: cheap)."""
-        if not self.limit_only() or self.shapes.rank != 4 or self.tensor_mask:
+        sequence (a padding mask of one length: a decoding step over a cache with room left)."""
+        if self.compiling:  # no host reads while tracing: only a PreparedMask's own facts
+            if isinstance(self.mask, PreparedMask) and self.mask.limit_only and self.shapes.rank == 4:
+                return self.mask.kv_limit_value
             return None
-        if self.compiling:  # no preparation while tracing: only a PreparedMask's own facts
-            return self.mask.kv_limit_value if isinstance(self.mask, PreparedMask) and self.mask.limit_only else None
-        prepared = self.prepared_at(DEFAULT_BLOCK_SIZE)
-        return prepared.kv_limit_value if prepared.limit_only and prepared.kv_limit_value else None
+        limits = self.key_limits()
+        if not limits or limits[0] <= 0 or any(n != limits[0] for n in limits):
+            return None
+        return limits[0]
 
     def prepared_at(self, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> PreparedMask:
         """The call's mask prepared at ``block_size``: through the implicit cache (mask
@@ -285,6 +307,14 @@ class Kernel:
         """Optionally, a function ``(q, k, v) -> out`` that runs every later call of this call's
         signature (same shapes, dtypes, devices, mask value, scale, autograd; no modifications,
         dropout or lse) without validating or choosing again. None: no such shortcut."""
+        return None
+
+    def limit_runner(self, call: Call) -> LimitRunner | None:
+        """Optionally, a function ``(q, k, v, limits) -> out`` that runs every later call of this
+        call's signature whose mask differs from this one only in each sequence's key limit (a
+        decoding step's new :func:`attnkit.masks.padding`; ``limits``: one int per sequence, in
+        ``[0, Lk]``), valid only where the registry would choose this kernel for any limits. None:
+        no such shortcut."""
         return None
 
     def __repr__(self) -> str:

@@ -6,6 +6,9 @@
 //   torch.ops.attnkit.native_backward(grad_out, grad_lse, q, k, v, out, lse, <the plan as above>,
 //                                     block_q, block_k, scale, softcap, delta_from_out, band_grad)
 //                                     -> (dq, dk, dv, dband)
+//   torch.ops.attnkit.native_stats(q, k, <the plan>, sinks, qpos, kpos, block_q, block_k, scale, softcap,
+//                                  sink_tokens, topk) -> [lse, entropy, max_weight, argmax, sink_mass,
+//                                  mean_distance, received, topk_weights, topk_keys]
 //
 // Built once per machine by attnkit/kernels/native.py (the compiler found on the machine, -O3
 // -march=native, against the libtorch that is running: at::parallel_for shares PyTorch's threads)
@@ -20,6 +23,9 @@
 // place, bfloat16 and float16 inputs one tile at a time. On CPUs with AVX512-BF16, bfloat16
 // inputs take Q K^T and P V as bfloat16 dot products with float32 sums (vdpbf16ps), as PyTorch's
 // own CPU flash attention does with its bfloat16 GEMMs; elsewhere their tiles are widened to float32.
+//
+// A call of at most 8 queries (decoding) takes a row path instead: one dot product per score,
+// each key read once for the query heads of its group (see ForwardFew).
 //
 // Layout: the scores of one key block against SB query rows are kept key-major, S^T (keys x SB),
 // so K and V are the broadcast operand of one register-blocked micro-kernel and the online
@@ -65,7 +71,7 @@
 #include <vector>
 
 // The interface version native.py checks before it trusts a build (its VERSION).
-#define ATTNKIT_NATIVE_INTERFACE 6
+#define ATTNKIT_NATIVE_INTERFACE 7
 
 namespace {
 
@@ -773,6 +779,420 @@ std::vector<Item> forward_items(const Problem& pb) {
     return sorted;
 }
 
+// ---- few query rows (decoding) ----------------------------------------------------------------
+//
+// A call of at most FEW_ROWS queries (a decoding step, a few speculative tokens) would compute
+// SB = 32 rows of scores for each of them in the tile path. Here one item is a sequence, a K/V
+// head and up to ITEM_ROWS rows (the group's query heads x the queries, when the plan is the
+// same for those heads): each key is read once for all of them, each score is one dot product,
+// and the online softmax runs per row over steps of up to SPAN keys (whole listed blocks). Only
+// the keys some row sees are read, and each row's P V sums only the keys it sees: NaN or inf
+// stored anywhere a query may not look never reaches its output (exact per element).
+// The scores equal the tile path's to rounding; the backward (tile path) renormalises P over
+// each row's keys, so weights of 0 and 1 stay exact between them.
+
+constexpr int64_t FEW_ROWS = 8;    // calls of at most this many queries take the row path
+constexpr int64_t ITEM_ROWS = 16;  // rows (query heads x queries) of one item
+constexpr int64_t SPAN = 512;      // keys of one step (whole key blocks): few, long streams of K and V
+
+inline float hsum(vf x) {
+    float s = 0.0f;
+    for (int i = 0; i < W; ++i) s += x[i];
+    return s;
+}
+
+// Horizontal sums of W vectors at once: a[i] (i < W) becomes lane i of the result. Each level
+// folds pairs of vectors whose keys hold S lanes each into one whose keys hold S / 2, keys in
+// order (lanes l of z: key l / (S / 2), from x for the first half of the keys, y for the rest).
+template <int S>
+struct FoldLanes {
+    int32_t lo[W], hi[W];
+    constexpr FoldLanes() : lo{}, hi{} {
+        constexpr int h = S / 2, m = W / S;
+        for (int l = 0; l < W; ++l) {
+            const int seg = l / h, o = l % h;
+            lo[l] = seg < m ? seg * S + o : W + (seg - m) * S + o;
+            hi[l] = lo[l] + h;
+        }
+    }
+};
+template <int S>
+inline vf fold_pair(vf x, vf y) {
+    static constexpr FoldLanes<S> lanes{};
+    vi lo, hi;
+    std::memcpy(&lo, lanes.lo, sizeof(vi));
+    std::memcpy(&hi, lanes.hi, sizeof(vi));
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+template <int S>
+inline void fold_level(vf* a, int n) {
+    for (int i = 0; i < n / 2; ++i) a[i] = fold_pair<S>(a[2 * i], a[2 * i + 1]);
+    if constexpr (S > 2) fold_level<S / 2>(a, n / 2);
+}
+inline vf hsums(vf* a) {
+    fold_level<W>(a, W);
+    return a[0];
+}
+
+// The scores of the row path: lane c is the dot product of query row qrow with key row kr[c]
+// (float32 rows of Dp dims, zero-padded), summed in W-lane chunks and folded. The forward of a
+// few rows and its backward both compute them here, so the backward's scores are bit for bit
+// the forward's (a row with one key has the weight 1 exactly, and its gradients the formula's).
+inline vf row_dots(const float* const* kr, const float* qrow, int64_t Dp) {
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c) acc[c] = vf{};
+    for (int64_t x = 0; x < Dp; x += W) {
+        const vf qv = load(qrow + x);
+#pragma GCC unroll 16
+        for (int c = 0; c < W; ++c) acc[c] += qv * load(kr[c] + x);
+    }
+    return hsums(acc);
+}
+inline float hmax_nan(vf x) {
+    float m = x[0];
+    for (int i = 1; i < W; ++i) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;
+    return m;
+}
+
+// Row src (width elements) as float32 at dst, zero-padded to padded (a multiple of W).
+template <typename T>
+inline const float* padded_row(const T* src, int64_t width, int64_t padded, float* dst) {
+    if constexpr (std::is_same_v<T, float>)
+        if (width == padded) return src;
+    for (int64_t x = 0; x < width; ++x) dst[x] = widen(src[x]);
+    for (int64_t x = width; x < padded; ++x) dst[x] = 0.0f;
+    return dst;
+}
+
+template <typename T>
+struct ForwardFew {
+    const Problem& pb;
+    View<const T> q, k, v;
+    View<T> out;
+    float* lse;
+    int64_t heads;  // query heads of one item
+    struct State {
+        Buffer<> qf, s, o, kr, vr;
+        std::vector<int64_t> keys;        // the step's keys some row sees
+        std::vector<uint32_t> bits;       // bit i: query i sees that key
+        std::vector<const float*> vrows;  // their V rows as float32
+    };
+
+    static void prefetch_row(const T* row, int64_t width) {
+        const char* p = reinterpret_cast<const char*>(row);
+        for (int64_t x = 0; x < width * int64_t(sizeof(T)); x += 64) __builtin_prefetch(p + x);
+    }
+
+    void operator()(const Item& it, State& st) const {
+        const int64_t b = it.b, hk = it.h, h0 = hk * pb.group + it.qb * heads;
+        const int64_t nh = std::min(heads, (hk + 1) * pb.group - h0), Lq = pb.Lq, R = nh * Lq;
+        const PlanRow plan = plan_row(pb, b, h0, 0);  // the same for the item's heads (Hm == 1 or one head)
+        const int64_t end = pb.key_end(b);
+        const int64_t Dp = round_up(pb.D, W), Dvp = round_up(pb.Dv, W);
+        const int64_t span = std::max<int64_t>(1, SPAN / pb.bk) * pb.bk, sp = round_up(span, W);
+        float* qf = st.qf.get(R * Dp);  // row r: head h0 + r / Lq, query r % Lq
+        float* s = st.s.get(R * sp);    // row-major: s[r * sp + column]
+        float* o = st.o.get(R * Dvp);
+        float* kbuf = st.kr.get((W + 1) * Dp);
+        const float* zeros = kbuf + W * Dp;  // the row read in place of keys past the step's last
+        std::fill_n(kbuf + W * Dp, Dp, 0.0f);
+        float* vbuf = std::is_same_v<T, float> && pb.Dv == Dvp ? nullptr : st.vr.get(span * Dvp);
+        st.keys.resize(span), st.bits.resize(span), st.vrows.resize(span);
+        int64_t* keys = st.keys.data();
+        uint32_t* bits = st.bits.data();
+        const float** vrows = st.vrows.data();
+        for (int64_t r = 0; r < R; ++r) {
+            const T* src = q.row(b, h0 + r / Lq, r % Lq);
+            for (int64_t x = 0; x < pb.D; ++x) qf[r * Dp + x] = widen(src[x]);
+            for (int64_t x = pb.D; x < Dp; ++x) qf[r * Dp + x] = 0.0f;
+        }
+        std::fill_n(o, R * Dvp, 0.0f);
+        float m[ITEM_ROWS], l[ITEM_ROWS];
+        for (int64_t r = 0; r < R; ++r) m[r] = NEG_INF, l[r] = 0.0f;
+        const uint32_t all = first_rows(Lq);
+        for (int64_t t = 0; t < plan.num;) {
+            // one step: the keys some row sees in the next listed blocks, whole blocks up to SPAN keys
+            int64_t n = 0;
+            for (; t < plan.num; ++t) {
+                const int64_t k0 = int64_t(plan.idx[t]) * pb.bk, kn = std::min(pb.bk, end - k0);
+                if (kn <= 0) continue;
+                if (n + kn > span) break;
+                const uint8_t* tile = plan.tid[t] >= 0 ? pb.bits + int64_t(plan.tid[t]) * pb.bk * (pb.bq / 8) : nullptr;
+                for (int64_t c = 0; c < kn; ++c) {
+                    const uint32_t w = tile ? uint32_t(tile[c * (pb.bq / 8)]) & all : all;  // Lq <= 8: byte 0 holds the rows
+                    if (w) keys[n] = k0 + c, bits[n++] = w;
+                }
+            }
+            if (n == 0) continue;
+            const int64_t np = round_up(n, W);
+            // S (R x n) = Q K^T, one dot product per score, W keys at a time (W independent sums,
+            // folded together at the end)
+            for (int64_t c0 = 0; c0 < n; c0 += W) {
+                const float* kr[W];
+                for (int64_t c = 0; c < W; ++c)
+                    kr[c] = c0 + c < n ? padded_row(k.row(b, hk, keys[c0 + c]), pb.D, Dp, kbuf + c * Dp) : zeros;
+                // ask for the K rows two groups ahead and this group's V rows (read after the step's
+                // scores): one sequence's keys are read once, so the memory's latency would bound it
+                for (int64_t c = c0 + 2 * W; c < std::min(n, c0 + 3 * W); ++c) prefetch_row(k.row(b, hk, keys[c]), pb.D);
+                for (int64_t c = c0; c < std::min(n, c0 + W); ++c) prefetch_row(v.row(b, hk, keys[c]), pb.Dv);
+                for (int64_t r = 0; r < R; ++r) store(s + r * sp + c0, row_dots(kr, qf + r * Dp, Dp));
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                float* sr = s + r * sp;
+                const int64_t i = r % Lq;
+                // the modifications, in the tile path's order: scale or soft-capping, the band, the mask
+                if (pb.softcap > 0.0f) {
+                    const vf cap = splat(pb.softcap);
+                    for (int64_t c = 0; c < np; c += W) {
+                        const vf x = load(sr + c);
+                        store(sr + c, cap * vtanh(pb.cap_split ? x * splat(pb.scale) / cap : x * splat(pb.cap_mul)));
+                    }
+                } else {
+                    for (int64_t c = 0; c < np; c += W) store(sr + c, load(sr + c) * splat(pb.scale));
+                }
+                if (const float* band = pb.band_of(h0 + r / Lq))
+                    for (int64_t c = 0; c < n; ++c) sr[c] += band[pb.Lk - 1 - keys[c] + i];
+                if (all != 1u)
+                    for (int64_t c = 0; c < n; ++c)
+                        if (!((bits[c] >> i) & 1u)) sr[c] = NEG_INF;
+                for (int64_t c = n; c < np; ++c) sr[c] = NEG_INF;
+                // the online softmax of this row over the step
+                vf mt = splat(NEG_INF);
+                for (int64_t c = 0; c < np; c += W) mt = vmax_nan(mt, load(sr + c));
+                const float bm = hmax_nan(mt);
+                const float mn = (bm > m[r] || bm != bm) ? bm : m[r];  // NaN-aware, as vmax_nan
+                const float ms = mn == NEG_INF ? 0.0f : mn;
+                const float alpha = vexp(splat(m[r] - ms))[0];  // 0 while m is -inf, NaN once it is NaN
+                vf sum{};
+                for (int64_t c = 0; c < np; c += W) {
+                    const vf p = vexp(load(sr + c) - splat(ms));
+                    sum += p;
+                    store(sr + c, p);
+                }
+                if (bm > m[r])
+                    for (int64_t x = 0; x < Dvp; x += W) store(o + r * Dvp + x, load(o + r * Dvp + x) * splat(alpha));
+                l[r] = l[r] * alpha + hsum(sum);
+                m[r] = mn;
+            }
+            // O (R x Dv) += P V, 4 vectors of a row's O in registers
+            for (int64_t u = 0; u < n; ++u)
+                vrows[u] = padded_row(v.row(b, hk, keys[u]), pb.Dv, Dvp, vbuf ? vbuf + u * Dvp : nullptr);
+            for (int64_t r = 0; r < R; ++r) {
+                const float* pr = s + r * sp;
+                const uint32_t row = 1u << (r % Lq);
+                for (int64_t x0 = 0; x0 < Dvp; x0 += 4 * W) {
+                    const int nv = int(std::min<int64_t>(4, (Dvp - x0) / W));
+                    vf acc[4] = {vf{}, vf{}, vf{}, vf{}};
+                    for (int64_t u = 0; u < n; ++u) {
+                        if (!(bits[u] & row)) continue;  // a key this query may not see adds nothing, NaN included
+                        const vf p = splat(pr[u]);
+                        const float* vr = vrows[u] + x0;
+#pragma GCC unroll 4
+                        for (int j = 0; j < 4; ++j)
+                            if (j < nv) acc[j] += p * load(vr + j * W);
+                    }
+                    float* orow = o + r * Dvp + x0;
+                    for (int j = 0; j < nv; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
+                }
+            }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t h = h0 + r / Lq, i = r % Lq;
+            const float lr = l[r];
+            lse[(b * pb.Hq + h) * pb.Lq + i] = lr > 0.0f ? m[r] + std::log(lr) : (lr == 0.0f ? NEG_INF : NaN);
+            const float inv = lr > 0.0f ? 1.0f / lr : (lr == 0.0f ? 0.0f : NaN);
+            T* dst = out.row(b, h, i);
+            for (int64_t x = 0; x < pb.Dv; ++x) dst[x] = narrow<T>(o[r * Dvp + x] * inv);
+        }
+    }
+};
+
+// Items (sequence, K/V head, chunk of its query heads): the heads of a group share one item
+// when the plan is the same for them (Hm == 1), as many as ITEM_ROWS rows allow, fewer while
+// there would be fewer items than twice the threads.
+std::vector<Item> few_items(const Problem& pb, int64_t& heads) {
+    heads = pb.Hm == 1 ? std::max<int64_t>(1, std::min<int64_t>(pb.group, ITEM_ROWS / pb.Lq)) : 1;
+    const int64_t want = 2 * at::get_num_threads();
+    while (heads > 1 && pb.B * pb.Hkv * ((pb.group + heads - 1) / heads) < want) heads = (heads + 1) / 2;
+    const int64_t chunks = (pb.group + heads - 1) / heads;
+    std::vector<Item> items;
+    for (int64_t b = 0; b < pb.B; ++b)
+        for (int64_t hk = 0; hk < pb.Hkv; ++hk)
+            for (int64_t c = 0; c < chunks; ++c) items.push_back({b, hk, c});
+    return items;
+}
+
+// ---- statistics of the weights ----------------------------------------------------------------
+//
+// attnkit.inspect.attention_stats on the engine, in O(L) memory: per item (sequence, query head,
+// row block) and 32 rows at a time, pass 1 walks the listed key blocks with the forward's scores
+// and keeps, per row and online (rescaled when the row's maximum grows, as the softmax itself):
+// the maximum and its first key, l = sum exp(s - m), T = sum exp(s - m) (s - m) (the entropy is
+// log l - T / l), the mass on the first sink_tokens keys and sum exp(s - m) |p(i) - k(j)|. Its
+// lse then gives pass 2 the weights exp(s - lse) of the same scores (bit for bit): the mass each
+// key receives (summed per thread, then over the threads) and each row's top-k weights. A weight
+// below exp(-60) of its row's mass counts as 0 in pass 2 (the PyTorch path's floor); with sinks
+// (one logit per head) every weight is relative to the lse that includes the sink.
+
+struct Stats {
+    float *lse, *entropy, *max_weight, *sink_mass, *mean_distance, *topk_w;
+    int64_t *argmax, *topk_i;
+    const float *qpos, *kpos, *sinks;  // positions (Bp, Lq) and (Bk, Lk); sinks (Hq,) or null
+    int64_t Bp, Bk, sink_tokens, topk;
+};
+
+template <typename T>
+struct StatsWork {
+    const Problem& pb;
+    View<const T> q, k;
+    const Stats& st;
+    struct State {
+        Buffer<> qt, s, kc;
+        std::vector<uint8_t> used;
+        std::vector<float> received;  // (B, Hq, Lk): this thread's sums
+        std::vector<float> tw;        // (SB, topk) the rows' best weights so far, largest first
+        std::vector<int64_t> ti;
+    };
+
+    void operator()(const Item& it, State& ws) const {
+        const int64_t b = it.b, h = it.h, hk = h / pb.group;
+        const PlanRow plan = plan_row(pb, b, h, it.qb);
+        const int64_t end = pb.key_end(b);
+        const float* band = pb.band_of(h);
+        const int64_t K = st.topk;
+        float* qt = ws.qt.get(pb.D * SB);
+        float* s = ws.s.get(pb.bk * SB);
+        float* kc = ws.kc.get(pb.bk * pb.D);
+        ws.used.resize(pb.bk);
+        if (ws.received.empty()) ws.received.assign(pb.B * pb.Hq * pb.Lk, 0.0f);
+        ws.tw.resize(SB * std::max<int64_t>(K, 1));
+        ws.ti.resize(SB * std::max<int64_t>(K, 1));
+        float* recv = ws.received.data() + (b * pb.Hq + h) * pb.Lk;
+        const float* qpos = st.qpos + (st.Bp == 1 ? 0 : b) * pb.Lq;
+        const float* kpos = st.kpos + (st.Bk == 1 ? 0 : b) * pb.Lk;
+        for (int64_t r0 = it.qb * pb.bq; r0 < std::min((it.qb + 1) * pb.bq, pb.Lq); r0 += SB) {
+            const int64_t n = std::min<int64_t>(SB, pb.Lq - r0);
+            const int64_t row_in_block = r0 - it.qb * pb.bq;
+            for (int64_t j = 0; j < SB; ++j) {
+                const T* qr = j < n ? q.row(b, h, r0 + j) : nullptr;
+                for (int64_t d = 0; d < pb.D; ++d) qt[d * SB + j] = qr ? widen(qr[d]) : 0.0f;
+            }
+            alignas(64) float pos[SB];
+            for (int64_t j = 0; j < SB; ++j) pos[j] = j < n ? qpos[r0 + j] : 0.0f;
+            // the scores of step t (S^T, kn x SB), as the forward computes them; false: nothing to see
+            auto scores = [&](int64_t t, Step& step) {
+                if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) return false;
+                int64_t kstride;
+                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
+                                              step.all_used ? nullptr : ws.used.data(), kc, pb.D, kstride);
+                scores_f32(pb, step, krows, kstride, qt, s);
+                modify_scores(pb, step, s, nullptr, band, r0);
+                return true;
+            };
+            // pass 1: online per row
+            vf m[NVS], l[NVS], tsum[NVS], sink[NVS], dist[NVS], arg[NVS];
+            for (int j = 0; j < NVS; ++j)
+                m[j] = splat(NEG_INF), l[j] = tsum[j] = sink[j] = dist[j] = vf{}, arg[j] = splat(-1.0f);
+            for (int64_t t = 0; t < plan.num; ++t) {
+                Step step;
+                if (!scores(t, step)) continue;
+                for (int j = 0; j < NVS; ++j) {
+                    vf mt = splat(NEG_INF), at = splat(-1.0f);
+                    for (int64_t c = 0; c < step.kn; ++c) {
+                        const vf x = load(s + c * SB + j * W);
+                        const vi better = (x > mt) | ((x != x) & (mt == mt));  // the first largest (a NaN: the first NaN)
+                        mt = better ? x : mt;
+                        at = better ? splat(float(step.k0 + c)) : at;
+                    }
+                    const vi grew = (mt > m[j]) | ((mt != mt) & (m[j] == m[j]));
+                    const vf mn = grew ? mt : m[j];
+                    arg[j] = grew ? at : arg[j];
+                    const vf ms = mn == splat(NEG_INF) ? vf{} : mn;
+                    const vf alpha = vexp(m[j] - ms);  // 0 while m is -inf, NaN once it is NaN
+                    // T relative to the new maximum: alpha (T + (m_old - m_new) l); 0 while l is 0
+                    const vf shift = l[j] == vf{} ? vf{} : (m[j] - ms) * l[j];
+                    tsum[j] = alpha * (tsum[j] + shift);
+                    l[j] *= alpha, sink[j] *= alpha, dist[j] *= alpha;
+                    const vf p = load(pos + j * W);
+                    for (int64_t c = 0; c < step.kn; ++c) {
+                        const vf x = load(s + c * SB + j * W) - ms;
+                        const vf e = vexp(x);
+                        l[j] += e;
+                        tsum[j] += e > vf{} ? e * x : vf{};  // a hidden pair (-inf): exactly 0
+                        if (step.k0 + c < st.sink_tokens) sink[j] += e;
+                        const vf dd = p - splat(kpos[step.k0 + c]);
+                        dist[j] += e * (dd < vf{} ? -dd : dd);
+                    }
+                    m[j] = mn;
+                }
+            }
+            // the rows' results; lse with the sink
+            alignas(64) float lse_row[SB];
+            for (int64_t j = 0; j < SB; ++j) {
+                const int64_t lane = j % W, v = j / W;
+                const float lj = l[v][lane], mj = m[v][lane];
+                const float lk = lj > 0.0f ? mj + std::log(lj) : (lj == 0.0f ? NEG_INF : NaN);
+                float lse = lk;
+                if (st.sinks) {
+                    const float a = st.sinks[h];
+                    const float hi = std::max(lk, a);
+                    lse = hi == NEG_INF ? NEG_INF : hi + std::log(std::exp(lk - hi) + std::exp(a - hi));
+                    if (lk != lk) lse = NaN;
+                }
+                lse_row[j] = j < n ? lse : std::numeric_limits<float>::infinity();  // padding rows: no weight
+                if (j >= n) continue;
+                const int64_t at = (b * pb.Hq + h) * pb.Lq + r0 + j;
+                const float r = lj > 0.0f ? std::exp(lk - lse) : (lj == 0.0f ? 0.0f : NaN);  // the keys' share
+                const float inv = lj > 0.0f ? 1.0f / lj : (lj == 0.0f ? 0.0f : NaN);
+                st.lse[at] = lse;
+                const float h_keys = lj > 0.0f ? std::log(lj) - tsum[v][lane] * inv : (lj == 0.0f ? 0.0f : NaN);
+                st.entropy[at] = r > 0.0f ? r * h_keys - r * std::log(r) : (r == 0.0f ? 0.0f : NaN);
+                st.max_weight[at] = r * inv;
+                st.argmax[at] = lj > 0.0f ? int64_t(arg[v][lane]) : -1;
+                st.sink_mass[at] = r * sink[v][lane] * inv;
+                st.mean_distance[at] = r * dist[v][lane] * inv;
+            }
+            // pass 2: the weights exp(s - lse): the mass each key receives, the rows' top k
+            float* tw = ws.tw.data();
+            int64_t* ti = ws.ti.data();
+            if (K) std::fill_n(tw, SB * K, 0.0f), std::fill_n(ti, SB * K, int64_t(-1));
+            for (int64_t t = 0; t < plan.num; ++t) {
+                Step step;
+                if (!scores(t, step)) continue;
+                for (int64_t c = 0; c < step.kn; ++c) {
+                    vf col{};
+                    for (int j = 0; j < NVS; ++j) {
+                        const vf d = load(s + c * SB + j * W) - load(lse_row + j * W);
+                        const vf w = d > splat(EXP_FLOOR) ? vexp(d) : vf{};  // below exp(-60): 0 (NaN stays NaN)
+                        const vf wn = d != d ? d : w;
+                        col += wn;
+                        if (K) {
+                            for (int i = 0; i < W; ++i) {
+                                const float x = wn[i];
+                                const int64_t row = j * W + i;
+                                if (!(x > tw[row * K + K - 1])) continue;
+                                int64_t at = K - 1;  // insert, largest first (a tie keeps the earlier key first)
+                                while (at > 0 && x > tw[row * K + at - 1]) {
+                                    tw[row * K + at] = tw[row * K + at - 1], ti[row * K + at] = ti[row * K + at - 1];
+                                    --at;
+                                }
+                                tw[row * K + at] = x, ti[row * K + at] = step.k0 + c;
+                            }
+                        }
+                    }
+                    recv[step.k0 + c] += hsum(col);
+                }
+            }
+            for (int64_t j = 0; j < n && K; ++j) {
+                const int64_t at = ((b * pb.Hq + h) * pb.Lq + r0 + j) * K;
+                std::copy_n(tw + j * K, K, st.topk_w + at);
+                std::copy_n(ti + j * K, K, st.topk_i + at);
+            }
+        }
+    }
+};
+
 // ---- backward -----------------------------------------------------------------------------
 //
 // One item is a K/V head of one sequence and a chunk of its row blocks, for every query head of
@@ -829,6 +1249,33 @@ struct Backward {
         }
     }
 
+    // S^T (kn x SB) of a call of at most FEW_ROWS queries as its forward computed it (row_dots):
+    // query rows qr (Dp apart, zero-padded), keys no row of the step uses as zero rows; buf has
+    // room for W + 1 rows of Dp (the padded keys and a zero row).
+    void few_scores(const Step& step, int64_t b, int64_t hk, const uint8_t* used, const float* qr, int64_t n,
+                    float* buf, float* s) const {
+        const int64_t Dp = pb.Dp;
+        float* zero = buf + W * Dp;
+        std::fill_n(zero, Dp, 0.0f);
+        for (int64_t c0 = 0; c0 < step.kn; c0 += W) {
+            const float* kr[W];
+            for (int64_t c = 0; c < W; ++c) {
+                const int64_t key = c0 + c;
+                const bool read = key < step.kn && (used == nullptr || used[key]);
+                kr[c] = read ? padded_row(k.row(b, hk, step.k0 + key), pb.D, Dp, buf + c * Dp) : zero;
+            }
+            const int64_t cn = std::min<int64_t>(W, step.kn - c0);
+            for (int64_t j = 0; j < SB; ++j) {
+                if (j < n) {
+                    const vf sums = row_dots(kr, qr + j * Dp, Dp);
+                    for (int64_t c = 0; c < cn; ++c) s[(c0 + c) * SB + j] = sums[c];
+                } else {
+                    for (int64_t c = 0; c < cn; ++c) s[(c0 + c) * SB + j] = 0.0f;
+                }
+            }
+        }
+    }
+
     void step_rows(State& st, int64_t b, int64_t h, int64_t hk, int64_t qb, int64_t r0, const PlanRow& plan,
                    int64_t end, const float* band, float* dk, float* dv) const {
         const int64_t Dp = pb.Dp, Dvp = pb.Dvp, D = pb.D, Dv = pb.Dv;
@@ -842,7 +1289,7 @@ struct Backward {
         float* dor = st.dor.get(SB * Dvp); // dO rows (for dV)
         float* dqt = st.dqt.get(D * SB);   // dQ^T
         float* ot = st.ot.get(Dv * SB);    // the forward's O^T (for delta of a part of the keys)
-        float* kc = st.kc.get(pb.bk * D);
+        float* kc = st.kc.get(std::max(pb.bk * D, (W + 1) * Dp));  // (few_scores: W key rows and a zero row)
         float* vc = st.vc.get(pb.bk * Dv);
         alignas(64) float shift[SB], delta[SB], gl[SB];
         std::fill_n(qt + D * SB, (2 * Dpair - D) * SB, 0.0f);
@@ -897,6 +1344,9 @@ struct Backward {
             const float* vrows = rows_f32(v.row(b, hk, step.k0), v.s2, step.kn, Dv, used, vc, Dv, vstride);
             float* si = ps + i * tile;
             float* dpi = dps + i * tile;
+            if (pb.Lq <= FEW_ROWS) {  // the row path's scores (its forward ran on these calls)
+                few_scores(step, b, hk, used, qr, n, kc, si);
+            } else
 #if ATTNKIT_BF16_DOT
             if constexpr (BF16_SCORES) {
                 const c10::BFloat16* kr = bf16_rows(k.row(b, hk, step.k0), k.s2, step.kn, D, used, kb, kstride);
@@ -1152,6 +1602,12 @@ template <typename T>
 void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
     const Problem& pb = c.pb;
     View<const T> q = view_of<const T>(c.q), k = view_of<const T>(c.k), v = view_of<const T>(c.v);
+    if (pb.Lq <= FEW_ROWS) {
+        int64_t heads = 1;
+        const std::vector<Item> items = few_items(pb, heads);
+        run_items(items, ForwardFew<T>{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>(), heads});
+        return;
+    }
 #if ATTNKIT_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
         run_items(forward_items(pb), ForwardBF16{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>()});
@@ -1271,6 +1727,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> native_backward(
     return {dq, dk, dv, dband};
 }
 
+std::vector<at::Tensor> native_stats(const at::Tensor& q, const at::Tensor& k, const at::Tensor& kv_num,
+                                     const at::Tensor& kv_indices, const at::Tensor& tile_ids, const at::Tensor& bits,
+                                     const std::optional<at::Tensor>& kv_limit, const std::optional<at::Tensor>& band,
+                                     const std::optional<at::Tensor>& sinks, const at::Tensor& qpos,
+                                     const at::Tensor& kpos, int64_t block_q, int64_t block_k, double scale,
+                                     double softcap, int64_t sink_tokens, int64_t topk) {
+    Checked c = check_call(q, k, k, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap);
+    const Problem& pb = c.pb;
+    TORCH_CHECK(sink_tokens >= 0 && topk >= 0, "attnkit.native: sink_tokens and topk must be >= 0, got ", sink_tokens,
+                " and ", topk);
+    auto positions = [&](const at::Tensor& t, const char* name, int64_t len) {
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
+                        (t.size(0) == 1 || t.size(0) == pb.B) && t.size(1) == len,
+                    "attnkit.native: ", name, " must be float32 (1 or B, ", len, ") on the CPU, but has shape ",
+                    t.sizes(), " and dtype ", dtype_name(t.scalar_type()));
+        return t.contiguous();
+    };
+    const at::Tensor qp = positions(qpos, "qpos", pb.Lq), kp = positions(kpos, "kpos", pb.Lk);
+    at::Tensor sk;
+    if (sinks.has_value()) sk = index_tensor(*sinks, "sinks", at::kFloat, {pb.Hq});
+    const auto f32 = c.q.options().dtype(at::kFloat), i64 = c.q.options().dtype(at::kLong);
+    auto rows = [&](c10::TensorOptions options) { return at::empty({pb.B, pb.Hq, pb.Lq}, options); };
+    at::Tensor lse = rows(f32), entropy = rows(f32), max_weight = rows(f32), sink_mass = rows(f32), distance = rows(f32);
+    at::Tensor argmax = rows(i64);
+    at::Tensor received = at::zeros({pb.B, pb.Hq, pb.Lk}, f32);
+    at::Tensor topk_w = at::zeros({pb.B, pb.Hq, pb.Lq, topk}, f32), topk_i = at::empty({pb.B, pb.Hq, pb.Lq, topk}, i64).fill_(-1);
+    if (pb.Lq > 0) {
+        Stats st{lse.data_ptr<float>(), entropy.data_ptr<float>(), max_weight.data_ptr<float>(),
+                 sink_mass.data_ptr<float>(), distance.data_ptr<float>(), topk_w.data_ptr<float>(),
+                 argmax.data_ptr<int64_t>(), topk_i.data_ptr<int64_t>(), qp.data_ptr<float>(), kp.data_ptr<float>(),
+                 sk.defined() ? sk.data_ptr<float>() : nullptr, qp.size(0), kp.size(0), sink_tokens, topk};
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            const auto states = run_items(forward_items(pb), StatsWork<T>{pb, view_of<const T>(c.q), view_of<const T>(c.k), st});
+            float* out = received.data_ptr<float>();
+            at::parallel_for(0, pb.B * pb.Hq * pb.Lk, 4096, [&](int64_t begin, int64_t end) {
+                for (const auto& state : states)
+                    if (!state.received.empty())
+                        for (int64_t i = begin; i < end; ++i) out[i] += state.received[i];
+            });
+        };
+        switch (c.q.scalar_type()) {
+            case at::kFloat: run(float{}); break;
+            case at::kBFloat16: run(c10::BFloat16{}); break;
+            default: run(c10::Half{}); break;
+        }
+    }
+    return {lse, entropy, max_weight, argmax, sink_mass, distance, received, topk_w, topk_i};
+}
+
 std::string native_info() {
     std::string words = std::string(ISA) + " (" + std::to_string(W) + " floats a vector)";
 #if ATTNKIT_BF16_DOT
@@ -1294,6 +1800,10 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
         "Tensor kv_num, Tensor kv_indices, Tensor tile_ids, Tensor bits, Tensor? kv_limit, Tensor? band, "
         "int block_q, int block_k, float scale, float softcap, bool delta_from_out, bool band_grad) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+    m.def(
+        "native_stats(Tensor q, Tensor k, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, Tensor bits, "
+        "Tensor? kv_limit, Tensor? band, Tensor? sinks, Tensor qpos, Tensor kpos, int block_q, int block_k, "
+        "float scale, float softcap, int sink_tokens, int topk) -> Tensor[]");
     m.def("native_interface() -> int", []() -> int64_t { return ATTNKIT_NATIVE_INTERFACE; });
     m.def("native_info() -> str", []() -> std::string { return native_info(); });
 }
@@ -1301,4 +1811,5 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
     m.impl("native_forward", &native_forward);
     m.impl("native_backward", &native_backward);
+    m.impl("native_stats", &native_stats);
 }

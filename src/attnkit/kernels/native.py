@@ -25,16 +25,29 @@ from __future__ import annotations
 
 import torch
 
+from attnkit import _cache
 from attnkit.kernels import blocksparse, fused, native_build, tiles
 from attnkit.kernels.blocksparse import BLOCK_SIZE
-from attnkit.kernels.registry import Call, Kernel, Reason, Runner, first_derivative_only
+from attnkit.kernels.registry import Call, Kernel, LimitRunner, Reason, Runner, first_derivative_only
 from attnkit.prepare import PreparedMask
 
-__all__ = ["MIN_QUERIES", "MIN_ROWS", "NativeKernel", "backward", "forward"]
+__all__ = [
+    "FEW_ROWS",
+    "MIN_QUERIES",
+    "MIN_ROWS",
+    "NativeKernel",
+    "backward",
+    "forward",
+    "limit_plan",
+    "stats",
+]
 
-#: It runs calls of at least this many queries: it computes 32 query rows at a time, so a
-#: decoding step would do 32x its work (the fused kernel or SDPA runs those).
+#: It is preferred for calls of at least this many queries (it computes 32 query rows at a time),
+#: and for calls of at most :data:`FEW_ROWS` whose keys end at a limit per sequence.
 MIN_ROWS = 16
+#: Calls of at most this many queries take the engine's row path (native.cpp's FEW_ROWS): one
+#: dot product per score, each key read once for the query heads of its group.
+FEW_ROWS = 8
 #: It is preferred to SDPA for calls with at least this many query rows in all (B * Hq * Lq;
 #: benchmarks/cpu.py and core.py: unmasked calls 0.76-0.92x SDPA's time from 2048 rows on, causal
 #: 0.5-0.75x; at 1024 rows, unmasked, 1.04x). It does not depend on Lk, so a decoding step's
@@ -71,6 +84,52 @@ def forward(
     return torch.ops.attnkit.native_forward(q, k, v, *plan, band, bq, bk, scale, softcap or 0.0)
 
 
+def limit_plan(call: Call) -> tuple | None:
+    """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` for a mask that hides exactly the keys
+    past each sequence's limit (padding), made from the limits alone: every block listed (one
+    plan per size, kept in ``attnkit._cache.DENSE_PLANS``) and the limits as ``kv_limit``, so a
+    decoding step's new padding mask is never prepared. None for other masks."""
+    if isinstance(call.mask, PreparedMask):
+        return None
+    limits = call.key_limits()
+    if limits is None:
+        return None
+    bq, bk = BLOCK_SIZE
+    nq, nk = -(-call.shapes.lq // bq), -(-call.shapes.lk // bk)
+    key = (nq, nk, bq, bk)
+    dense = _cache.DENSE_PLANS.get(key)
+    if dense is None:
+        dense = (
+            torch.full((1, 1, nq), nk, dtype=torch.int32),
+            torch.arange(nk, dtype=torch.int32).expand(1, 1, nq, nk).contiguous(),
+            torch.full((1, 1, nq, nk), -1, dtype=torch.int32),
+            torch.zeros(1, bk, bq // 8, dtype=torch.uint8),
+        )
+        _cache.DENSE_PLANS.put(key, dense)
+    return (*dense, torch.tensor(limits, dtype=torch.int64))
+
+
+def _plan(call: Call) -> tuple:
+    """The native plan of an eager call: from its key limits (padding) or its prepared mask."""
+    found = call.cached("native plan", lambda: limit_plan(call) or call.prepared_at(BLOCK_SIZE).native_plan())
+    return found  # type: ignore[return-value]
+
+
+def _few_rows_by_limit(call: Call) -> bool:
+    """Whether the row path takes this call whatever its key limits: a rank-4 call of at most
+    FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), with
+    no modification or dropout, eager."""
+    return (
+        call.shapes.lq <= FEW_ROWS
+        and call.shapes.rank == 4
+        and not call.compiling
+        and not call.score_mods()
+        and call.dropout_p == 0.0
+        and not isinstance(call.mask, PreparedMask)
+        and call.key_limits() is not None
+    )
+
+
 def backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,16 +153,53 @@ def backward(
     them with ``P`` renormalised (the softmax's own backward). ``grad_lse``: (B, Hq, Lq) or None.
     Arguments as :func:`forward`'s.
     """
+    return _backward(
+        q, k, v, prepared.native_plan(), prepared.block_size, out, lse, grad_out, grad_lse, scale=scale,
+        softcap=softcap, band=band, own_lse=own_lse,
+    )  # fmt: skip
+
+
+def _backward(q, k, v, plan, block_size, out, lse, grad_out, grad_lse, *, scale, softcap, band, own_lse):
     _require()
-    bq, bk = prepared.block_size
+    bq, bk = block_size
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     grad_lse = None if grad_lse is None else grad_lse.float()
     band = None if band is None else band.detach()
     dq, dk, dv, _ = torch.ops.attnkit.native_backward(
-        grad_out, grad_lse, q, k, v, out, lse.float(), *prepared.native_plan(), band, bq, bk, scale,
-        softcap or 0.0, not own_lse, False,
+        grad_out, grad_lse, q, k, v, out, lse.float(), *plan, band, bq, bk, scale, softcap or 0.0, not own_lse,
+        False,
     )  # fmt: skip
     return dq, dk, dv
+
+
+def stats(call: Call, qpos: torch.Tensor, kpos: torch.Tensor, sink_tokens: int, topk: int) -> dict[str, torch.Tensor]:
+    """The statistics of :func:`attnkit.inspect.attention_stats` for a call the native kernel can
+    run (``registry.refusals("native", call)`` is empty; rank-4 inputs), from one operator call:
+    ``{name: tensor}`` with every field of
+    :class:`~attnkit.inspect.AttentionStats` (the sinks' own entropy term excepted).
+    ``qpos (1 or B, Lq)``, ``kpos (1 or B, Lk)``: the mask's positions, float32."""
+    _require()
+    bq, bk = BLOCK_SIZE
+    band = _band(call)
+    sinks = None if call.sinks is None else call.sinks.detach().float().reshape(-1)
+    found = torch.ops.attnkit.native_stats(
+        call.q, call.k, *_plan(call), None if band is None else band.detach(), sinks, qpos.float(), kpos.float(),
+        bq, bk, call.scale, call.softcap or 0.0, sink_tokens, topk,
+    )  # fmt: skip
+    names = ("lse", "entropy", "max_weight", "argmax", "sink_mass", "mean_distance", "received")
+    out = dict(zip(names, found))
+    if topk:
+        out["topk_weights"], out["topk_keys"] = found[7], found[8]
+    return out
+
+
+def _kept_in_words(call: Call) -> str:
+    if call.mask is None:
+        return "no mask"
+    limits = None if isinstance(call.mask, PreparedMask) else call.key_limits()
+    if limits is not None:
+        return f"keys up to each sequence's limit ({min(limits)}-{max(limits)} of {call.shapes.lk})"
+    return f"{call.prepared_at(BLOCK_SIZE).kept:.0%} of blocks kept"
 
 
 def _band(call: Call) -> torch.Tensor | None:
@@ -151,6 +247,14 @@ class NativeKernel(Kernel):
     def prefers(self, call: Call) -> tuple[bool, Reason]:
         s = call.shapes
         if s.lq < MIN_ROWS:
+            if _few_rows_by_limit(call):
+                return (
+                    True,
+                    lambda: (
+                        f"{s.lq} queries whose keys end at each sequence's limit: the row path reads only "
+                        f"those keys, no mask; {native_build.info()}"
+                    ),
+                )
             return (
                 False,
                 f"{s.lq} queries: it computes {native_build.ROWS} rows at a time (decoding steps run elsewhere)",
@@ -159,9 +263,8 @@ class NativeKernel(Kernel):
             return True, "under torch.compile: torch.ops.attnkit.native_forward over the PreparedMask's tensors"
         how = native_build.info()
         if call.score_mods() or call.return_lse:
-            p = call.prepared_at(self.block_size)
             mods = blocksparse.modifications_in_words(call, True) or "return_lse=True"
-            return True, lambda: f"{p.kept:.0%} of blocks kept, {mods}; {how}"
+            return True, lambda: f"{_kept_in_words(call)}, {mods}; {how}"
         rows = blocksparse.rows_of(call)
         if (
             rows >= MIN_QUERIES
@@ -169,8 +272,7 @@ class NativeKernel(Kernel):
             and not (call.mask is None and call.half and call.backward)
             and call.dropout_p == 0.0
         ):
-            what = "no mask" if call.mask is None else f"{call.prepared_at(self.block_size).kept:.0%} of blocks kept"
-            return True, lambda: f"{what}, {rows} query rows; {how}"
+            return True, lambda: f"{_kept_in_words(call)}, {rows} query rows; {how}"
         if call.mask is None and call.half and call.backward and rows >= MIN_QUERIES:
             return False, (
                 "no mask, half precision with a backward: SDPA's bf16 backward uses bf16 dot products "
@@ -184,14 +286,43 @@ class NativeKernel(Kernel):
     def runner(self, call: Call) -> Runner | None:
         if call.score_mods() or call.compiling:
             return None
-        s, prepared, scale = call.shapes, call.prepared_at(self.block_size), call.scale
+        s, plan, scale = call.shapes, _plan(call), call.scale
+        bq, bk = BLOCK_SIZE
         lead = (1,) * (4 - s.rank)
+        op = torch.ops.attnkit.native_forward
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if not lead:
+                return op(q, k, v, *plan, None, bq, bk, scale, 0.0)[0]
             q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (q, k, v))  # (B, H, L, D)
-            return forward(q4, k4, v4, prepared, scale=scale)[0].reshape(s.out)
+            return op(q4, k4, v4, *plan, None, bq, bk, scale, 0.0)[0].reshape(s.out)
 
-        return first_derivative_only(run, self) if call.backward else run
+        if call.backward:
+            return first_derivative_only(run, self)
+
+        def run_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # no gradient is asked for (the signature says so): the operator's CPU kernel directly,
+            # without its autograd formula's Python wrapper (a decoding step's overhead)
+            with torch._C._AutoDispatchBelowAutograd():
+                return run(q, k, v)
+
+        return run_no_grad
+
+    def limit_runner(self, call: Call) -> LimitRunner | None:
+        if call.backward or not _few_rows_by_limit(call):
+            return None
+        planned = limit_plan(call)
+        assert planned is not None, "a mask of key limits (_few_rows_by_limit)"
+        dense, scale = planned[:4], call.scale
+        bq, bk = BLOCK_SIZE
+        op = torch.ops.attnkit.native_forward
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple) -> torch.Tensor:
+            kv_limit = torch.tensor(limits, dtype=torch.int64)
+            with torch._C._AutoDispatchBelowAutograd():  # no gradient asked for (the signature says so)
+                return op(q, k, v, *dense, kv_limit, None, bq, bk, scale, 0.0)[0]
+
+        return run
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = call.shapes
@@ -205,16 +336,18 @@ class NativeKernel(Kernel):
                 q4, k4, v4, *plan, None, bq, bk, call.scale, call.softcap or 0.0
             )
         else:
-            prepared = call.prepared_at(self.block_size)
-            out, lse = forward(q4, k4, v4, prepared, scale=call.scale, softcap=call.softcap, band=_band(call))
+            _require()
+            bq, bk = BLOCK_SIZE
+            out, lse = torch.ops.attnkit.native_forward(
+                q4, k4, v4, *_plan(call), _band(call), bq, bk, call.scale, call.softcap or 0.0
+            )
         return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
 
     def backward_part(
         self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q4, k4, v4 = blocksparse.as4d(call)
-        prepared = call.prepared_at(self.block_size)
-        return backward(
-            q4, k4, v4, prepared, out, lse, grad_out, grad_lse, scale=call.scale, softcap=call.softcap,
-            band=_band(call), own_lse=False,
+        return _backward(
+            q4, k4, v4, _plan(call), BLOCK_SIZE, out, lse, grad_out, grad_lse, scale=call.scale,
+            softcap=call.softcap, band=_band(call), own_lse=False,
         )  # fmt: skip

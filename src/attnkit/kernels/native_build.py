@@ -72,7 +72,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("native.cpp")
 #: The interface version of the operators this module speaks to (``native_interface()`` in native.cpp).
-VERSION = 6
+VERSION = 7
 #: Whether the engine may be used at all: ``ATTNKIT_NATIVE=0`` turns it off for the process
 #: (the other CPU kernels run instead); tests set this attribute.
 ENABLED = os.environ.get("ATTNKIT_NATIVE", "1") != "0"
@@ -376,7 +376,7 @@ _registered = [False]
 
 
 def _register_python_parts() -> None:
-    """Fake (meta) shapes of both operators and the autograd formula of the forward (once)."""
+    """Fake (meta) shapes of the operators and the autograd formula of the forward (once)."""
     if _registered[0]:
         return
     _registered[0] = True
@@ -391,6 +391,17 @@ def _register_python_parts() -> None:
         band_grad = scalars[-1]
         dband = q.new_empty(band.shape if band_grad else (0,), dtype=torch.float32)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dband
+
+    @torch.library.register_fake("attnkit::native_stats")
+    def _(q, k, kv_num, kv_indices, tile_ids, bits, kv_limit, band, sinks, qpos, kpos, *scalars):
+        b, hq, lq, _ = q.shape
+        topk = scalars[-1]
+        rows = [q.new_empty(b, hq, lq, dtype=torch.float32) for _ in range(3)]
+        argmax = q.new_empty(b, hq, lq, dtype=torch.int64)
+        more = [q.new_empty(b, hq, lq, dtype=torch.float32) for _ in range(2)]
+        received = q.new_empty(b, hq, k.shape[2], dtype=torch.float32)
+        top = [q.new_empty(b, hq, lq, topk, dtype=torch.float32), q.new_empty(b, hq, lq, topk, dtype=torch.int64)]
+        return [*rows, argmax, *more, received, *top]
 
     def setup_context(ctx, inputs, output):
         q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap = inputs

@@ -48,6 +48,7 @@ from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.kernels.contract import (
     Call,
     Kernel,
+    LimitRunner,
     Reason,
     Runner,
     double_backward_error,
@@ -63,9 +64,11 @@ __all__ = [
     "Call",
     "Kernel",
     "KernelGroup",
+    "LimitRunner",
     "Plan",
     "backward_part",
     "choose",
+    "refusals",
     "register_group",
     "register_kernel",
     "run",
@@ -407,6 +410,20 @@ def _auto(call: Call) -> Plan:
             refusals[k.name] = k.not_supported_reasons(call) or [f"does not run on {device}"]
     detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
     raise AttnkitValueError(f"no registered kernel can run this call ({detail}).")
+
+
+def refusals(name: str, call: Call) -> list[str]:
+    """Why the kernel registered as ``name`` may not run ``call`` here (empty: it may): its own
+    :meth:`Kernel.not_supported_reasons`, and, inside :func:`use_kernels`, whether it is among the
+    kernels allowed. For a computation of one kernel's own, such as the native engine's
+    statistics, which then falls back to what :func:`choose` picks."""
+    kernel = KERNELS.get(name)
+    if kernel is None:
+        return [f"no kernel named {name!r} is registered"]
+    reasons = kernel.not_supported_reasons(call)
+    if _ACTIVE and kernel not in _ACTIVE[-1]:
+        reasons.append(f"not among the kernels of use_kernels({', '.join(k.name for k in _ACTIVE[-1])})")
+    return reasons
 
 
 def backward_part(

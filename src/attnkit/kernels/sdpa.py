@@ -102,6 +102,48 @@ def _dense_runner(kernel: Kernel, call: Call) -> Runner:
     return first_derivative_only(masked, kernel) if call.backward else masked
 
 
+#: Sequences of at most this many different key limits run as one SDPA call per limit (each over
+#: its own keys, no mask, no copy of K/V); more run as one call with the dense mask.
+MAX_LIMIT_GROUPS = 16
+
+
+def per_sequence_limits(call: Call) -> tuple[int, ...] | None:
+    """The call's key limits when they differ and a few SDPA calls over each sequence's own keys
+    run it (see :data:`MAX_LIMIT_GROUPS`), else None."""
+    limits = call.key_limits()
+    if limits is None or len(set(limits)) > MAX_LIMIT_GROUPS or len(set(limits)) == 1:
+        return None
+    return limits
+
+
+def by_limit(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple[int, ...], *, scale: float, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """SDPA of 4-D inputs whose sequence b sees its first ``limits[b]`` keys: one call per limit over
+    those keys (keys past a limit are never read), a sequence that sees none gives 0."""
+    gqa = q.shape[1] != k.shape[1]
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    rows: dict[int, list[int]] = {}
+    for b, n in enumerate(limits):
+        rows.setdefault(n, []).append(b)
+    for n, batch in rows.items():
+        if n == 0:
+            continue
+        if batch[-1] - batch[0] + 1 == len(batch):  # contiguous rows: views, no gather
+            sl = slice(batch[0], batch[-1] + 1)
+            part = F.scaled_dot_product_attention(
+                q[sl], k[sl, :, :n], v[sl, :, :n], dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+            )
+            out = out.slice_scatter(part, 0, batch[0], batch[-1] + 1)
+        else:
+            idx = torch.tensor(batch, device=q.device)
+            part = F.scaled_dot_product_attention(
+                q[idx], k[idx, :, :n], v[idx, :, :n], dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+            )
+            out = out.index_copy(0, idx, part)
+    return out
+
+
 class SDPAKernel(Kernel):
     """``torch.nn.functional.scaled_dot_product_attention``: any device; no lse."""
 
@@ -127,6 +169,8 @@ class SDPAKernel(Kernel):
         limit = call.shared_key_limit()
         if limit is not None:
             return True, f"every sequence's keys end at {limit}: no mask over the first {limit} keys"
+        if per_sequence_limits(call) is not None:
+            return True, "each sequence's keys end at its own limit: one call per limit over those keys, no mask"
         if call.float_mask:
             return True, "dense mask (additive float mask)"
         if call.shapes.rank > 4:
@@ -147,6 +191,14 @@ class SDPAKernel(Kernel):
         elif limit is None:
             if call.tensor_mask:
                 return None  # a tensor's values are not part of the signature: made on every call
+            limits = per_sequence_limits(call)
+            if limits is not None:
+                scale_ = call.scale
+
+                def own_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                    return by_limit(q, k, v, limits, scale=scale_)
+
+                return first_derivative_only(own_keys, self) if call.backward else own_keys
             return _dense_runner(self, call)
         scale, shapes, gqa = call.scale, call.shapes, call.shapes.hq != call.shapes.hkv
         if limit is not None:
@@ -191,6 +243,9 @@ class SDPAKernel(Kernel):
         limit = call.shared_key_limit()
         if limit is not None:  # the keys past the limit are never read: no zeroing, no mask
             return sdpa(call.q, call.k[..., :limit, :], call.v[..., :limit, :], None, **kw), None
+        limits = per_sequence_limits(call)
+        if limits is not None:  # the same, one call per limit
+            return by_limit(call.q, call.k, call.v, limits, scale=call.scale, dropout_p=call.dropout_p), None
         dense = reference.dense_mask(call)
         k, v = reference.zero_unused_keys(call.k, call.v, dense, sync=not call.compiling)
         q = reference.zero_hidden_queries(call.q, dense)

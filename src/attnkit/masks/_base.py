@@ -305,6 +305,17 @@ class Mask:
         """
         return None
 
+    def key_limit_values(self) -> tuple[int, ...] | None:
+        """:meth:`key_limit` as Python ints (one host read of B values), or None."""
+        limit = self.key_limit()
+        return None if limit is None else tuple(limit.tolist())
+
+    def limit_free_key(self) -> Hashable | None:
+        """A key of this mask's value with its key limits left out (their count kept), for a mask
+        that hides exactly the keys past each sequence's limit and holds them as ints: two such
+        masks with one key differ only in their limits. None for every other mask."""
+        return None
+
     def lead_shape(self) -> tuple[int, int]:
         """``(B or 1, H or 1)``: the batch and head sizes of :meth:`materialize`'s result."""
         return (self.batch_size or 1, 1)

@@ -218,6 +218,10 @@ class Document(Mask):
         return f"document(ids of shape {tuple(ids.shape)}{extra})"
 
 
+#: Padding masks of at most this many sequences (on the CPU) keep their lengths as ints too.
+SMALL_LENGTHS = 64
+
+
 class Padding(Mask):
     def __init__(self, lengths, kv_offset=0):
         if lengths is None or isinstance(lengths, (str, bytes)):
@@ -225,7 +229,12 @@ class Padding(Mask):
                 f"lengths must be a sequence of ints or an integer tensor of shape (B,), but got {short(lengths)}."
             )
         lengths = own(check_int_tensor(lengths, "lengths", (1,)))
-        if lengths.device.type == "cpu" and (lengths < 0).any():
+        # a decoding step's few lengths, read once as ints (masks are values): its checks, value
+        # key and key limits need no further host read
+        small = lengths.device.type == "cpu" and lengths.numel() <= SMALL_LENGTHS
+        self._values = tuple(lengths.tolist()) if small else None
+        negative = min(self._values, default=0) < 0 if small else lengths.device.type == "cpu" and (lengths < 0).any()
+        if negative:
             raise AttnkitValueError(f"lengths must be >= 0, but got {short(lengths.tolist())}.")
         self.lengths = lengths
         self.kv_offset = check_offset(kv_offset, "kv_offset")
@@ -235,6 +244,8 @@ class Padding(Mask):
         return (self.lengths,) + ((self.kv_offset,) if isinstance(self.kv_offset, torch.Tensor) else ())
 
     def value_key(self):
+        if self._values is not None and not isinstance(self.kv_offset, torch.Tensor):  # value_of's form
+            return ("padding", self.is_part, ((self.lengths.shape, self.lengths.dtype, self._values), self.kv_offset))
         values = values_of(self.lengths, self.kv_offset)
         return None if values is None else ("padding", self.is_part, values)
 
@@ -243,7 +254,10 @@ class Padding(Mask):
     def check_values(self, q_len, kv_len):
         if self.is_part or isinstance(self.kv_offset, torch.Tensor) or self.kv_offset:
             return  # a shard of the keys: lengths count from the sequence's start
-        longest = int(self.lengths.max()) if self.lengths.numel() else 0
+        if self._values is not None:
+            longest = max(self._values, default=0)
+        else:
+            longest = int(self.lengths.max()) if self.lengths.numel() else 0
         if longest > kv_len:
             raise AttnkitValueError(
                 f"padding mask has a sequence of length {longest} but the keys have only "
@@ -257,7 +271,19 @@ class Padding(Mask):
         return other
 
     def key_limit(self):
+        if isinstance(self.kv_offset, int) and self.kv_offset == 0:
+            return self.lengths
         return self.lengths - self.kv_offset
+
+    def key_limit_values(self):
+        if self._values is not None and isinstance(self.kv_offset, int):
+            return tuple(n - self.kv_offset for n in self._values)
+        return super().key_limit_values()
+
+    def limit_free_key(self):
+        if self._values is None or not isinstance(self.kv_offset, int):
+            return None
+        return ("padding without lengths", self.is_part, len(self._values), self.lengths.dtype, self.kv_offset)
 
     def limit_only(self):
         return True
