@@ -6,6 +6,7 @@ every case under both layouts, so the suite pays the start-up once per world siz
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -222,6 +223,57 @@ def test_ranks_that_disagree_are_refused_up_front():
         results = run_local(_disagree, 2, (what,), timeout=60)
         for kind, message in results:
             assert needle in message, (what, kind, message)
+
+
+def _counted(rank, world, name):
+    """The kernel calls and preparations of one ring forward and backward, counted on this rank."""
+    from attnkit.kernels import registry
+    from attnkit.prepare import PreparedMask
+
+    counts: collections.Counter = collections.Counter()
+    phase = ["forward"]
+    for kernel in registry.KERNELS.values():  # an instance attribute in front of each class's method
+        for method in ("run", "backward_part"):
+
+            def counting(*args, _kernel=kernel.name, _method=method, _original=getattr(kernel, method)):
+                counts[phase[0], _method, _kernel] += 1
+                return _original(*args)
+
+            setattr(kernel, method, counting)
+    init = PreparedMask.__init__
+
+    def prepared(self, *args, **kwargs):
+        counts[phase[0], "prepare", ""] += 1
+        init(self, *args, **kwargs)
+
+    PreparedMask.__init__ = prepared  # type: ignore[method-assign]
+    q, k, v, dout, mask, kwargs, _ = _case(name)
+    parts = [D.shard(t, world)[0].clone().requires_grad_() for t in (q, k, v)]
+    out = D.ring_attention(*parts, mask, timeout=60, **kwargs)
+    phase[0] = "backward"
+    _loss(out, D.shard(dout, world)[0]).backward()
+    return dict(counts)
+
+
+@pytest.mark.parametrize("name", ["document_causal", "causal_fused"])
+def test_ring_backward_runs_through_the_registry_on_the_forward_plans(name):
+    """Each rectangle's backward is one ``backward_part`` call of a registered kernel (the
+    registry's choice), as many as the forward's kernel runs; no forward is recomputed and no
+    mask is prepared again in the backward: the forward's plans serve it."""
+    from attnkit.kernels import registry
+
+    capable = {k.name for k in registry.KERNELS.values() if k.supports_backward_part}
+    for counts in run_local(_counted, 2, (name,), timeout=120):
+        runs = sum(n for (phase, what, _), n in counts.items() if (phase, what) == ("forward", "run"))
+        parts = {
+            kernel: n for (phase, what, kernel), n in counts.items() if (phase, what) == ("backward", "backward_part")
+        }
+        assert runs >= 2, counts  # two rectangles at least: its own keys and the other rank's
+        assert sum(parts.values()) == runs, counts
+        assert set(parts) <= capable, counts
+        assert not any(key[:2] == ("backward", "run") for key in counts), counts
+        assert counts.get(("backward", "prepare", ""), 0) == 0, counts
+        assert counts.get(("forward", "prepare", ""), 0) >= 1, counts
 
 
 # --- one process: layouts, plans, errors --------------------------------------------------------
