@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import statistics
-import subprocess
 from pathlib import Path
 
+import machine  # benchmarks/machine.py
 import torch
 import torch.nn.functional as F
 
@@ -153,19 +152,6 @@ def measure(p: dict, dtype: torch.dtype) -> dict:
     return row
 
 
-def _cpu() -> dict:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        text = ""
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {
-        "model": fields.get("Model name", platform.processor()).strip(),
-        "flags": fields.get("Flags", "").strip(),
-        "engine": native_build.info(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", type=int, default=1000)
@@ -204,8 +190,8 @@ def main() -> None:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": _cpu(), "torch": torch.__version__, "dtype": args.dtype, "summary": summary,
-                               "problems": rows}, indent=1))  # fmt: skip
+    found = {"cpu": machine.describe(), "torch": torch.__version__, "dtype": args.dtype, "summary": summary}
+    out.write_text(json.dumps({**found, "problems": rows}, indent=1))
     print(f"wrote {out}")
 
 

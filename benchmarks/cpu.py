@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import threading
 import time
 from pathlib import Path
 
+import machine  # benchmarks/machine.py
 import torch
 import torch.nn.functional as F
 
@@ -283,13 +283,7 @@ def main():
                     if name in args.cases:
                         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "shape": {"B": B, "H": H, "D": D},
-        "repeats": args.repeats,
-    }
+    meta = {**machine.describe(), "shape": {"B": B, "H": H, "D": D}, "repeats": args.repeats}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print()
     print(table(rows))

@@ -1,0 +1,32 @@
+"""What a benchmark ran on, for its JSON: ``lscpu``'s model and flags, the matrix and vector
+units attnkit's native engine can use there, PyTorch's version and threads."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+import torch
+
+from attnkit.kernels import native_build
+
+#: lscpu flags that decide the engine's paths (and PyTorch's own CPU kernels).
+UNITS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def describe() -> dict:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    flags = fields.get("Flags", "").split()
+    return {
+        "model": fields.get("Model name", platform.processor() or platform.machine()),
+        "units": [unit for unit in UNITS if unit in flags],
+        "flags": " ".join(flags),
+        "engine": native_build.info(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
