@@ -77,11 +77,27 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["native", "math"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_statistic_equals_the_dense_computation(name):
+def test_every_statistic_equals_the_dense_computation(name, path, monkeypatch):
+    """On the native engine's own two passes (``torch.ops.attnkit.native_stats``) where it can run
+    the call, and from a kernel's lse (here the math kernel's) otherwise."""
+    from attnkit.kernels import native, native_build
+
+    if path == "native" and not native_build.available():
+        pytest.skip(native_build.status()[1])
     mask, mods = CASES[name]
     q, k, v = torch.randn(2, 4, L, 16), torch.randn(2, 2, L, 16), torch.randn(2, 2, L, 16)  # GQA
-    st = attention_stats(q, k, v, mask, topk=3, sink_tokens=2, **mods)
+    engine_calls = []
+    on_the_engine = native.stats
+    monkeypatch.setattr(native, "stats", lambda *a: engine_calls.append(1) or on_the_engine(*a))
+    if path == "native":
+        st = attention_stats(q, k, v, mask, topk=3, sink_tokens=2, **mods)
+        assert engine_calls == [1], name
+    else:
+        with attnkit.use_kernels("math"):
+            st = attention_stats(q, k, v, mask, topk=3, sink_tokens=2, **mods)
+        assert engine_calls == []
     assert_stats_match(st, dense_stats(q, k, v, mask, topk=3, sink_tokens=2, **mods))
     # the lse is the kernel's
     _, lse = attnkit.attention(q, k, v, mask, return_lse=True, **mods)

@@ -228,6 +228,23 @@ def test_opcheck_passes_on_the_backward_operator(built):
     )
 
 
+def test_opcheck_passes_on_the_statistics_operator(built):
+    """``native_stats``: schema and fake implementation (it has no gradient), with sinks and top-k;
+    its lse is the forward operator's."""
+    q, k, v, *plan, band, bq, bk, scale, softcap = _sample(requires_grad=False)
+    qpos = (torch.arange(70, dtype=torch.float32) + 20)[None]
+    kpos = torch.arange(90, dtype=torch.float32)[None]
+    sinks = torch.randn(4)
+    args = (q, k, *plan, band, sinks, qpos, kpos, bq, bk, scale, softcap, 2, 3)
+    torch.library.opcheck(torch.ops.attnkit.native_stats.default, args, test_utils=("test_schema", "test_faketensor"))
+    found = torch.ops.attnkit.native_stats(q, k, *plan, None, None, qpos, kpos, bq, bk, scale, softcap, 2, 3)
+    _, lse = torch.ops.attnkit.native_forward(q, k, v, *plan, None, bq, bk, scale, softcap)
+    torch.testing.assert_close(found[0], lse)
+    assert found[7].shape == found[8].shape == (2, 4, 70, 3) and found[8].dtype == torch.int64
+    with pytest.raises(RuntimeError, match="sink_tokens and topk must be >= 0"):
+        torch.ops.attnkit.native_stats(*args[:-1], -1)
+
+
 def test_the_operators_check_every_argument(built):
     q, k, v, kv_num, kv_indices, tile_ids, bits, limit, band, bq, bk, scale, softcap = _sample(requires_grad=False)
     op = torch.ops.attnkit.native_forward

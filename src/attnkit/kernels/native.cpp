@@ -1051,8 +1051,8 @@ struct StatsWork {
         Buffer<> qt, s, kc;
         std::vector<uint8_t> used;
         std::vector<float> received;  // (B, Hq, Lk): this thread's sums
-        std::vector<float> tw;        // (SB, topk) the rows' best weights so far, largest first
-        std::vector<int64_t> ti;
+        std::vector<float> tw;        // (topk, SB) the rows' best weights so far, largest first
+        std::vector<int32_t> ti;      // (topk, SB) their keys
     };
 
     void operator()(const Item& it, State& ws) const {
@@ -1154,9 +1154,12 @@ struct StatsWork {
                 st.mean_distance[at] = r * dist[v][lane] * inv;
             }
             // pass 2: the weights exp(s - lse): the mass each key receives, the rows' top k
+            // the top k in vector layout: slot a of rows j..j+W-1 is one vector, so a column whose
+            // weights all fall short of the rows' k-th best costs one compare, and an insertion is
+            // K compare-and-swaps of whole vectors (no branch per row)
             float* tw = ws.tw.data();
-            int64_t* ti = ws.ti.data();
-            if (K) std::fill_n(tw, SB * K, 0.0f), std::fill_n(ti, SB * K, int64_t(-1));
+            int32_t* ti = ws.ti.data();
+            if (K) std::fill_n(tw, SB * K, 0.0f), std::fill_n(ti, SB * K, int32_t(-1));
             for (int64_t t = 0; t < plan.num; ++t) {
                 Step step;
                 if (!scores(t, step)) continue;
@@ -1167,17 +1170,21 @@ struct StatsWork {
                         const vf w = d > splat(EXP_FLOOR) ? vexp(d) : vf{};  // below exp(-60): 0 (NaN stays NaN)
                         const vf wn = d != d ? d : w;
                         col += wn;
-                        if (K) {
-                            for (int i = 0; i < W; ++i) {
-                                const float x = wn[i];
-                                const int64_t row = j * W + i;
-                                if (!(x > tw[row * K + K - 1])) continue;
-                                int64_t at = K - 1;  // insert, largest first (a tie keeps the earlier key first)
-                                while (at > 0 && x > tw[row * K + at - 1]) {
-                                    tw[row * K + at] = tw[row * K + at - 1], ti[row * K + at] = ti[row * K + at - 1];
-                                    --at;
-                                }
-                                tw[row * K + at] = x, ti[row * K + at] = step.k0 + c;
+                        if (K && any(wn > load(tw + (K - 1) * SB + j * W))) {
+                            vf x = wn;  // insert, largest first: strictly larger moves down (a tie
+                            vi xi = vi{} + int32_t(step.k0 + c);  // keeps the earlier key first; NaN never enters)
+                            for (int64_t a = 0; a < K; ++a) {
+                                float* pw = tw + a * SB + j * W;
+                                int32_t* pi = ti + a * SB + j * W;
+                                const vf cw = load(pw);
+                                vi ci;
+                                std::memcpy(&ci, pi, sizeof(vi));
+                                const vi take = x > cw;
+                                store(pw, take ? x : cw);
+                                const vi ni = take ? xi : ci;
+                                std::memcpy(pi, &ni, sizeof(vi));
+                                x = take ? cw : x;
+                                xi = take ? ci : xi;
                             }
                         }
                     }
@@ -1186,8 +1193,7 @@ struct StatsWork {
             }
             for (int64_t j = 0; j < n && K; ++j) {
                 const int64_t at = ((b * pb.Hq + h) * pb.Lq + r0 + j) * K;
-                std::copy_n(tw + j * K, K, st.topk_w + at);
-                std::copy_n(ti + j * K, K, st.topk_i + at);
+                for (int64_t a = 0; a < K; ++a) st.topk_w[at + a] = tw[a * SB + j], st.topk_i[at + a] = ti[a * SB + j];
             }
         }
     }
@@ -1737,6 +1743,8 @@ std::vector<at::Tensor> native_stats(const at::Tensor& q, const at::Tensor& k, c
     const Problem& pb = c.pb;
     TORCH_CHECK(sink_tokens >= 0 && topk >= 0, "attnkit.native: sink_tokens and topk must be >= 0, got ", sink_tokens,
                 " and ", topk);
+    TORCH_CHECK(pb.Lk <= std::numeric_limits<int32_t>::max(), "attnkit.native: the statistics take at most 2^31 - 1 keys, got ",
+                pb.Lk);
     auto positions = [&](const at::Tensor& t, const char* name, int64_t len) {
         TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
                         (t.size(0) == 1 || t.size(0) == pb.B) && t.size(1) == len,
