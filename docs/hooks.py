@@ -219,12 +219,27 @@ def long_context(name: str) -> str:
             round(r["forward_ms"], 1),
             round(r["stats_ms"], 1),
             f"{r['ratio']:.2f}x",
+            round(r["topk_ms"], 1),
+            f"{r['topk_ratio']:.2f}x",
             round(r["stats_mb"], 1),
             r.get("eager_needs_gb", "-"),
         ]
         for r in d["stats"]
     ]
-    return _table(["L", "mask", "forward ms", "statistics ms", "vs forward", "statistics MB", "full weights GB"], rows)
+    header = ["L", "mask", "forward ms", "statistics ms", "vs forward", "with top-8 ms", "vs forward"]
+    return _table([*header, "statistics MB", "full weights GB"], rows)
+
+
+def accuracy(name: str) -> str:
+    d = _load(name)
+    n = len(d["problems"])
+    rows = [
+        [q, f"{s['median']:.2f}", f"{s['p90']:.2f}", f"{s['worst']:.2f}", f"{s['passes']} of {n}"]
+        for q, s in d["summary"].items()
+    ]
+    cpu = d.get("cpu", {})
+    head = f"*{n} problems, {d['dtype']}, {cpu.get('model', '?')} ({', '.join(cpu.get('units', []))}).*\n\n"
+    return head + _table(["quantity", "median ratio", "90th percentile", "worst", "within the rule"], rows)
 
 
 def hf(name: str) -> str:
@@ -279,6 +294,7 @@ TABLES = {
     "compare_cpu_masked": compare,
     "distributed": distributed,
     "long_context": long_context,
+    "accuracy": accuracy,
     "hf_transformers": hf,
     "speech": speech,
     "recommendation": recommendation,
