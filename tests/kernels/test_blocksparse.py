@@ -359,7 +359,9 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, 
         out = attnkit.attention(q, k, v, mask)
         kk, vv = (t.detach()[:, :, :509].double() for t in (k, v))
         gold, naive = gold_and_naive(q.detach(), k.detach()[:, :, :509], v.detach()[:, :, :509])
-        assert_oracle(out, gold, naive, what=f"{dtype} Hq={hq} Hkv={hkv}")
+        # lq = 1: eight rows, whose naive error can be a lucky rounding (seen on an Intel Xeon: the
+        # row path 1.6e-7, naive 7.5e-8): TESTING.md's floor for small problems
+        assert_oracle(out, gold, naive, what=f"{dtype} Hq={hq} Hkv={hkv}", small=lq <= native.FEW_ROWS)
         grad = randn(*out.shape, dtype=dtype)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
         q64, k64, v64 = (t.double().requires_grad_() for t in (q.detach(), kk, vv))
