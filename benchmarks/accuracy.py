@@ -14,7 +14,11 @@ For the output and each gradient it measures the max error against the float64 f
 - ``naive``: the naive formula in the same dtype.
 
 The ratio is native's error over the larger of sdpa's and naive's (TESTING.md's rule passes at
-2x for the output, 3x for gradients, plus one rounding at gold's scale). Prints the median, the
+2x for the output, 3x for gradients, plus one rounding at gold's scale; with 1-3 query rows the
+reference error is floored at four roundings of the output's scale, as TESTING.md says). A second
+count applies TESTING.md's floor of the plain-call fuzz property to the output as well,
+``eps * max|v| * (4 + max|lse|)``: what one rounding of the logits moves an output by, which on
+a problem of a few rows with sharp scores can exceed one naive evaluation's lucky error. Prints the median, the
 90th percentile and the worst ratio of each quantity and how many problems pass the rule, and
 writes ``benchmarks/results/accuracy.json`` (with ``lscpu``'s model and flags).
 """
@@ -67,7 +71,8 @@ def _mask(rng: random.Random, b: int, lq: int, lk: int):
 def _problem(rng: random.Random, dtype: torch.dtype) -> dict:
     b, hkv = rng.randint(1, 3), rng.randint(1, 2)
     hq = hkv * rng.randint(1, 2)
-    lq = rng.randint(16, 300)  # the native engine's own range (it declines fewer than 16 queries)
+    # decoding-sized calls (1-8 queries: the engine's row path) in one problem of six
+    lq = rng.randint(1, 8) if rng.random() < 1 / 6 else rng.randint(9, 300)
     lk = lq if rng.random() < 0.6 else rng.randint(1, 300)
     d = rng.choice([2, 4, 8, 16, 32, 40, 64])
     sharp = rng.choice([1.0, 1.0, 2.0, 3.0, 4.0])
@@ -125,6 +130,12 @@ def measure(p: dict, dtype: torch.dtype) -> dict:
     scale = d**-0.5
     allowed = _allowed(p["mask"], lq, lk)
     q64, k64, v64 = (p[n].clone().requires_grad_() for n in "qkv")
+    with torch.no_grad():  # max |lse| over the rows that see a key, for the logit-rounding floor
+        s64 = (q64 @ k64.repeat_interleave(hq // hkv, 1).transpose(-2, -1)) * scale
+        if allowed is not None:
+            s64 = s64.masked_fill(~allowed, float("-inf"))
+        lse64 = torch.logsumexp(s64, -1)
+        max_lse = float(lse64[torch.isfinite(lse64)].abs().max()) if torch.isfinite(lse64).any() else 0.0
     gold_out = _formula(q64, k64, v64, allowed, scale)
     gold = [gold_out.detach(), *torch.autograd.grad(gold_out, (q64, k64, v64), p["up"])]
     found = {
@@ -138,6 +149,8 @@ def measure(p: dict, dtype: torch.dtype) -> dict:
     row = {"kind": p["kind"], "shape": p["shape"], "sharp": p["sharp"]}
     for i, name in enumerate(QUANTITIES):
         reference = max(found["sdpa"][i], found["naive"][i])
+        if lq <= 3:  # the naive error of one to three rows is a noisy statistic (TESTING.md)
+            reference = max(reference, 4 * eps * max(1.0, float(gold[i].abs().max())))
         rounding = 2 * eps * float(gold[i].abs().max())  # one rounding at gold's scale (TESTING.md's atol)
         factor = 2.0 if name == "out" else 3.0
         row[name] = {
@@ -147,8 +160,11 @@ def measure(p: dict, dtype: torch.dtype) -> dict:
             "ratio": found["native"][i] / reference
             if reference > 0
             else (0.0 if found["native"][i] == 0 else math.inf),
-            "passes": found["native"][i] <= factor * found["naive"][i] + rounding,
+            "passes": found["native"][i] <= factor * reference + rounding,
         }
+        if name == "out":
+            floored = max(reference, eps * float(p["v"].abs().max()) * (4 + max_lse))
+            row[name]["passes_floored"] = found["native"][i] <= factor * floored + rounding
     return row
 
 
@@ -171,19 +187,22 @@ def main() -> None:
             print(f"{i + 1} problems", flush=True)
     summary = {}
     print(f"\n{args.problems} random masked problems, {args.dtype}; ratio = native error / max(SDPA's, naive's)\n")
-    print("| quantity | median ratio | 90th percentile | worst | passes the rule |")
+    print("| quantity | median ratio | 90th percentile | worst | passes the rule (with the logit floor) |")
     print("|---|---|---|---|---|")
     for name in QUANTITIES:
         ratios = sorted(r[name]["ratio"] for r in rows)
         passed = sum(r[name]["passes"] for r in rows)
+        floored = sum(r[name].get("passes_floored", r[name]["passes"]) for r in rows)
         summary[name] = {
             "median": statistics.median(ratios),
             "p90": ratios[int(0.9 * (len(ratios) - 1))],
             "worst": ratios[-1],
             "passes": passed,
+            "passes_floored": floored,
         }
         s = summary[name]
-        print(f"| {name} | {s['median']:.2f} | {s['p90']:.2f} | {s['worst']:.2f} | {passed} of {len(rows)} |")
+        cells = f"{s['median']:.2f} | {s['p90']:.2f} | {s['worst']:.2f} | {passed} ({floored}) of {len(rows)}"
+        print(f"| {name} | {cells} |")
     worst = max(rows, key=lambda r: max(r[n]["ratio"] for n in QUANTITIES))
     print(
         f"\nworst problem: {worst['kind']} shape (B, Hq, Hkv, Lq, Lk, D) = {worst['shape']}, sharpness {worst['sharp']}"

@@ -8,8 +8,6 @@ import subprocess
 
 import torch
 
-from attnkit.kernels import native_build
-
 #: lscpu flags that decide the engine's paths (and PyTorch's own CPU kernels).
 UNITS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
@@ -26,7 +24,18 @@ def describe() -> dict:
         "model": fields.get("Model name", platform.processor() or platform.machine()),
         "units": [unit for unit in UNITS if unit in flags],
         "flags": " ".join(flags),
-        "engine": native_build.info(),
+        "engine": _engine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+
+
+def _engine() -> str:
+    """The native engine's build (what it computes with), or why there is none; "-" for a tree
+    of attnkit before the engine had ``native_build`` (benchmarks/compare.py runs old trees)."""
+    try:
+        from attnkit.kernels import native_build
+    except ImportError:
+        return "-"
+    ok, why = native_build.status()
+    return native_build.info() if ok else why

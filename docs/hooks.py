@@ -234,12 +234,13 @@ def accuracy(name: str) -> str:
     d = _load(name)
     n = len(d["problems"])
     rows = [
-        [q, f"{s['median']:.2f}", f"{s['p90']:.2f}", f"{s['worst']:.2f}", f"{s['passes']} of {n}"]
+        [q, f"{s['median']:.2f}", f"{s['p90']:.2f}", f"{s['worst']:.2f}", f"{s['passes']} of {n}", s["passes_floored"]]
         for q, s in d["summary"].items()
     ]
     cpu = d.get("cpu", {})
     head = f"*{n} problems, {d['dtype']}, {cpu.get('model', '?')} ({', '.join(cpu.get('units', []))}).*\n\n"
-    return head + _table(["quantity", "median ratio", "90th percentile", "worst", "within the rule"], rows)
+    header = ["quantity", "median ratio", "90th percentile", "worst", "within the rule", "with the logit floor"]
+    return head + _table(header, rows)
 
 
 def hf(name: str) -> str:
@@ -295,6 +296,7 @@ TABLES = {
     "distributed": distributed,
     "long_context": long_context,
     "accuracy": accuracy,
+    "accuracy_bf16": accuracy,
     "hf_transformers": hf,
     "speech": speech,
     "recommendation": recommendation,
