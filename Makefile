@@ -58,12 +58,14 @@ $(VENV_NEXT)/.installed: pyproject.toml
 test-torch: $(VENV_NEXT)/.installed
 	$(VENV_NEXT)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
 	ATTNKIT_NATIVE=0 $(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider
-	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py tests/kernels/test_native_build.py  # the engine built against this torch
+	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py tests/kernels/test_native_build.py \
+		-k "not damaged and not vector_widths"  # the engine built against this torch (the build's own checks: make test)
 
 # the native engine's tests on the builds of other CPUs than this one, in caches of their own:
 # AVX2 (x86-64-v3: 8 floats a vector, bfloat16 widened to float32) and AVX-512 without AVX512-BF16
-# (x86-64-v4), and a subset under AddressSanitizer and UndefinedBehaviorSanitizer (their runtimes
-# preloaded into Python; any report ends the run)
+# (x86-64-v4); on a CPU with AMX, the AVX512-BF16 dot products too (ATTNKIT_NATIVE_AMX=0; the
+# default build takes the tiles there); a subset under AddressSanitizer and UndefinedBehaviorSanitizer
+# (their runtimes preloaded into Python; any report ends the run)
 NATIVE_TESTS := tests/kernels/test_native.py tests/kernels/test_nan.py
 SANITIZED := tests/kernels/test_native.py -k "every_mask or score_modifications or awkward or junk or rows_that_see"
 test-native-builds: export ATTNKIT_REQUIRE_NATIVE = 1
@@ -72,6 +74,9 @@ test-native-builds: $(VENV)/.test-installed
 		ATTNKIT_NATIVE_ARCH=x86-64-v3 ATTNKIT_CACHE=build/native-v3 $(BIN)/python -m pytest -q -p no:cacheprovider $(NATIVE_TESTS) || exit 1; \
 		if grep -qw avx512f /proc/cpuinfo; then \
 			ATTNKIT_NATIVE_ARCH=x86-64-v4 ATTNKIT_CACHE=build/native-v4 $(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py || exit 1; \
+		fi; \
+		if grep -qw amx_bf16 /proc/cpuinfo; then \
+			ATTNKIT_NATIVE_AMX=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py || exit 1; \
 		fi; \
 	fi
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \

@@ -23,6 +23,7 @@ import torch
 import attnkit
 from attnkit import masks
 from attnkit.kernels import native_build
+from _oracle import assert_oracle, dense_of, gold_and_naive, naive_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -321,3 +322,75 @@ def test_other_vector_widths_are_exact(arch, tmp_path):
     assert got["info"].startswith({"x86-64-v3": "AVX2 (8 floats", "x86-64-v2": "SSE/portable (4 floats"}[arch]), got
     assert "widened to float32" in got["info"]  # no AVX512-BF16 in these builds
     assert max(got["errs"]) < 5e-5, got
+
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+BF16_PATH = """
+    import sys, torch, attnkit
+    from attnkit import masks
+    from attnkit.kernels import native_build
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 1100, 64).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 1100, 64).bfloat16().requires_grad_() for _ in range(2))
+    grad = torch.randn(2, 4, 1100, 64).bfloat16()
+    result = {"info": native_build.info()}
+    for name, mask in {"none": None, "documents": masks.document(torch.arange(1100) // 300) & masks.causal(),
+                       "padding": masks.padding(torch.tensor([1100, 777]))}.items():
+        out = attnkit.attention(q, k, v, mask, kernel="native")
+        result[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+    torch.save(result, sys.argv[1])
+"""
+
+
+def test_the_bfloat16_paths_say_which_they_are_and_agree(built, tmp_path):
+    """bf16 products on AMX tiles where the CPU has them (oneDNN's brgemm, runs of full blocks as one
+    step), AVX512-BF16 dot products with ATTNKIT_NATIVE_AMX=0 or without AMX: info() names the path
+    each process took, and each is within TESTING.md's bf16 rule of the float64 formula (outputs)
+    and 3% of the largest gradient, on full blocks (no mask), partial blocks (documents & causal)
+    and a key limit (padding)."""
+    got = {}
+    for amx in ("1", "0"):
+        file = tmp_path / f"amx-{amx}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(BF16_PATH), str(file)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "ATTNKIT_NATIVE_AMX": amx},
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        got[amx] = torch.load(file)
+    flags = _cpu_flags()
+    assert "AMX" not in got["0"]["info"], got["0"]["info"]
+    if "AMX tiles" in got["1"]["info"]:
+        assert "amx_bf16" in flags, got["1"]["info"]  # taken only where the CPU has the tiles
+    if native_build.info().startswith("AVX-512") and "avx512_bf16" in flags:
+        assert "AVX512-BF16 dot products" in got["0"]["info"], got["0"]["info"]
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 1100, 64).bfloat16()
+    k, v = (torch.randn(2, 2, 1100, 64).bfloat16() for _ in range(2))
+    grad = torch.randn(2, 4, 1100, 64).bfloat16()
+    cases = {
+        "none": None,
+        "documents": masks.document(torch.arange(1100) // 300) & masks.causal(),
+        "padding": masks.padding(torch.tensor([1100, 777])),
+    }
+    for name, mask in cases.items():
+        allowed = None if mask is None else dense_of(mask, 1100, 1100)
+        gold, naive = gold_and_naive(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), allowed)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        out64, _ = naive_attention(q64, k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1), allowed)
+        want = torch.autograd.grad(out64, (q64, k64, v64), grad.double())
+        for amx in ("1", "0"):
+            out, *grads = got[amx][name]
+            assert_oracle(out, gold, naive, what=f"{name} {got[amx]['info']}")
+            for g, w in zip(grads, want):
+                torch.testing.assert_close(g.double(), w, atol=3e-2 * w.abs().max().item(), rtol=0)

@@ -54,6 +54,7 @@
 #include <torch/library.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #define ATTNKIT_BF16_DOT 1
 #else
@@ -64,6 +65,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -296,10 +298,29 @@ inline void micro_bf16(int64_t pairs, const c10::BFloat16* a, int64_t lda, const
     }
 }
 
+// AMX tiles: on CPUs with AMX-BF16 (where oneDNN packs bfloat16 for them: cpublas::could_pack),
+// the bfloat16 products go to PyTorch's batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's
+// ukernel, the one PyTorch's CPU flash attention uses); B's pair-major layout is its VNNI layout.
+// ATTNKIT_NATIVE_AMX=0 keeps the AVX512-BF16 dot products (to test them on an AMX machine).
+bool amx_tiles() {
+    static const bool on = [] {
+        const char* env = std::getenv("ATTNKIT_NATIVE_AMX");
+        if (env != nullptr && std::string(env) == "0") return false;
+        return at::native::cpublas::could_pack(at::kBFloat16);
+    }();
+    return on;
+}
+thread_local bool tiles_configured = false;  // this thread's tile configuration is set (release it)
+
 // C[M x SB] (+)= A[M x 2 pairs] B (pair-major, SB columns).
 template <bool ACC>
 void gemm_bf16(int64_t M, int64_t pairs, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b2, float* c,
                int64_t ldc) {
+    if (amx_tiles()) {
+        at::native::cpublas::brgemm(M, SB, 2 * pairs, lda, SB, ldc, ACC, a, b2, c, true);
+        tiles_configured = true;
+        return;
+    }
     constexpr int R = 8;
     int64_t i = 0;
     for (; i + R <= M; i += R) micro_bf16<R, ACC>(pairs, a + i * lda, lda, b2, c + i * ldc, ldc);
@@ -567,6 +588,12 @@ std::vector<typename Work::State> run_items(const std::vector<Item>& items, cons
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
             for (int64_t i = next++; i < n; i = next++) work(items[i], states[t]);
+#if ATTNKIT_BF16_DOT
+        if (tiles_configured) {
+            at::native::cpublas::brgemm_release(true);
+            tiles_configured = false;
+        }
+#endif
     });
     return states;
 }
@@ -606,6 +633,45 @@ struct Online {
             for (int64_t d = 0; d < rows; ++d)
                 for (int j = 0; j < NVS; ++j) store(ot + d * SB + j * W, load(ot + d * SB + j * W) * alpha[j]);
     }
+#if ATTNKIT_BF16_DOT
+    // step() for the bfloat16 products: S^T (kn x SB) times mul (the scale, when the scores are
+    // not yet scaled; mul > 0), its weights written as P^T pair-major bfloat16 (kn/2 pairs, an odd
+    // kn padded with a zero row) in the same pass, S left as it was.
+    void step_packed(const float* s, int64_t kn, float mul, float* ot, int64_t rows, c10::BFloat16* p2) {
+        vf mt[NVS], ms[NVS], alpha[NVS], sum[NVS];
+        for (int j = 0; j < NVS; ++j) mt[j] = splat(NEG_INF), sum[j] = vf{};
+        for (int64_t c = 0; c < kn; ++c)
+            for (int j = 0; j < NVS; ++j) mt[j] = vmax_nan(mt[j], load(s + c * SB + j * W));
+        bool rescale = false;
+        const vf vmul = splat(mul);
+        for (int j = 0; j < NVS; ++j) {
+            mt[j] = mt[j] * vmul;  // mul > 0: the max of the products is the product of the max
+            const vf mn = vmax_nan(m[j], mt[j]);
+            ms[j] = mn == splat(NEG_INF) ? vf{} : mn;
+            alpha[j] = vexp(m[j] - ms[j]);
+            rescale |= any(mt[j] > m[j]);
+            m[j] = mn;
+        }
+        static_assert(NVS == 2, "a pair-major row is SB = 2 vectors");
+        const int64_t pairs = (kn + 1) / 2;
+        for (int64_t p = 0; p < pairs; ++p) {
+            const int64_t c0 = 2 * p, c1 = 2 * p + 1;
+            float x[2][SB];
+            for (int j = 0; j < NVS; ++j) {
+                const vf p0 = vexp(load(s + c0 * SB + j * W) * vmul - ms[j]);
+                const vf p1 = c1 < kn ? vexp(load(s + c1 * SB + j * W) * vmul - ms[j]) : vf{};
+                sum[j] += p0 + p1;
+                store(x[0] + j * W, p0);
+                store(x[1] + j * W, p1);
+            }
+            pack_pair(x[0], x[1], p2 + p * 2 * SB);
+        }
+        for (int j = 0; j < NVS; ++j) l[j] = l[j] * alpha[j] + sum[j];
+        if (rescale)
+            for (int64_t d = 0; d < rows; ++d)
+                for (int j = 0; j < NVS; ++j) store(ot + d * SB + j * W, load(ot + d * SB + j * W) * alpha[j]);
+    }
+#endif
     float lse(int64_t j) const {
         const float lj = l[j / W][j % W], mj = m[j / W][j % W];
         if (lj > 0.0f) return mj + std::log(lj);
@@ -687,10 +753,12 @@ struct Forward {
 // (pairs of adjacent dims) against Q^T packed pair-major, P V from P^T packed pair-major (keys in
 // pairs) against V^T packed key-pair-major per step; statistics as the float32 forward.
 struct ForwardBF16 {
+    static constexpr int64_t MERGE = 16;  // with AMX tiles (1024 keys of 64; fewer help less)
     const Problem& pb;
     View<const c10::BFloat16> q, k, v;
     View<c10::BFloat16> out;
     float* lse;
+    View<const c10::BFloat16> vt;  // V^T (Dv x Lk per head) for AMX tiles, else p == nullptr
     using State = typename Forward<c10::BFloat16>::State;
 
     void operator()(const Item& it, State& st) const {
@@ -699,14 +767,18 @@ struct ForwardBF16 {
         const PlanRow plan = plan_row(pb, b, h, it.qb);
         const int64_t end = pb.key_end(b);
         const float* band = pb.band_of(h);
-        const int64_t Dpair = (pb.D + 1) / 2, kpairs = (pb.bk + 1) / 2;
+        // with AMX tiles, up to MERGE adjacent full key blocks as one step: fewer, larger products
+        // (and one softmax rescale) where the mask keeps whole runs of blocks; the dot-product path
+        // keeps steps of one block (its V^T copy per step grows out of the caches)
+        const int64_t merge = vt.p != nullptr ? MERGE : 1;
+        const int64_t Dpair = (pb.D + 1) / 2, kpairs = (merge * pb.bk + 1) / 2;
         float* s = st.s.get(2 * kpairs * SB);  // an odd block's last pair padded with a zero row
         float* ot = st.o.get(pb.Dv * SB);
         float* qt = st.qt.get(2 * Dpair * SB);
         bf16* q2 = st.q2.get(Dpair * 2 * SB);      // Q^T pair-major: (D/2, SB, 2)
         bf16* p2 = st.p2.get(kpairs * 2 * SB);     // P^T pair-major: (kn/2, SB, 2)
         bf16* v2 = st.v2.get(pb.Dv * kpairs * 2);  // V^T with keys in pairs: (Dv, kn/2, 2)
-        bf16* kc = reinterpret_cast<bf16*>(st.kc.get(pb.bk * (Dpair + 1)));  // K rows, dims padded even
+        bf16* kc = reinterpret_cast<bf16*>(st.kc.get(merge * pb.bk * (Dpair + 1)));  // K rows, dims padded even
         st.used.resize(pb.bk);
         for (int64_t r0 = it.qb * pb.bq; r0 < std::min((it.qb + 1) * pb.bq, pb.Lq); r0 += SB) {
             const int64_t n = std::min<int64_t>(SB, pb.Lq - r0);
@@ -721,19 +793,28 @@ struct ForwardBF16 {
             for (int64_t t = 0; t < plan.num; ++t) {
                 Step step;
                 if (!open_step(pb, plan, t, end, row_in_block, n, st.used.data(), step)) continue;
+                if (plan.tid[t] < 0)  // a full block: the full blocks right after it join the step
+                    while (step.kn % pb.bk == 0 && step.kn < merge * pb.bk && t + 1 < plan.num && plan.tid[t + 1] < 0 &&
+                           int64_t(plan.idx[t + 1]) * pb.bk == step.k0 + step.kn) {
+                        const int64_t more = std::min(pb.bk, end - (step.k0 + step.kn));
+                        if (more <= 0) break;
+                        step.kn += more;
+                        ++t;
+                    }
                 const bool clean = !step.all_used;
                 int64_t kstride;
                 const bf16* krows =
                     bf16_rows(k.row(b, hk, step.k0), k.s2, step.kn, pb.D, clean ? st.used.data() : nullptr, kc, kstride);
                 scores_bf16(step, Dpair, krows, kstride, q2, s);
-                modify_scores(pb, step, s, nullptr, band, r0);
-                soft.step(s, step.kn, ot, pb.Dv);
-                // P^T pair-major and V^T with keys in pairs (unused keys 0; an odd kn padded)
+                // the scale inside the softmax pass where it is the only modification
+                const bool plain = pb.softcap == 0.0f && band == nullptr && !step.masked && pb.scale > 0.0f;
+                if (!plain) modify_scores(pb, step, s, nullptr, band, r0);
+                // P^T pair-major (an odd kn padded), then V^T with keys in pairs (unused keys 0)
+                soft.step_packed(s, step.kn, plain ? pb.scale : 1.0f, ot, pb.Dv, p2);
                 const int64_t pairs = (step.kn + 1) / 2;
-                for (int64_t p = 0; p < pairs; ++p) {
-                    const int64_t c0 = 2 * p, c1 = 2 * p + 1;
-                    if (c1 >= step.kn) std::fill_n(s + c1 * SB, SB, 0.0f);
-                    pack_pair(s + c0 * SB, s + c1 * SB, p2 + p * 2 * SB);
+                if (vt.p != nullptr && !clean && step.kn % 2 == 0) {  // V^T read in place
+                    gemm_bf16<true>(pb.Dv, pairs, vt.row(b, hk, 0) + step.k0, vt.s2, p2, ot, SB);
+                    continue;
                 }
                 const bf16* vr = v.row(b, hk, step.k0);
                 for (int64_t p = 0; p < pairs; ++p) {
@@ -1616,7 +1697,15 @@ void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
     }
 #if ATTNKIT_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        run_items(forward_items(pb), ForwardBF16{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>()});
+        // with AMX tiles the products are cheap next to transposing V per step: V^T once per call
+        at::Tensor vt;
+        View<const T> vtv{nullptr, 0, 0, 0};
+        if (amx_tiles()) {
+            vt = c.v.transpose(2, 3).contiguous();
+            vtv = view_of<const T>(vt);
+            if (c.v.stride(0) == 0) vtv.s0 = 0;
+        }
+        run_items(forward_items(pb), ForwardBF16{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>(), vtv});
         return;
     }
 #endif
@@ -1788,7 +1877,7 @@ std::vector<at::Tensor> native_stats(const at::Tensor& q, const at::Tensor& k, c
 std::string native_info() {
     std::string words = std::string(ISA) + " (" + std::to_string(W) + " floats a vector)";
 #if ATTNKIT_BF16_DOT
-    words += "; bfloat16: AVX512-BF16 dot products";
+    words += amx_tiles() ? "; bfloat16: AMX tiles (oneDNN brgemm)" : "; bfloat16: AVX512-BF16 dot products";
 #else
     words += "; bfloat16: widened to float32";
 #endif

@@ -4,9 +4,10 @@ The source ships with attnkit and is compiled once per machine, at its first use
 compiler found on the machine (``$CXX``, else ``g++`` or ``c++``) against the PyTorch that is
 running, with the include and library paths and ABI flag of :mod:`torch.utils.cpp_extension`:
 ``-O3 -march=native``, OpenMP through PyTorch's own runtime (it shares PyTorch's threads and
-follows ``torch.set_num_threads``). The library registers two operators,
-``torch.ops.attnkit.native_forward`` and ``torch.ops.attnkit.native_backward``, whose fake
-(meta) and autograd implementations are registered here: the forward is differentiable, runs
+follows ``torch.set_num_threads``). The library registers three operators,
+``torch.ops.attnkit.native_forward``, ``native_backward`` and ``native_stats`` (the statistics of
+:func:`attnkit.inspect.attention_stats`), whose fake (meta) and autograd implementations are
+registered here: the forward is differentiable, runs
 under ``torch.inference_mode()`` and is traced by ``torch.compile`` as one op
 (``torch.library.opcheck`` passes on it).
 
@@ -21,9 +22,13 @@ the sanitizer's runtime preloaded).
 
 Where there is no compiler, the build fails, or ``ATTNKIT_NATIVE=0`` is set, :func:`status`
 says why and the kernel registry runs the other CPU kernels (``attnkit.explain`` shows which).
-Softmax statistics and sums are float32; bfloat16/float16 inputs are read one tile at a time
-(on CPUs with AVX512-BF16, bfloat16 dot products; :func:`info` says which); float64 runs
-elsewhere.
+Softmax statistics and sums are float32; bfloat16/float16 inputs are read one tile at a time.
+bfloat16's products take the CPU's matrix units where it has them: on AMX-BF16 machines the
+forward's Q K^T and P V (and the backward's recomputed scores) are PyTorch's batch-reduce GEMM on
+AMX tiles (``at::native::cpublas::brgemm``, oneDNN), on AVX512-BF16 ones bfloat16 dot products
+(``vdpbf16ps``), elsewhere float32 on widened tiles; :func:`info` says which this process takes.
+``ATTNKIT_NATIVE_AMX=0`` keeps the dot products on an AMX machine (to test or compare them).
+float64 runs elsewhere.
 
 Equivalent PyTorch code (forward)::
 
@@ -365,8 +370,9 @@ def available() -> bool:
 
 
 def info() -> str:
-    """What the build computes with, e.g. ``"AVX-512 (16 floats a vector); bfloat16: AVX512-BF16
-    dot products"`` ('' where the engine is not available)."""
+    """What the build computes with, e.g. ``"AVX-512 (16 floats a vector); bfloat16: AMX tiles
+    (oneDNN brgemm)"`` or ``"...; bfloat16: AVX512-BF16 dot products"`` ('' where the engine is not
+    available)."""
     return _load().info if available() else ""
 
 
