@@ -759,6 +759,7 @@ struct ForwardBF16 {
     View<c10::BFloat16> out;
     float* lse;
     View<const c10::BFloat16> vt;  // V^T (Dv x Lk per head) for AMX tiles, else p == nullptr
+    const uint8_t* finite;          // with vt: 1 where key c's value row is finite, at vt's (b, h) offset / Dv
     using State = typename Forward<c10::BFloat16>::State;
 
     void operator()(const Item& it, State& st) const {
@@ -774,7 +775,6 @@ struct ForwardBF16 {
         const int64_t Dpair = (pb.D + 1) / 2, kpairs = (merge * pb.bk + 1) / 2;
         float* s = st.s.get(2 * kpairs * SB);  // an odd block's last pair padded with a zero row
         float* ot = st.o.get(pb.Dv * SB);
-        float* qt = st.qt.get(2 * Dpair * SB);
         bf16* q2 = st.q2.get(Dpair * 2 * SB);      // Q^T pair-major: (D/2, SB, 2)
         bf16* p2 = st.p2.get(kpairs * 2 * SB);     // P^T pair-major: (kn/2, SB, 2)
         bf16* v2 = st.v2.get(pb.Dv * kpairs * 2);  // V^T with keys in pairs: (Dv, kn/2, 2)
@@ -783,11 +783,19 @@ struct ForwardBF16 {
         for (int64_t r0 = it.qb * pb.bq; r0 < std::min((it.qb + 1) * pb.bq, pb.Lq); r0 += SB) {
             const int64_t n = std::min<int64_t>(SB, pb.Lq - r0);
             const int64_t row_in_block = r0 - it.qb * pb.bq;
+            // Q^T pair-major: pair p of row j (dims 2p, 2p + 1 as one 32-bit word) at word p * SB + j
+            uint32_t* q2w = reinterpret_cast<uint32_t*>(q2);
             for (int64_t j = 0; j < SB; ++j) {
                 const bf16* qr = j < n ? q.row(b, h, r0 + j) : nullptr;
-                for (int64_t d = 0; d < 2 * Dpair; ++d) qt[d * SB + j] = qr && d < pb.D ? float(qr[d]) : 0.0f;
+                for (int64_t p = 0; p < Dpair; ++p) {
+                    uint32_t w = 0;
+                    if (qr && 2 * p + 1 < pb.D)
+                        std::memcpy(&w, qr + 2 * p, 4);
+                    else if (qr)
+                        w = qr[2 * p].x;  // an odd D: the last pair's second dim is 0
+                    q2w[p * SB + j] = w;
+                }
             }
-            pack_columns(qt, Dpair, q2);
             std::fill_n(ot, pb.Dv * SB, 0.0f);
             Online soft;
             for (int64_t t = 0; t < plan.num; ++t) {
@@ -802,9 +810,11 @@ struct ForwardBF16 {
                         ++t;
                     }
                 const bool clean = !step.all_used;
+                // K in place with AMX tiles: a key no row uses is hidden from every row (the step is
+                // masked then), so its score, whatever K holds, becomes -inf in modify_scores
                 int64_t kstride;
-                const bf16* krows =
-                    bf16_rows(k.row(b, hk, step.k0), k.s2, step.kn, pb.D, clean ? st.used.data() : nullptr, kc, kstride);
+                const bf16* krows = bf16_rows(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
+                                              clean && vt.p == nullptr ? st.used.data() : nullptr, kc, kstride);
                 scores_bf16(step, Dpair, krows, kstride, q2, s);
                 // the scale inside the softmax pass where it is the only modification
                 const bool plain = pb.softcap == 0.0f && band == nullptr && !step.masked && pb.scale > 0.0f;
@@ -812,7 +822,14 @@ struct ForwardBF16 {
                 // P^T pair-major (an odd kn padded), then V^T with keys in pairs (unused keys 0)
                 soft.step_packed(s, step.kn, plain ? pb.scale : 1.0f, ot, pb.Dv, p2);
                 const int64_t pairs = (step.kn + 1) / 2;
-                if (vt.p != nullptr && !clean && step.kn % 2 == 0) {  // V^T read in place
+                // V^T in place where the keys no row uses hold finite values (their weight is exactly
+                // 0, and 0 x finite adds nothing; a NaN or Inf there must not reach the output)
+                bool in_place = vt.p != nullptr && step.kn % 2 == 0;
+                if (in_place && clean) {
+                    const uint8_t* fin = finite + (vt.row(b, hk, 0) - vt.p) / pb.Dv + step.k0;
+                    for (int64_t c = 0; c < step.kn && in_place; ++c) in_place = st.used[c] || fin[c];
+                }
+                if (in_place) {
                     gemm_bf16<true>(pb.Dv, pairs, vt.row(b, hk, 0) + step.k0, vt.s2, p2, ot, SB);
                     continue;
                 }
@@ -1685,6 +1702,30 @@ Checked check_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor&
     return c;
 }
 
+#if ATTNKIT_BF16_DOT
+// V (B or 1, Hkv, Lk, Dv) bfloat16 as V^T (B or 1, Hkv, Dv, Lk), contiguous (ATen's blocked copy), and
+// where the plan has partial tiles finite (B or 1, Hkv, Lk): 1 where a key's value row holds no NaN
+// or Inf. The batch once where V is broadcast over it.
+void transpose_values(const at::Tensor& v, bool partial, at::Tensor& vt, at::Tensor& finite) {
+    const at::Tensor one = v.stride(0) == 0 ? v.narrow(0, 0, 1) : v;
+    vt = one.transpose(2, 3).contiguous();
+    if (!partial) return;
+    const int64_t H = one.size(1), L = one.size(2), Dv = one.size(3);
+    finite = at::empty({one.size(0), H, L}, one.options().dtype(at::kByte));
+    const View<const c10::BFloat16> src = view_of<const c10::BFloat16>(one);
+    uint8_t* fin = finite.data_ptr<uint8_t>();
+    at::parallel_for(0, one.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh)
+            for (int64_t c = 0; c < L; ++c) {
+                const uint16_t* row = reinterpret_cast<const uint16_t*>(src.row(bh / H, bh % H, c));
+                uint16_t bad = 0;
+                for (int64_t d = 0; d < Dv; ++d) bad |= uint16_t((row[d] & 0x7f80) == 0x7f80);  // Inf or NaN
+                fin[bh * L + c] = bad == 0;
+            }
+    });
+}
+#endif
+
 template <typename T>
 void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
     const Problem& pb = c.pb;
@@ -1698,14 +1739,15 @@ void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
 #if ATTNKIT_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
         // with AMX tiles the products are cheap next to transposing V per step: V^T once per call
-        at::Tensor vt;
+        at::Tensor vt, finite;
         View<const T> vtv{nullptr, 0, 0, 0};
         if (amx_tiles()) {
-            vt = c.v.transpose(2, 3).contiguous();
+            transpose_values(c.v, c.bits.numel() > 0, vt, finite);
             vtv = view_of<const T>(vt);
-            if (c.v.stride(0) == 0) vtv.s0 = 0;
+            if (vt.size(0) == 1) vtv.s0 = 0;  // V broadcast over the batch
         }
-        run_items(forward_items(pb), ForwardBF16{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>(), vtv});
+        run_items(forward_items(pb), ForwardBF16{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>(), vtv,
+                                                 finite.defined() ? finite.data_ptr<uint8_t>() : nullptr});
         return;
     }
 #endif
