@@ -290,7 +290,10 @@ def test_dispatch_with_the_native_engine(monkeypatch):
     assert plan(None, dtype=torch.float64).kernel == "sdpa"
     grad = torch.empty(1, 2, 2048, 16, dtype=torch.bfloat16, requires_grad=True)
     assert attnkit.explain(grad, grad, grad).kernel == "sdpa"  # unmasked bf16 training: SDPA's bf16 backward
-    assert attnkit.explain(grad, grad, grad, masks.causal()).kernel == "native"
+    # causal bf16 training: the engine, except where its bf16 forward runs on AMX tiles (there PyTorch's
+    # is_causal SDPA, whose backward is bf16 too, is the faster; measured in docs/benchmarks.md)
+    causal = attnkit.explain(grad, grad, grad, masks.causal())
+    assert causal.kernel == ("sdpa" if "AMX tiles" in native_build.info() else "native"), causal
     assert plan(torch.rand(2048, 2048) > 0.1).reason == "sdpa: dense mask"
     window = plan(masks.sliding_window(128), dtype=torch.float64)
     assert window.kernel == "fused" and window.rejected["native"] == ("does not take torch.float64",), window

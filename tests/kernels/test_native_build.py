@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _oracle import assert_oracle, dense_of, gold_and_naive, naive_attention
 
 import attnkit
 from attnkit import masks
 from attnkit.kernels import native_build
-from _oracle import assert_oracle, dense_of, gold_and_naive, naive_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -322,7 +322,6 @@ def test_other_vector_widths_are_exact(arch, tmp_path):
     assert got["info"].startswith({"x86-64-v3": "AVX2 (8 floats", "x86-64-v2": "SSE/portable (4 floats"}[arch]), got
     assert "widened to float32" in got["info"]  # no AVX512-BF16 in these builds
     assert max(got["errs"]) < 5e-5, got
-
 
 
 def _cpu_flags() -> set[str]:

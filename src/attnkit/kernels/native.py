@@ -218,6 +218,11 @@ def _band(call: Call) -> torch.Tensor | None:
     return call.cached("native band", make)  # type: ignore[return-value]
 
 
+def _amx() -> bool:
+    """The engine's bf16 products run on AMX tiles in this process (``native_build.info()``)."""
+    return "AMX tiles" in native_build.info()
+
+
 class NativeKernel(Kernel):
     """attnkit's C++ engine over a prepared mask (see the module's docstring)."""
 
@@ -270,17 +275,15 @@ class NativeKernel(Kernel):
             mods = blocksparse.modifications_in_words(call, True) or "return_lse=True"
             return True, lambda: f"{_kept_in_words(call)}, {mods}; {how}"
         rows = blocksparse.rows_of(call)
-        if (
-            rows >= MIN_QUERIES
-            and not call.tensor_mask
-            and not (call.mask is None and call.half and call.backward)
-            and call.dropout_p == 0.0
-        ):
+        # half precision with a backward, on PyTorch's own dense or causal SDPA: its bf16 backward uses
+        # bf16 products, the engine's computes in float32 (where bf16 runs on AMX tiles, causal too)
+        half_training = call.half and call.backward and (call.mask is None or (_amx() and call.causal_shift() == 0))
+        if rows >= MIN_QUERIES and not call.tensor_mask and not half_training and call.dropout_p == 0.0:
             return True, lambda: f"{_kept_in_words(call)}, {rows} query rows; {how}"
-        if call.mask is None and call.half and call.backward and rows >= MIN_QUERIES:
+        if half_training and rows >= MIN_QUERIES:
             return False, (
-                "no mask, half precision with a backward: SDPA's bf16 backward uses bf16 dot products "
-                "(the engine's backward computes in float32)"
+                f"{'no mask' if call.mask is None else 'causal'}, half precision with a backward: SDPA's bf16 "
+                "backward uses bf16 products (the engine's backward computes in float32)"
             )
         yes, why = blocksparse.sparse_pays(call, blocksparse.LIMITS, fused.squares_and_full)
         if not yes:
