@@ -64,7 +64,11 @@ def cpu(name: str) -> str:
         )
     meta = d.get("meta", {})
     header = ["case", "L", "dtype", "mode", "attnkit ms", "vs SDPA", "vs ideal", "GFLOP/s kept / dense SDPA"]
-    return f"*{meta.get('threads', '?')} threads, torch {meta.get('torch', '?')}.*\n\n" + _table(
+    cpu = ""
+    if "model" in meta:
+        units = ", ".join(meta.get("units", [])) or "no vector extensions listed"
+        cpu = f" {meta['model']} ({units}); engine: {meta.get('engine', '?')}."
+    return f"*{meta.get('threads', '?')} threads, torch {meta.get('torch', '?')}.{cpu}*\n\n" + _table(
         [*header, "vs Flex", "live MiB", "kernel"], rows
     )
 
@@ -282,6 +286,7 @@ def captioner(name: str) -> str:
 TABLES = {
     "cpu": cpu,
     "cpu_4096": cpu,
+    "cpu_4096_amx": cpu,
     "cpu_4096_1thread": cpu,
     "cpu_4096_flex": cpu,
     "cpu_long": cpu,
@@ -297,6 +302,8 @@ TABLES = {
     "long_context": long_context,
     "accuracy": accuracy,
     "accuracy_bf16": accuracy,
+    "accuracy_xeon": accuracy,
+    "accuracy_bf16_xeon": accuracy,
     "hf_transformers": hf,
     "speech": speech,
     "recommendation": recommendation,
