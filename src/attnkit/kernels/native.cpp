@@ -1238,7 +1238,8 @@ struct StatsWork {
                     lse = hi == NEG_INF ? NEG_INF : hi + std::log(std::exp(lk - hi) + std::exp(a - hi));
                     if (lk != lk) lse = NaN;
                 }
-                lse_row[j] = j < n ? lse : std::numeric_limits<float>::infinity();  // padding rows: no weight
+                // padding rows and rows that see no key (lse -inf, every score -inf: -inf - -inf would be NaN): no weight
+                lse_row[j] = j < n && lse != NEG_INF ? lse : std::numeric_limits<float>::infinity();
                 if (j >= n) continue;
                 const int64_t at = (b * pb.Hq + h) * pb.Lq + r0 + j;
                 const float r = lj > 0.0f ? std::exp(lk - lse) : (lj == 0.0f ? 0.0f : NaN);  // the keys' share
