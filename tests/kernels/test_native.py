@@ -1,7 +1,7 @@
 """The native kernel (attnkit.kernels.native: C++ operators) against the float64 oracle.
 
 Every test here runs kernel="native" (skipped where it cannot be built); the other kernels keep
-their own tests, and the whole suite runs once more with ATTNKIT_NATIVE=0 (make test-torch). Its
+their own tests, and the suite runs once more with ATTNKIT_NATIVE=0 (make test-torch). Its
 build, cache and operator registrations: test_native_build.py.
 """
 
