@@ -753,7 +753,7 @@ struct Forward {
 // (pairs of adjacent dims) against Q^T packed pair-major, P V from P^T packed pair-major (keys in
 // pairs) against V^T packed key-pair-major per step; statistics as the float32 forward.
 struct ForwardBF16 {
-    static constexpr int64_t MERGE = 16;  // with AMX tiles (1024 keys of 64; fewer help less)
+    static constexpr int64_t MERGE = 16;  // with AMX tiles: 1024 keys of 64 (4 or 8 blocks measured slower)
     const Problem& pb;
     View<const c10::BFloat16> q, k, v;
     View<c10::BFloat16> out;
@@ -1743,7 +1743,10 @@ void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
         at::Tensor vt, finite;
         View<const T> vtv{nullptr, 0, 0, 0};
         if (amx_tiles()) {
-            transpose_values(c.v, c.bits.numel() > 0, vt, finite);
+            // the finite check only where some listed block is partial (bits always holds one tile)
+            const int32_t* tid = c.tile_ids.data_ptr<int32_t>();
+            const bool partial = std::any_of(tid, tid + c.tile_ids.numel(), [](int32_t x) { return x >= 0; });
+            transpose_values(c.v, partial, vt, finite);
             vtv = view_of<const T>(vt);
             if (vt.size(0) == 1) vtv.s0 = 0;  // V broadcast over the batch
         }
