@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import native_build
+from attnkit.kernels.native import build as native_build
 
 RESULTS = Path(__file__).parent / "results"
 QUANTITIES = ("out", "dq", "dk", "dv")

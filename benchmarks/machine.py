@@ -34,7 +34,7 @@ def _engine() -> str:
     """The native engine's build (what it computes with), or why there is none; "-" for a tree
     of attnkit before the engine had ``native_build`` (benchmarks/compare.py runs old trees)."""
     try:
-        from attnkit.kernels import native_build
+        from attnkit.kernels.native import build as native_build
     except ImportError:
         return "-"
     ok, why = native_build.status()

@@ -132,35 +132,27 @@ def assert_oracle(out, gold, naive, factor: float = 2.0, what: str = "", small: 
 ENGINES = ["native", "fused", "math"]
 
 
+def _without(*names: str) -> tuple:
+    """The registered kernels in priority order, without those named."""
+    return tuple(k for k in attnkit.kernels.PRIORITY if k.name not in names)
+
+
 @contextlib.contextmanager
 def engine_pinned(engine: str):
-    """Within the block the tiled kernel runs ``engine`` where it can (for Hypothesis tests, which
-    cannot take the monkeypatch fixture): "native" (as is), "fused" or "math"."""
-    from attnkit.kernels import _aten, native_build
-
-    saved = native_build.ENABLED, _aten.AVAILABLE
-    _forget_runners()
-    try:
-        native_build.ENABLED = saved[0] and engine == "native"
-        _aten.AVAILABLE = saved[1] and engine != "math"
+    """Within the block ``kernel="auto"`` chooses as usual among the registered kernels but the other
+    block-sparse CPU engines (``use_kernels(..., prefer=True)``), so the tiled kernel runs ``engine``
+    where it can: "native" (as is), "fused" (native left out) or "math" (native and fused left out).
+    For Hypothesis tests, which cannot take a fixture."""
+    left_out = {"native": (), "fused": ("native",), "math": ("native", "fused")}[engine]
+    with attnkit.use_kernels(*_without(*left_out), prefer=True):
         yield
-    finally:
-        native_build.ENABLED, _aten.AVAILABLE = saved
-        _forget_runners()
 
 
-def _forget_runners() -> None:
-    """The lean path keeps runners of the kernel it chose; a test that turns a kernel off starts afresh."""
-    from attnkit import _cache
-
-    _cache.LEAN.clear()
-    _cache.LEAN_ANY_LENGTH.clear()
-
-
-def pin_engine(monkeypatch, engine: str) -> None:
-    """Make the tiled kernel run ``engine`` where it can: "native" (skips the test where the C++
-    engine cannot be built), "fused" (native turned off) or "math" (native and fused turned off)."""
-    from attnkit.kernels import _aten, native_build
+def pin_engine(request, engine: str) -> None:
+    """Make the tiled kernel run ``engine`` where it can for the rest of the test: "native" (skips the
+    test where the C++ engine cannot be built), "fused" or "math" (through :func:`engine_pinned`)."""
+    from attnkit.kernels.native import build as native_build
+    from attnkit.kernels.runs import aten
 
     if engine == "native":
         if not native_build.available():
@@ -168,12 +160,11 @@ def pin_engine(monkeypatch, engine: str) -> None:
                 pytest.fail(f"the native engine must run here (ATTNKIT_REQUIRE_NATIVE=1): {native_build.status()[1]}")
             pytest.skip(native_build.status()[1])
         return
-    _forget_runners()
-    monkeypatch.setattr(native_build, "ENABLED", False)
-    if engine == "fused" and not _aten.AVAILABLE:
+    if engine == "fused" and not aten.AVAILABLE:
         pytest.skip("PyTorch's fused CPU kernel is not available")
-    if engine == "math":
-        monkeypatch.setattr(_aten, "AVAILABLE", False)
+    pinned = engine_pinned(engine)
+    pinned.__enter__()
+    request.addfinalizer(lambda: pinned.__exit__(None, None, None))
 
 
 class FusedCalls:
@@ -181,10 +172,10 @@ class FusedCalls:
     whether each had an additive mask, whether it was causal, and its number of queries.
     It pins the fused engine (the native one turned off)."""
 
-    def __init__(self, monkeypatch):
-        from attnkit.kernels import _aten
+    def __init__(self, monkeypatch, request):
+        from attnkit.kernels.runs import aten as _aten
 
-        pin_engine(monkeypatch, "fused")
+        pin_engine(request, "fused")
 
         self.calls: list[tuple[bool, bool, int]] = []
         for name in ("flash_forward", "flash_backward"):
@@ -316,7 +307,10 @@ class OpCounter(TorchDispatchMode):
 def run_engine(engine: str, q, k, v, prepared, scale, **mods):
     """``(out, lse)`` of one block-sparse kernel on this very plan (at its own block size), or None
     where that kernel cannot run it: "native" (its operators), "fused" or "math" (the walk)."""
-    from attnkit.kernels import _aten, blocksparse, native, native_build
+    from attnkit.kernels.native import build as native_build
+    from attnkit.kernels.native import kernel as native
+    from attnkit.kernels.runs import aten as _aten
+    from attnkit.kernels.runs import walk as blocksparse
 
     if engine == "native":
         if not native_build.available() or q.dtype == torch.float64 or prepared.block_size[0] % 32:

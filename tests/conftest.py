@@ -23,7 +23,7 @@ def _fresh_seed(request):
 def _fresh_runners():
     """A test that turned a kernel off (pin_engine) leaves no runner of it behind."""
     yield
-    from attnkit import _cache
+    from attnkit.kernels import fastpath
 
-    _cache.LEAN.clear()
-    _cache.LEAN_ANY_LENGTH.clear()
+    fastpath.LEAN.clear()
+    fastpath.LEAN_ANY_LENGTH.clear()

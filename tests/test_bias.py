@@ -199,8 +199,8 @@ def band_bias(kind, dtype, lq, lk):
 
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("kind", BAND_KINDS)
-def test_a_band_bias_runs_on_the_fused_engine_float64(kind, mask_name, monkeypatch):
-    from attnkit.kernels import _aten
+def test_a_band_bias_runs_on_the_fused_engine_float64(kind, mask_name, monkeypatch, request):
+    from attnkit.kernels.runs import aten as _aten
 
     q = randn(B, HQ, L, D, dtype=torch.float64, requires_grad=True)
     k, v = (randn(B, HKV, L, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -208,7 +208,7 @@ def test_a_band_bias_runs_on_the_fused_engine_float64(kind, mask_name, monkeypat
     mask = MASKS[mask_name]()
     want = oracle(q, k, v, allowed_of(mask, L, L), add=formula)
     want_grads = _grads(want, [q, k, v])
-    calls = FusedCalls(monkeypatch)
+    calls = FusedCalls(monkeypatch, request)
     out = attnkit.attention(q, k, v, mask, attn_bias=the_bias, kernel="tiled")
     assert (out - want).abs().max() < 1e-12
     for got, exp in zip(_grads(out, [q, k, v]), want_grads):

@@ -17,7 +17,8 @@ from _oracle import naive_attention, randn
 
 import attnkit
 from attnkit import _cache, masks
-from attnkit.kernels import native_build
+from attnkit.kernels import fastpath
+from attnkit.kernels.native import build as native_build
 
 
 def _want(q, k, v, mask, lq, lk):
@@ -80,7 +81,7 @@ def test_a_rebound_closure_cell_is_another_predicate():
 
 def test_equal_closures_share_one_preparation():
     """Two closures of one code over equal contents are one value: prepared once."""
-    from attnkit.prepare import PREPARATIONS
+    from attnkit.plan import PREPARATIONS
 
     def make(n):
         limit = torch.tensor(n)
@@ -188,11 +189,11 @@ def test_decoding_steps_with_a_new_padding_mask_each_share_one_runner_and_stay_e
         native = native_build.available()
         chosen = attnkit.explain(q, k, v, masks.padding(torch.tensor([3, 4, 5]))).kernel
         assert chosen == ("native" if native else "sdpa")
-        assert len(_cache.LEAN_LIMITS) == (1 if native else 0)
+        assert len(fastpath.LEAN_LIMITS) == (1 if native else 0)
         with pytest.raises(ValueError, match="Lk=40"):
             attnkit.attention(q, k, v, masks.padding(torch.tensor([41, 1, 1])))
         # another signature (a longer cache) is another entry, exact too
         k2, v2 = randn(3, 2, 50, 16), randn(3, 2, 50, 16)
         mask = masks.padding(torch.tensor([50, 9, 20]))
         _close(attnkit.attention(q, k2, v2, mask), _want(q, k2, v2, mask, 1, 50))
-        assert len(_cache.LEAN_LIMITS) == (2 if native else 0)
+        assert len(fastpath.LEAN_LIMITS) == (2 if native else 0)

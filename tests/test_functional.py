@@ -12,7 +12,10 @@ from _oracle import ALL_KERNELS, DTYPES, assert_oracle, dense_of, gold_and_naive
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import blocksparse, reference, tiled_math, tiles
+from attnkit.kernels import blocks, reference
+from attnkit.kernels.runs import math_engine as tiled_math
+from attnkit.kernels.runs import tiles
+from attnkit.kernels.runs import walk as blocksparse
 
 KERNELS = ["auto", "sdpa", "tiled", "reference"]
 
@@ -382,8 +385,8 @@ def tiled_keep_mask(q, k, mask, *, dropout_p, seed):
     prepared = attnkit.prepare(mask, lq, lk)
     call = tiles.TileCall(prepared, 1.0, dropout_p, seed, "math")
     keep = torch.zeros(b, hq, lq, lk, dtype=torch.bool)
-    assert len(prepared.groups) == 1
-    for row in prepared.groups[0].rows:
+    assert len(blocks.groups(prepared)) == 1
+    for row in blocks.groups(prepared)[0].rows:
         for run in row.runs:
             shape = (b, hkv, (hq // hkv) * (row.q1 - row.q0), run.k1 - run.k0)
             tile = tiled_math.dropout_keep_mask(call, 0, row, run, shape, q.device)

@@ -169,7 +169,7 @@ def test_core_works_without_any_extra():
 
 
 def test_private_flash_ops_are_probed():
-    from attnkit.kernels import _aten
+    from attnkit.kernels.runs import aten as _aten
 
     assert isinstance(_aten.AVAILABLE, bool)
     if _aten.AVAILABLE:  # the probe ran the ops once: their keyword interface is the one attnkit calls
@@ -179,13 +179,11 @@ def test_private_flash_ops_are_probed():
 
 
 @pytest.mark.parametrize("mask", ["document_causal", "window", "padding", "causal", "prefix_lm"])
-def test_tiled_kernel_without_the_private_ops(monkeypatch, mask):
-    """With the fused CPU ops unavailable (another PyTorch build), the tiled kernel runs its math
-    engine: the same answers, forward and backward (a prefix-LM of 900 rows would run causal
-    squares on the fused kernel: here its row blocks run on the math engine)."""
-    from attnkit.kernels import _aten
-
-    monkeypatch.setattr(_aten, "AVAILABLE", False)
+def test_tiled_kernel_without_the_private_ops(mask):
+    """Where neither the native engine nor the fused CPU ops run (another PyTorch build without them,
+    no compiler), the tiled group's last kernel, math, runs: the same answers, forward and backward
+    (a prefix-LM of 900 rows would run causal squares on the fused kernel: here its row blocks run
+    on the math engine)."""
     length = 900 if mask == "prefix_lm" else 300
     m = {
         "document_causal": masks.document(torch.arange(length) // 70) & masks.causal(),
@@ -198,7 +196,7 @@ def test_tiled_kernel_without_the_private_ops(monkeypatch, mask):
     q = torch.randn(2, 4, length, 32, generator=g, requires_grad=True)
     k = torch.randn(2, 2, length, 32, generator=g, requires_grad=True)
     v = torch.randn(2, 2, length, 32, generator=g, requires_grad=True)
-    out = attnkit.attention(q, k, v, m, kernel="tiled")
+    out = attnkit.attention(q, k, v, m, kernel="math")
     dense = m.materialize(length, length)
     gold, naive = gold_and_naive(q, k, v, dense)
     assert_oracle(out, gold, naive)

@@ -9,7 +9,8 @@ from _oracle import ALL_KERNELS, assert_oracle, dense_of, gold_and_naive, mask_k
 
 import attnkit
 from attnkit import bias, masks
-from attnkit.prepare import PREPARATIONS
+from attnkit.kernels import blocks
+from attnkit.plan import PREPARATIONS
 
 
 @pytest.mark.parametrize("name", list(mask_kinds()))
@@ -66,7 +67,7 @@ def test_per_row_plans_with_different_layouts_per_row(dtype):
     ids = random_documents(b, length, 5)
     mask = masks.document(ids) & masks.causal()
     p = attnkit.prepare(mask, length, length, block_size=(32, 16))
-    assert len(p.groups) == b  # every row its own plan
+    assert len(blocks.groups(p)) == b  # every row its own plan
     union = (p.codes != masks.EMPTY).any(0).float().mean().item()
     assert p.kept < union  # each row visits only its own blocks
     q, k, v = (
@@ -95,7 +96,7 @@ def test_per_head_masks_from_fn():
 
     mask = masks.from_fn(per_head, num_heads=4)
     p = attnkit.prepare(mask, length, length, block_size=(32, 16))
-    assert p.codes.shape[:2] == (1, 4) and len(p.groups) == 4
+    assert p.codes.shape[:2] == (1, 4) and len(blocks.groups(p)) == 4
     q, k, v = (
         randn(2, 4, length, 8, dtype=torch.float64),
         randn(2, 2, length, 8, dtype=torch.float64),

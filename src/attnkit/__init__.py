@@ -10,8 +10,6 @@ nor anything else until then), so the ``attnkit`` command answers ``--help`` at 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from attnkit.errors import AttnkitError, AttnkitTypeError, AttnkitValueError, MissingExtraError
@@ -34,8 +32,8 @@ _NAMES = {
     "use_kernels": ("attnkit.kernels", "use_kernels"),
     "KVCache": ("attnkit.nn", "KVCache"),
     "MultiHeadAttention": ("attnkit.nn", "MultiHeadAttention"),
-    "PreparedMask": ("attnkit.prepare", "PreparedMask"),
-    "prepare": ("attnkit.prepare", "prepare"),
+    "PreparedMask": ("attnkit.plan", "PreparedMask"),
+    "prepare": ("attnkit.plan", "prepare"),
     "create_causal_mask": ("attnkit.tutorial", "create_causal_mask"),
     "create_padding_mask": ("attnkit.tutorial", "create_padding_mask"),
     "scaled_dot_product_attention": ("attnkit.tutorial", "scaled_dot_product_attention"),
@@ -43,6 +41,7 @@ _NAMES = {
 }
 _SUBMODULES = {
     "bias",
+    "call",
     "distributed",
     "functional",
     "inspect",
@@ -51,6 +50,7 @@ _SUBMODULES = {
     "masks",
     "models",
     "nn",
+    "plan",
     "score_mods",
     "tutorial",
     "viz",
@@ -96,20 +96,9 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_NAMES) | _SUBMODULES)
 
 
-class _Package(types.ModuleType):
-    """The package module: ``attnkit.prepare`` names the function, though a submodule of that
-    name exists (importing it would otherwise set the attribute to the module)."""
-
-    def __setattr__(self, name, value):
-        if name in _NAMES and isinstance(value, types.ModuleType):
-            return  # the submodule stays reachable as sys.modules["attnkit.prepare"]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from attnkit import bias as bias
+    from attnkit import call as call
     from attnkit import distributed as distributed
     from attnkit import functional as functional
     from attnkit import inspect as inspect
@@ -117,13 +106,14 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from attnkit import kernels as kernels
     from attnkit import masks as masks
     from attnkit import nn as nn
+    from attnkit import plan as plan
     from attnkit import score_mods as score_mods
     from attnkit import tutorial as tutorial
     from attnkit.functional import attention, attention_weights, attention_with_weights, explain
     from attnkit.inspect.capture import capture
     from attnkit.kernels import use_kernels
     from attnkit.nn import KVCache, MultiHeadAttention
-    from attnkit.prepare import PreparedMask, prepare
+    from attnkit.plan import PreparedMask, prepare
     from attnkit.tutorial import (
         create_causal_mask,
         create_padding_mask,

@@ -8,40 +8,44 @@ counter. Objects attnkit makes and never changes (a :class:`~attnkit.PreparedMas
 object, which copies the tensors it is given) may be keys by identity, held weakly, so an
 entry dies with its object and a new object at a reused id finds nothing.
 
-=================================  =========================================================  =========
-cache                              key                                                        bound
-=================================  =========================================================  =========
-:data:`PREPARED`                   ``(mask value key, Lq, Lk, device, block size)``; a mask   16 entries
-                                   whose value has no key: ``("id", id(mask))`` with the
-                                   mask held weakly and checked (``prepare.prepared_for``)
-:data:`LEAN`                       a call's signature: shapes, dtypes, devices, the mask's    32 entries
-                                   value key (or a PreparedMask's ``uid``), scale,
-                                   autograd and inference mode, the registry's state
-                                   (``functional._lean_key``)
-:data:`LEAN_ANY_LENGTH`            the same without Lk, for unmasked rank-4 calls SDPA runs   32 entries
-:data:`LEAN_LIMITS`                the same with a padding mask's lengths left out (their     32 entries
-                                   count kept): its runner takes them per call
-                                   (``Kernel.limit_runner``)
-:data:`DENSE_PLANS`                ``(nq, nk, block size)``: the native engine's plan of      32 entries
-                                   every block kept (padding's decoding steps add their
-                                   limits to it; ``native.limit_plan``)
-:func:`plan_store`                 per PreparedMask (held weakly): the tiles and layouts a    64 MiB each
-                                   kernel derives from it (``(kernel, what, ...)``)
-:data:`SCORE_MOD_STYLE`            a ``score_mod`` function (held weakly): whether it          weak
-                                   broadcasts or needs ``torch.vmap`` (how it evaluates,
-                                   not what it returns)
-=================================  =========================================================  =========
+=====================================  =====================================================  ==========
+cache                                  key                                                    bound
+=====================================  =====================================================  ==========
+:data:`PREPARED`                       ``(mask value key, Lq, Lk, device, block size)``; a    16 entries
+                                       mask whose value has no key but that never changes:
+                                       ``("id", id(mask))``, the mask held weakly and checked
+                                       (``plan.prepared_for``); any other is not cached
+``kernels.fastpath.LEAN`` and its two  a call's signature: shapes, dtypes, devices, the       32 entries
+siblings (any key length, any          mask's value key (or a PreparedMask's ``uid``), the    each
+padding lengths)                       scale's bits, autograd, inference mode, the
+                                       registry's state; see :mod:`attnkit.kernels.fastpath`
+``kernels.native.kernel.DENSE_PLANS``  ``(nq, nk, block size)``: the native engine's plan of  32 entries
+                                       every block kept (plain tensors, never changed)
+:func:`plan_store`                     per PreparedMask (held weakly): the groups, tiles and  64 MiB each
+                                       layouts a kernel derives from it (``(what, ...)``)
+:data:`SCORE_MOD_STYLE`                a ``score_mod`` function (held weakly): whether it      weak
+                                       broadcasts or needs ``torch.vmap`` (how it evaluates,
+                                       not what it returns)
+=====================================  =====================================================  ==========
 
-``masks.from_fn`` keys a predicate by its code and the *contents* of what it closes over
-(cells, defaults and the globals it names: tensors by their bytes, numbers and strings by
-value; :func:`fingerprint`); a predicate over something that cannot be fingerprinted has no
-value key and is prepared again on each call. SDPA's dense-mask path zeroes the K/V rows no
-query uses on every call (no copy is reused).
+``masks.from_fn`` keys a predicate by :func:`fingerprint`: its code (nested functions and
+comprehensions included) and the *values* of what it reads: the cells it closes over, its
+defaults, and each global it names followed through its attribute reads (``cfg.W`` is keyed by
+the value of ``cfg.W``; ``torch.where`` by the function). Tensors count by their bytes, floats by
+their bits (``0.0`` and ``-0.0`` differ), functions of PyTorch, NumPy and the standard library
+by identity. A predicate that reads anything else (a module or class of the user's as a whole, an
+``nn.Module``, a bound method of an object that cannot be keyed, a ``np.vectorize``) has no
+fingerprint: its mask is prepared again on every call (prepare it once with
+:func:`attnkit.prepare` and pass the PreparedMask to reuse it). SDPA's dense-mask path zeroes the
+K/V rows no query uses on every call (no copy is reused).
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import hashlib
+import struct
 import threading
 import types
 import weakref
@@ -53,10 +57,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "DENSE_PLANS",
-    "LEAN",
-    "LEAN_ANY_LENGTH",
-    "LEAN_LIMITS",
     "PREPARED",
     "SCORE_MOD_STYLE",
     "Bounded",
@@ -67,6 +67,10 @@ __all__ = [
 ]
 
 
+#: Every bounded cache made (held weakly): what :func:`clear` empties.
+_ALL: list[weakref.ref] = []
+
+
 class Bounded:
     """A thread-safe LRU mapping of at most ``size`` entries."""
 
@@ -74,6 +78,7 @@ class Bounded:
         self.size, self.what = size, what
         self._items: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        _ALL.append(weakref.ref(self))
 
     def get(self, key) -> Any:
         with self._lock:
@@ -104,16 +109,8 @@ class Bounded:
         return f"<attnkit cache {self.what}: {len(self)} of {self.size}>"
 
 
-#: Prepared masks made by :func:`attnkit.prepare.prepared_for` (the implicit cache of attention calls).
+#: Prepared masks made by :func:`attnkit.plan.prepared_for` (the implicit cache of attention calls).
 PREPARED = Bounded(16, "prepared masks")
-#: Validated calls and their kernels' runners (the lean path of :func:`attnkit.attention`).
-LEAN = Bounded(32, "lean runners")
-#: The same for unmasked rank-4 calls, keyed without the key length (a growing KV cache).
-LEAN_ANY_LENGTH = Bounded(32, "lean runners, any key length")
-#: The same for calls with a padding mask, keyed without its lengths: runners that take them.
-LEAN_LIMITS = Bounded(32, "lean runners, any padding lengths")
-#: The native engine's plan of every block kept, by its sizes (plain tensors, never changed).
-DENSE_PLANS = Bounded(32, "plans of every block kept")
 #: How each score_mod function evaluates: "broadcast" or "vmap".
 SCORE_MOD_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -162,9 +159,11 @@ def plan_store(prepared: object) -> PlanStore:
 
 
 def clear() -> None:
-    """Empty every cache (the prepared masks and lean runners; per-mask stores die with their masks)."""
-    for cache in (PREPARED, LEAN, LEAN_ANY_LENGTH, LEAN_LIMITS, DENSE_PLANS):
-        cache.clear()
+    """Empty every bounded cache (prepared masks, lean runners, plans; per-mask stores die with their masks)."""
+    for ref in list(_ALL):
+        cache = ref()
+        if cache is not None:
+            cache.clear()
 
 
 # --- fingerprints of what a predicate closes over -------------------------------------------------
@@ -177,9 +176,27 @@ class _Unkeyable(Exception):
     pass
 
 
+#: Packages whose functions, classes and modules compute the same thing whatever the user does:
+#: keyed by identity (a user module named ``torch_utils`` is not one of them).
+_LIBRARIES = frozenset({"torch", "numpy", "math", "operator", "builtins", "functools", "itertools"})
+
+
+def _library(obj: object) -> bool:
+    """Whether ``obj`` is a module, class or function of one of :data:`_LIBRARIES`."""
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+    else:
+        name = getattr(obj, "__module__", None) or ""
+    return isinstance(name, str) and name.split(".")[0] in _LIBRARIES
+
+
 def _value_of(x: object, depth: int) -> Hashable:
-    if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
+    if x is None or isinstance(x, (bool, int, str, bytes)):
         return (type(x).__name__, x)
+    if isinstance(x, float):
+        return ("float", struct.pack("<d", x))  # by its bits: 0.0 and -0.0 differ
+    if isinstance(x, complex):
+        return ("complex", struct.pack("<dd", x.real, x.imag))
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or x.numel() > FINGERPRINT_ELEMENTS or x.is_sparse:
             raise _Unkeyable
@@ -197,15 +214,82 @@ def _value_of(x: object, depth: int) -> Hashable:
             x.shape,
             hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).hexdigest(),
         )
+    if isinstance(x, (np.generic, torch.dtype, torch.device)):
+        return ("value", repr(x), str(type(x)))
     if isinstance(x, (tuple, list)) and len(x) <= 64:
         return (type(x).__name__, tuple(_value_of(i, depth) for i in x))
-    if isinstance(x, (types.ModuleType, type, types.BuiltinFunctionType)):
-        return ("object", id(x))  # modules, classes and builtins do not change what they compute
-    if isinstance(x, types.FunctionType) and depth < 3:
-        return _function_key(x, depth + 1)
-    if callable(x) and getattr(x, "__module__", "").startswith(("torch", "numpy", "math")):
-        return ("object", id(x))  # torch.where and the like
+    if isinstance(x, types.FunctionType):
+        if _library(x):
+            return ("object", id(x))  # torch.nn.functional.relu and the like
+        if depth < 3:
+            return _function_key(x, depth + 1)
+        raise _Unkeyable
+    if isinstance(x, types.BuiltinFunctionType):  # also bound methods of builtin objects
+        owner = x.__self__
+        if owner is None or isinstance(owner, types.ModuleType):
+            return ("object", id(x))  # torch.where, math.floor
+        return ("method", x.__name__, type(owner).__name__, _value_of(owner, depth))  # ids.index_select
+    if isinstance(x, types.MethodType) and depth < 3:
+        return ("method", _value_of(x.__func__, depth), _value_of(x.__self__, depth))
+    if isinstance(x, functools.partial) and depth < 3:
+        kw = tuple(sorted((k, _value_of(v, depth)) for k, v in x.keywords.items()))
+        return ("partial", _value_of(x.func, depth), _value_of(x.args, depth), kw)
+    if isinstance(x, (types.ModuleType, type)) and _library(x):
+        return ("object", id(x))  # torch, torch.Tensor: what they compute does not change
+    if isinstance(x, torch.nn.Module):
+        raise _Unkeyable  # parameters, buffers and submodules: state a key cannot follow
+    if callable(x) and _library(type(x)) and not isinstance(x, np.vectorize):
+        return ("object", id(x))  # torch.ops.aten.add, numpy's ufuncs and dispatchers
     raise _Unkeyable
+
+
+#: The opcodes that read a global by name, and those that read an attribute of what is on the stack.
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _global_reads(code: types.CodeType) -> list[tuple[str, ...]]:
+    """Each global a code object (and every function, lambda and comprehension nested in it) reads,
+    with the attributes read from it right after: ``("cfg", "W")`` for ``cfg.W``."""
+    found: list[tuple[str, ...]] = []
+    chain: list[str] | None = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_LOADS:
+            if chain:
+                found.append(tuple(chain))
+            chain = [ins.argval]
+        elif ins.opname in _ATTRIBUTE_LOADS and chain:
+            chain.append(ins.argval)
+        else:
+            if chain:
+                found.append(tuple(chain))
+            chain = None
+    if chain:
+        found.append(tuple(chain))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _global_reads(const)
+    return found
+
+
+def _global_values(fn: types.FunctionType, depth: int) -> tuple:
+    """The values of the globals ``fn`` reads, each followed through its attribute reads while it
+    is a module or class (those are keyed by what is read from them, not by themselves)."""
+    out = []
+    for chain in sorted(set(_global_reads(fn.__code__))):
+        if chain[0] not in fn.__globals__:  # a builtin (abs, len) or a name not bound yet
+            out.append((chain[:1], ("unbound",)))  # binding it later changes the key
+            continue
+        value = fn.__globals__[chain[0]]
+        read = 1
+        while read < len(chain) and isinstance(value, (types.ModuleType, type)) and not _library(value):
+            try:
+                value = getattr(value, chain[read])
+            except AttributeError:
+                raise _Unkeyable from None
+            read += 1
+        out.append((chain[:read], _value_of(value, depth)))
+    return tuple(out)
 
 
 def _function_key(fn: types.FunctionType, depth: int) -> Hashable:
@@ -213,21 +297,22 @@ def _function_key(fn: types.FunctionType, depth: int) -> Hashable:
     cells = tuple(_value_of(c.cell_contents, depth) for c in fn.__closure__ or ())
     defaults = tuple(_value_of(d, depth) for d in fn.__defaults__ or ())
     kwdefaults = tuple(sorted((k, _value_of(v, depth)) for k, v in (fn.__kwdefaults__ or {}).items()))
-    names = tuple((name, _value_of(fn.__globals__[name], depth)) for name in code.co_names if name in fn.__globals__)
-    return ("function", code, cells, defaults, kwdefaults, names)  # code objects compare by value
+    return ("function", code, cells, defaults, kwdefaults, _global_values(fn, depth))  # code compares by value
 
 
 def fingerprint(fn: object) -> Hashable | None:
-    """A value key of a predicate: its code and the contents of what it closes over, or None
-    where some of that cannot be fingerprinted (a device tensor, an object of unknown kind).
+    """A value key of a predicate: its code and the values of what it reads (see the module), or
+    None where some of that cannot be fingerprinted (a device tensor, a module of the user's as a
+    whole, an object of unknown kind).
 
     Equal fingerprints mean the function computes the same thing: a closure whose captured
-    tensor is edited in any way (in place, through ``.data``, through ``.numpy()``), or whose
-    cell is rebound, has another fingerprint.
+    tensor is edited in any way (in place, through ``.data``, through ``.numpy()``), whose cell is
+    rebound, or a global (or a module's attribute) it reads that is rebound, has another
+    fingerprint.
     """
     try:
         if isinstance(fn, types.FunctionType):
             return _function_key(fn, 0)
         return _value_of(fn, 0)
-    except (_Unkeyable, ValueError, RuntimeError, TypeError):
+    except (_Unkeyable, ValueError, RuntimeError, TypeError, RecursionError):
         return None

@@ -1,4 +1,6 @@
-"""Every input check of attnkit's public functions, in one place and one style.
+"""The argument checks every module of attnkit shares (ints, integer tensors, probabilities), in
+one style; the checks of an attention call (q, k, v, masks, modifications) are
+:mod:`attnkit.call`'s.
 
 Errors name the values they got and say how to fix them. Each raises an
 :class:`AttnkitError` subclass that is also a ``ValueError`` or ``TypeError``,
@@ -7,113 +9,12 @@ so callers can catch either the library's family or the builtin type.
 
 from __future__ import annotations
 
-import math
 import numbers
-from dataclasses import dataclass
 from numbers import Real
 
 import torch
 
 from attnkit.errors import AttnkitError, AttnkitTypeError, AttnkitValueError, MissingExtraError  # noqa: F401
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The sizes of one attention call, read from validated q, k, v.
-
-    ``batch`` holds every leading dimension before the head dimension (empty for
-    rank-2 and rank-3 inputs); ``hq``/``hkv`` are 1 for rank-2 inputs.
-    """
-
-    batch: tuple[int, ...]
-    hq: int
-    hkv: int
-    lq: int
-    lk: int
-    d: int
-    dv: int
-    rank: int
-
-    @property
-    def scores(self) -> tuple[int, ...]:
-        """The shape of the attention matrix, ``(*batch, Hq, Lq, Lk)``."""
-        if self.rank == 2:
-            return (self.lq, self.lk)
-        return (*self.batch, self.hq, self.lq, self.lk)
-
-    @property
-    def out(self) -> tuple[int, ...]:
-        """The shape of the output, ``(*batch, Hq, Lq, Dv)``."""
-        return (*self.scores[:-1], self.dv)
-
-
-def check_qkv(q, k, v) -> Shapes:
-    """Check q: (..., Hq, Lq, D), k: (..., Hkv, Lk, D), v: (..., Hkv, Lk, Dv)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise AttnkitTypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}.")
-    if q.dim() < 2:
-        raise AttnkitValueError(f"q must have at least 2 dimensions (..., Lq, D), but got shape {tuple(q.shape)}.")
-    if not q.dim() == k.dim() == v.dim():
-        raise AttnkitValueError(
-            "q, k and v must have the same number of dimensions, but got "
-            f"q: {tuple(q.shape)}, k: {tuple(k.shape)}, v: {tuple(v.shape)}."
-        )
-    if not q.dtype == k.dtype == v.dtype:
-        raise AttnkitTypeError(
-            f"q, k and v must have the same dtype, but got q: {q.dtype}, k: {k.dtype}, "
-            f"v: {v.dtype}. Cast them to one dtype, e.g. k.to(q.dtype)."
-        )
-    if q.dtype not in FLOAT_DTYPES:
-        raise AttnkitTypeError(
-            f"q, k and v must be floating point (float16, bfloat16, float32 or float64), but got {q.dtype}."
-        )
-    if not q.device == k.device == v.device:
-        raise AttnkitValueError(
-            f"q, k and v must be on the same device, but got q: {q.device}, k: {k.device}, v: {v.device}."
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise AttnkitValueError(
-            f"q and k must have the same head dimension D, but got q: {tuple(q.shape)} "
-            f"(D={q.shape[-1]}) and k: {tuple(k.shape)} (D={k.shape[-1]})."
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise AttnkitValueError(
-            f"k and v must have the same length Lk, but got k: {tuple(k.shape)} "
-            f"(Lk={k.shape[-2]}) and v: {tuple(v.shape)} (Lk={v.shape[-2]})."
-        )
-    if k.shape[:-2] != v.shape[:-2]:
-        raise AttnkitValueError(
-            f"k and v must have the same batch and head sizes, but got k: {tuple(k.shape)} and v: {tuple(v.shape)}."
-        )
-    rank = q.dim()
-    if rank == 2:
-        return Shapes((), 1, 1, q.shape[0], k.shape[0], q.shape[1], v.shape[1], 2)
-    if q.shape[:-3] != k.shape[:-3]:
-        raise AttnkitValueError(
-            f"q and k must have the same batch sizes, but got q: {tuple(q.shape)} and k: {tuple(k.shape)}."
-        )
-    hq, hkv = q.shape[-3], k.shape[-3]
-    if hkv == 0 or hq % hkv != 0:
-        raise AttnkitValueError(
-            f"q has Hq={hq} heads and k/v have Hkv={hkv}, but Hq must be a multiple of Hkv "
-            "(grouped-query attention shares each K/V head among Hq/Hkv query heads)."
-        )
-    return Shapes(tuple(q.shape[:-3]), hq, hkv, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], rank)
-
-
-def check_scale(scale, d: int) -> float:
-    """Return the softmax scale: ``scale`` as given (0.0 and negatives honoured) or 1/sqrt(D)."""
-    if scale is None:
-        return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise AttnkitTypeError(f"scale must be a real number or None, but got {scale!r}.")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise AttnkitValueError(f"scale must be finite, but got {scale}.")
-    return scale
 
 
 def check_dropout(p, name: str = "dropout_p") -> float:
@@ -126,39 +27,11 @@ def check_dropout(p, name: str = "dropout_p") -> float:
     return p
 
 
-def check_tensor_mask(mask: torch.Tensor, q: torch.Tensor, shapes: Shapes) -> None:
-    """Check a bool or additive float mask against the attention matrix of this call."""
-    if mask.dtype != torch.bool and mask.dtype != q.dtype:
-        hint = (
-            "Use a bool mask (True = may attend), e.g. mask != 0."
-            if not mask.is_floating_point()
-            else f"Cast it with mask.to({q.dtype})."
-        )
-        raise AttnkitTypeError(
-            f"mask must be bool (True = may attend) or an additive float mask of the query's "
-            f"dtype {q.dtype}, but got {mask.dtype}. {hint}"
-        )
-    if mask.device != q.device:
-        raise AttnkitValueError(f"mask must be on the query's device {q.device}, but got {mask.device}.")
-    check_broadcast(tuple(mask.shape), shapes, "mask")
-
-
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     """Whether ``shape`` broadcasts to ``target`` without growing it (plain ints, cheap)."""
     if len(shape) > len(target):
         return False
     return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target)))
-
-
-def check_broadcast(mask_shape: tuple[int, ...], shapes: Shapes, what: str) -> None:
-    """Check ``mask_shape`` broadcasts to the attention matrix without growing it."""
-    target = shapes.scores
-    if not broadcasts_to(tuple(mask_shape), target):
-        names = "(Lq, Lk)" if shapes.rank == 2 else "(..., Hq, Lq, Lk)"
-        raise AttnkitValueError(
-            f"{what} of shape {mask_shape} does not broadcast to the attention matrix "
-            f"{names} = {target}. Each mask dimension must equal the matching size or be 1."
-        )
 
 
 def short(value, limit: int = 80) -> str:

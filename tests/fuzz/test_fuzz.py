@@ -213,7 +213,7 @@ def test_low_precision_gradients_of_every_engine_against_the_formula(sizes, data
     want = torch.autograd.grad(gold, (q64, k64, v64), up)
     naive_grads = torch.autograd.grad(naive, (q, k, v), up.to(dtype))
     refs = [(naive, *naive_grads)]
-    from attnkit.kernels import _aten
+    from attnkit.kernels.runs import aten as _aten
 
     # TESTING.md: the larger of PyTorch's fused kernel's error and the naive formula's (where it runs)
     if "sinks" not in ours and "softcap" not in ours and d == dv and _aten.AVAILABLE:
@@ -228,7 +228,7 @@ def test_low_precision_gradients_of_every_engine_against_the_formula(sizes, data
 def _fused_dense(q, k, v, allowed, add, up):
     """``(out, dq, dk, dv)`` of PyTorch's CPU flash kernel on the dense problem (the bias and the mask
     as its additive mask): the error level of the kernel the fused engine calls."""
-    from attnkit.kernels import _aten
+    from attnkit.kernels.runs import aten as _aten
 
     group = q.shape[1] // k.shape[1]
     kk, vv = (t.detach().repeat_interleave(group, 1).requires_grad_() for t in (k, v))

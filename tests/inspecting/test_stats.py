@@ -84,15 +84,16 @@ CASES = {
 def test_every_statistic_equals_the_dense_computation(name, path, monkeypatch):
     """On the native engine's own two passes (``torch.ops.attnkit.native_stats``) where it can run
     the call, and from a kernel's lse (here the math kernel's) otherwise."""
-    from attnkit.kernels import native, native_build
+    from attnkit.kernels.native import build as native_build
+    from attnkit.kernels.native.kernel import NativeKernel
 
     if path == "native" and not native_build.available():
         pytest.skip(native_build.status()[1])
     mask, mods = CASES[name]
     q, k, v = torch.randn(2, 4, L, 16), torch.randn(2, 2, L, 16), torch.randn(2, 2, L, 16)  # GQA
     engine_calls = []
-    on_the_engine = native.stats
-    monkeypatch.setattr(native, "stats", lambda *a: engine_calls.append(1) or on_the_engine(*a))
+    on_the_engine = NativeKernel.stats
+    monkeypatch.setattr(NativeKernel, "stats", lambda *a: engine_calls.append(1) or on_the_engine(*a))
     if path == "native":
         st = attention_stats(q, k, v, mask, topk=3, sink_tokens=2, **mods)
         assert engine_calls == [1], name

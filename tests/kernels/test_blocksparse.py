@@ -19,7 +19,10 @@ from _oracle import (
 
 import attnkit
 from attnkit import _cache, masks
-from attnkit.kernels import native, native_build, tiles
+from attnkit.kernels import blocks as plan_blocks
+from attnkit.kernels.native import build as native_build
+from attnkit.kernels.native import kernel as native
+from attnkit.kernels.runs import tiles
 
 # --- block maps --------------------------------------------------------------------------
 
@@ -101,7 +104,7 @@ def test_log_sum_exp_and_fully_masked_rows_and_blocks():
             atol = 1e-12 if dtype == torch.float64 else 1e-5
             assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=atol), engine
             assert (lse[..., 50:] == float("-inf")).all() and (out[..., 50:, :] == 0).all(), engine
-    assert any(not row.runs for row in prepared.groups[0].rows)  # whole row blocks are skipped
+    assert any(not row.runs for row in plan_blocks.groups(prepared)[0].rows)  # whole row blocks are skipped
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -164,10 +167,10 @@ def test_poison_in_skipped_and_partial_blocks_does_not_leak():
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_poison_in_keys_and_queries_no_pair_uses_inside_partial_tiles_does_not_leak(engine, bias, monkeypatch):
+def test_poison_in_keys_and_queries_no_pair_uses_inside_partial_tiles_does_not_leak(engine, bias, monkeypatch, request):
     """Keys no query attends and queries that attend no key, inside partial tiles: junk (NaN,
     inf) there never reaches the output or the gradients, on every engine, with and without a bias."""
-    pin_engine(monkeypatch, engine)
+    pin_engine(request, engine)
     mask = masks.from_fn(lambda b, h, q, kv: (kv % 3 != 0) & (q % 5 != 0) & (kv <= q + 40))
     extra = {"attn_bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(2))} if bias else {}
     q, k, v = (randn(1, 2, 300, 16, requires_grad=True) for _ in range(3))
@@ -231,10 +234,10 @@ def test_mask_tiles_past_the_cache_bound_are_kept_as_bool_and_never_evaluated_ag
 # --- dispatch ----------------------------------------------------------------------------
 
 
-def test_dispatch_choices(monkeypatch):
+def test_dispatch_choices(monkeypatch, request):
     """Where the native engine does not run (no compiler, ATTNKIT_NATIVE=0): SDPA where PyTorch's
     fused kernel beats the per-run tiled engines."""
-    pin_engine(monkeypatch, "fused")
+    pin_engine(request, "fused")
 
     def plan(mask, length=2048, dropout_p=0.0, dtype=torch.float32):
         q = torch.empty(1, 2, length, 16, dtype=dtype)
@@ -244,7 +247,7 @@ def test_dispatch_choices(monkeypatch):
     assert str(plan(masks.causal())) == "sdpa: is_causal"
     doc = plan(masks.document(torch.arange(2048) // 256))
     assert doc.kernel == "fused" and str(doc) == "fused: 12% of blocks kept, all full"
-    assert doc.rejected["native"] == ("native engine turned off by ATTNKIT_NATIVE=0",)
+    assert doc.rejected["native"][0].startswith("not among the kernels of use_kernels(")  # pinned away
     assert plan(masks.sliding_window(128)).kernel == "fused"
     one_length = plan(masks.padding(torch.tensor([1024])))  # every sequence's keys end at 1024: a cut, no mask
     assert one_length.reason == "sdpa: every sequence's keys end at 1024: no mask over the first 1024 keys"
@@ -264,12 +267,12 @@ def test_dispatch_choices(monkeypatch):
     assert attnkit.explain(q, q, q).kernel == "reference"
 
 
-def test_dispatch_with_the_native_engine(monkeypatch):
+def test_dispatch_with_the_native_engine(monkeypatch, request):
     """With the native engine: the tiled kernel takes unmasked, causal and masked calls of at least
     NATIVE_MIN_QUERIES query rows (it beats SDPA there) whatever their key length; decoding steps,
     small calls, tensor masks and float64 keep the rules of the PyTorch engines; explain says
     which engine runs."""
-    pin_engine(monkeypatch, "native")
+    pin_engine(request, "native")
 
     def plan(mask, b=1, h=2, lq=2048, lk=2048, dtype=torch.float32):
         q, k = torch.empty(b, h, lq, 16, dtype=dtype), torch.empty(b, h, lk, 16, dtype=dtype)
@@ -299,8 +302,8 @@ def test_dispatch_with_the_native_engine(monkeypatch):
     assert window.kernel == "fused" and window.rejected["native"] == ("does not take torch.float64",), window
 
 
-def test_dispatch_weighs_dtype_and_backward(monkeypatch):
-    pin_engine(monkeypatch, "fused")
+def test_dispatch_weighs_dtype_and_backward(monkeypatch, request):
+    pin_engine(request, "fused")
 
     def kernel(mask, dtype, grad, batch=1):
         q = torch.empty(batch, 2, 2048, 16, dtype=dtype, requires_grad=grad)
@@ -331,7 +334,9 @@ def test_lse_gradient_through_merged_row_blocks():
     # 640 queries inside document 1, 256 keys across its start: every row block sees the same partial run
     mask = masks.document(ids, q_offset=300)
     prepared = attnkit.prepare(mask, 640, 256)
-    assert any(r.q1 - r.q0 > 128 and not all(run.full for run in r.runs) for g in prepared.groups for r in g.rows)
+    assert any(
+        r.q1 - r.q0 > 128 and not all(run.full for run in r.runs) for g in plan_blocks.groups(prepared) for r in g.rows
+    )
     q = torch.randn(1, 2, 640, 16, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 2, 256, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
     grads = []
@@ -344,13 +349,13 @@ def test_lse_gradient_through_merged_row_blocks():
 
 @pytest.mark.parametrize("lq", [1, 300])
 @pytest.mark.parametrize("engine", ["native", "fused"])
-def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, monkeypatch):
+def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, monkeypatch, request):
     """Every sequence's keys ending at the same n: SDPA over the first n keys with no mask (a
     decoding step over a cache with room left; the native engine's key limit where it runs),
     forward and backward against the float64 oracle; junk past n is never read; GQA and
     bfloat16 too."""
-    pin_engine(monkeypatch, engine)
-    expected = "native" if engine == "native" and (lq >= native.MIN_ROWS or lq <= native.FEW_ROWS) else "sdpa"
+    pin_engine(request, engine)
+    expected = "native" if engine == "native" and (lq >= native.MIN_ROWS or lq <= native.few_rows()) else "sdpa"
     for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.float32, 4, 2), (torch.bfloat16, 4, 1)):
         q = randn(2, hq, lq, 16, dtype=dtype, requires_grad=True)
         k, v = (randn(2, hkv, 700, 16, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -364,7 +369,7 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, 
         gold, naive = gold_and_naive(q.detach(), k.detach()[:, :, :509], v.detach()[:, :, :509])
         # lq = 1: eight rows, whose naive error can be a lucky rounding (seen on an Intel Xeon: the
         # row path 1.6e-7, naive 7.5e-8): TESTING.md's floor for small problems
-        assert_oracle(out, gold, naive, what=f"{dtype} Hq={hq} Hkv={hkv}", small=lq <= native.FEW_ROWS)
+        assert_oracle(out, gold, naive, what=f"{dtype} Hq={hq} Hkv={hkv}", small=lq <= native.few_rows())
         grad = randn(*out.shape, dtype=dtype)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
         q64, k64, v64 = (t.double().requires_grad_() for t in (q.detach(), kk, vv))

@@ -31,10 +31,10 @@ def _step(q, k, v, prepared, sinks=None):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_compiled_training_step_keeps_block_sparsity(engine, monkeypatch):
+def test_compiled_training_step_keeps_block_sparsity(engine, monkeypatch, request):
     """Each block-sparse kernel under torch.compile: native as its own operator, fused and math as
     the walk's custom op, the plan passed as tensors."""
-    pin_engine(monkeypatch, engine)
+    pin_engine(request, engine)
     torch._dynamo.reset()
     q, k, v = (randn(1, 4, L, 32, requires_grad=True) for _ in range(3))
     prepared = attnkit.prepare(_documents(8), L, L)
@@ -58,8 +58,8 @@ def test_compiled_training_step_keeps_block_sparsity(engine, monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ["native", "fused"])
-def test_a_new_prepared_mask_runs_the_same_compiled_graph(engine, monkeypatch):
-    pin_engine(monkeypatch, engine)
+def test_a_new_prepared_mask_runs_the_same_compiled_graph(engine, monkeypatch, request):
+    pin_engine(request, engine)
     torch._dynamo.reset()
     graphs = []
 

@@ -17,8 +17,9 @@ import torch.utils._python_dispatch
 from _oracle import Ops, assert_oracle, gold_and_naive, naive_attention, randn
 
 import attnkit
-from attnkit import functional, masks
-from attnkit.kernels import native_build, sdpa
+from attnkit import call, functional, masks
+from attnkit.kernels import fastpath, sdpa
+from attnkit.kernels.native import build as native_build
 from attnkit.nn import KVCache
 
 #: The kernel of a decoding step with a padding mask: the native engine's row path where it runs.
@@ -28,13 +29,14 @@ PADDING_KERNEL = "native" if native_build.available() else "sdpa"
 def _calls(monkeypatch) -> dict:
     """Counts the full path's validations (the lean path skips them)."""
     seen = {"n": 0}
-    real = functional.validated_call
+    real = call.make_call
 
     def counted(*a, **kw):
         seen["n"] += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(functional, "validated_call", counted)
+    for module in (functional, fastpath):  # the full path's and the fast path's first call
+        monkeypatch.setattr(module, "make_call", counted)
     return seen
 
 
@@ -164,11 +166,10 @@ def test_a_prepared_mask_reused_makes_no_host_sync():
 def test_decoding_over_a_growing_cache_is_validated_once(monkeypatch):
     """An unmasked step over a cache one key longer each time reuses the first step's checks and
     choice (SDPA's runner is the same for any Lk >= 1); wrong lengths and Lk = 0 still get theirs."""
-    import attnkit.functional as fn
-
     validated = []
-    real = fn.validated_call
-    monkeypatch.setattr(fn, "validated_call", lambda *a, **kw: validated.append(1) or real(*a, **kw))
+    real = call.make_call
+    for module in (functional, fastpath):
+        monkeypatch.setattr(module, "make_call", lambda *a, **kw: validated.append(1) or real(*a, **kw))
     q, keys, values = randn(1, 4, 1, 24), randn(1, 2, 90, 24), randn(1, 2, 90, 24)
     with torch.no_grad():
         for n in range(40, 90):

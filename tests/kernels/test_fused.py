@@ -10,14 +10,16 @@ from _oracle import ENGINES, FusedCalls, MaxNumel, assert_oracle, gold_and_naive
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import blocksparse, fused, tiles
+from attnkit.kernels import blocks, sparsity
+from attnkit.kernels.runs import fused_engine as fused
+from attnkit.kernels.runs import tiles
 
 
 @pytest.mark.parametrize("offsets", [(0, 0), (37, 37)])
-def test_tiled_causal_square_with_equal_offsets_is_one_fused_call_forward_and_backward(offsets, monkeypatch):
-    from attnkit.kernels import _aten
+def test_tiled_causal_square_with_equal_offsets_is_one_fused_call_forward_and_backward(offsets, monkeypatch, request):
+    from attnkit.kernels.runs import aten as _aten
 
-    pin_engine(monkeypatch, "fused")
+    pin_engine(request, "fused")
     calls = {"forward": 0, "backward": 0}
     for name in calls:
         real = getattr(_aten, f"flash_{name}")
@@ -61,14 +63,14 @@ def test_long_document_mask_never_allocates_lq_by_lk():
 
 def planned_fused_calls(mask, length: int, heads: int = 8) -> int:
     """Fused calls of one forward: one per run, and one or two per causal square."""
-    plan = attnkit.prepare(mask, length, length, block_size=blocksparse.BLOCK_SIZE)
+    plan = attnkit.prepare(mask, length, length, block_size=sparsity.BLOCK_SIZE)
     q = torch.zeros(1, heads, length, 64)
     call = tiles.TileCall(plan, 0.125, 0.0, 0, "fused")
     calls = 0
-    for group in plan.groups:
+    for group in blocks.groups(plan):
         sel = tiles.select(group, plan, 1, heads, heads, q.device)
         for step in fused.ENGINE.steps(call, 0, group, sel, q, q):
-            calls += 1 + (step.c < step.a) if isinstance(step, blocksparse.Square) else len(step.runs)
+            calls += 1 + (step.c < step.a) if isinstance(step, blocks.Square) else len(step.runs)
     return calls
 
 
@@ -114,13 +116,13 @@ SQUARE_CASES = {
 
 
 @pytest.mark.parametrize("name", list(SQUARE_CASES))
-def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
-    from attnkit.kernels import _aten
+def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch, request):
+    from attnkit.kernels.runs import aten as _aten
 
     length, make, squares = SQUARE_CASES[name]
     mask = make()
     q, k, v = (randn(2, 2, length, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    calls = FusedCalls(monkeypatch)
+    calls = FusedCalls(monkeypatch, request)
     prepared = attnkit.prepare(mask, length, length)
     out = attnkit.attention(q, k, v, prepared, kernel="fused")
     dense = prepared.materialize()
@@ -130,15 +132,15 @@ def test_causal_squares_are_exact_forward_and_backward(name, monkeypatch):
     for got, exp in zip(torch.autograd.grad(out, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
         assert (got - exp).abs().max() < 1e-10
     if _aten.AVAILABLE:
-        found = calls.causal(fused.SQUARE_MIN_ROWS)
+        found = calls.causal(blocks.SQUARE_MIN_ROWS)
         assert found == 2 * squares, found  # forward and backward
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_squares_within_the_oracle_rule_and_gqa(dtype, engine, monkeypatch):
+def test_causal_squares_within_the_oracle_rule_and_gqa(dtype, engine, monkeypatch, request):
     """A prefix-LM long enough for causal squares (the fused engine), on every engine."""
-    pin_engine(monkeypatch, engine)
+    pin_engine(request, engine)
     mask = masks.prefix_lm(300)
     for hq, hkv in ((4, 4), (4, 2)):  # grouped heads keep the per-run path
         q = randn(1, hq, 1200, 32, dtype=dtype, requires_grad=True)
@@ -153,11 +155,11 @@ def test_causal_squares_within_the_oracle_rule_and_gqa(dtype, engine, monkeypatc
             assert_oracle(o, g, n, factor=3.0, what=f"d{name} {dtype} {hq}/{hkv}")
 
 
-def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blocks(monkeypatch):
+def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blocks(monkeypatch, request):
     """A prefix-LM in bf16 with a backward keeps 54% of blocks, past the masked-plan limit (30%),
     but runs as causal squares plus full blocks: auto takes the tiled kernel, says why, and is
     exact. A prefix ending mid-block leaves a partial row block outside the square: the limit holds."""
-    pin_engine(monkeypatch, "fused")  # the limits of the per-run engines (the native one takes every plan)
+    pin_engine(request, "fused")  # the limits of the per-run engines (the native one takes every plan)
     n = 2048
     q, k, v = (randn(1, 2, n, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     square = attnkit.explain(q, k, v, masks.prefix_lm(n // 4))
@@ -176,13 +178,13 @@ def test_squares_and_full_blocks_choose_the_tiled_kernel_like_a_plan_of_full_blo
         assert_oracle(o, g, n_, factor=3.0, what=f"d{name}")
 
 
-def test_causal_squares_with_strided_inputs_sinks_and_the_lse(monkeypatch):
+def test_causal_squares_with_strided_inputs_sinks_and_the_lse(monkeypatch, request):
     """Squares beside the other features: (B, L, H, D) tensors viewed as (B, H, L, D), sinks added
     from the merged lse, return_lse; forward and gradients equal the float64 formula."""
     n, prefix = 1000, 100  # rows [128, 1000): one square of 872 rows
     q, k, v = (randn(2, n, 2, 16, dtype=torch.float64).transpose(1, 2).requires_grad_() for _ in range(3))
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
-    calls = FusedCalls(monkeypatch)
+    calls = FusedCalls(monkeypatch, request)
     out, lse = attnkit.attention(q, k, v, masks.prefix_lm(prefix), kernel="fused", sinks=sinks, return_lse=True)
     allowed = masks.prefix_lm(prefix).materialize(n, n)
     s = (q @ k.transpose(-2, -1) * 16**-0.5).masked_fill(~allowed, float("-inf"))
@@ -192,9 +194,9 @@ def test_causal_squares_with_strided_inputs_sinks_and_the_lse(monkeypatch):
     upstream = torch.randn_like(want)
     for got, exp in zip(torch.autograd.grad(out, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
         assert (got - exp).abs().max() < 1e-10
-    from attnkit.kernels import _aten
+    from attnkit.kernels.runs import aten as _aten
 
     if _aten.AVAILABLE:
         # the forward ran the square; the backward of a call with sinks gets the lse's gradient,
         # which the fused engine's backward does not take: the math engine runs it
-        assert calls.causal(fused.SQUARE_MIN_ROWS) == 1
+        assert calls.causal(blocks.SQUARE_MIN_ROWS) == 1

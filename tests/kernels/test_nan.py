@@ -59,7 +59,9 @@ def _run(kernel, q, k, v, mask):
 
 
 def _skip_unavailable(kernel):
-    from attnkit.kernels import _aten, native_build, triton_attention
+    from attnkit.kernels.native import build as native_build
+    from attnkit.kernels.runs import aten as _aten
+    from attnkit.kernels.triton import kernel as triton_attention
 
     if kernel == "native" and not native_build.available():
         pytest.skip(native_build.status()[1])

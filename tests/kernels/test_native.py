@@ -25,14 +25,14 @@ from _oracle import (
 
 import attnkit
 from attnkit import bias, masks
-from attnkit.kernels import native_build
+from attnkit.kernels.native import build as native_build
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _native(monkeypatch):
-    pin_engine(monkeypatch, "native")
+def _native(request):
+    pin_engine(request, "native")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from _oracle import assert_oracle, dense_of, gold_and_naive, naive_attention
 
 import attnkit
 from attnkit import masks
-from attnkit.kernels import native_build
+from attnkit.kernels.native import build as native_build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ PROBE = """
         warnings.simplefilter("always")
         import torch, attnkit
         from attnkit import masks
-        from attnkit.kernels import native_build
+        from attnkit.kernels.native import build as native_build
         ok, why = native_build.status()
     torch.manual_seed(0)
     q = torch.randn(1, 2, 200, 16, dtype=torch.float64).float()
@@ -306,7 +306,7 @@ def test_other_vector_widths_are_exact(arch, tmp_path):
     code = """
         import json, torch, attnkit
         from attnkit import masks
-        from attnkit.kernels import native_build
+        from attnkit.kernels.native import build as native_build
         assert native_build.available(), native_build.status()
         torch.manual_seed(0)
         q = torch.randn(2, 4, 300, 40, requires_grad=True)
@@ -342,7 +342,7 @@ def _cpu_flags() -> set[str]:
 BF16_PATH = """
     import sys, torch, attnkit
     from attnkit import masks
-    from attnkit.kernels import native_build
+    from attnkit.kernels.native import build as native_build
     torch.manual_seed(0)
     q = torch.randn(2, 4, 1100, 64).bfloat16().requires_grad_()
     k, v = (torch.randn(2, 2, 1100, 64).bfloat16().requires_grad_() for _ in range(2))

@@ -129,10 +129,10 @@ def test_a_registered_kernel_sees_every_length_of_a_growing_cache():
                 gold, naive = gold_and_naive(q, keys[:, :, :n], values[:, :, :n], None)
                 assert_oracle(out, gold, naive)
             assert ToyKernel.runs - before == 10  # Lk = 100 .. 109
-            assert not attnkit.kernels.registry.builtin_registry()
+            assert not attnkit.kernels.fastpath.builtin_registry()
         finally:
             unregister_kernel(kernel)
-    assert attnkit.kernels.registry.builtin_registry()  # registered and removed: the built-in registry again
+    assert attnkit.kernels.fastpath.builtin_registry()  # registered and removed: the built-in registry again
 
 
 def test_register_kernel_places_and_replaces():

@@ -14,7 +14,7 @@ from _oracle import assert_oracle, rounding_atol  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
-from attnkit.kernels import triton_attention as tk  # noqa: E402
+from attnkit.kernels.triton import kernel as tk  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.interpreted(), reason="needs TRITON_INTERPRET=1 (set by conftest.py)")
 
@@ -129,11 +129,11 @@ def test_the_mask_reaches_the_kernel_as_data():
     """Causal and windows are evaluated from their band (two ints): no bit tiles. Other masks keep
     bits for their partial blocks only, never an Lq x Lk tensor; prepared at the kernel's block size."""
     q, k, v = _inputs(256, 256, torch.float32)
-    call = attnkit.functional.validated_call(q, k, v, masks.causal(), None, 0.0, True)
+    call = attnkit.call.make_call(q, k, v, mask=masks.causal(), return_lse=True)
     prepared = call.prepared_at(tk.TritonKernel.block_size)
     assert prepared.block_size == (tk.BLOCK_Q, tk.BLOCK_K) and prepared.band == (None, 0)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([50, 100, 60, 46]))
-    call = attnkit.functional.validated_call(q, k, v, masks.document(ids) & masks.causal(), None, 0.0, True)
+    call = attnkit.call.make_call(q, k, v, mask=masks.document(ids) & masks.causal(), return_lse=True)
     prepared = call.prepared_at(tk.TritonKernel.block_size)
     bits, listed = prepared.partial_bits()
     partial = int((prepared.codes == masks.PARTIAL).sum())

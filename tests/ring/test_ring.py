@@ -228,7 +228,7 @@ def test_ranks_that_disagree_are_refused_up_front():
 def _counted(rank, world, name):
     """The kernel calls and preparations of one ring forward and backward, counted on this rank."""
     from attnkit.kernels import registry
-    from attnkit.prepare import PreparedMask
+    from attnkit.plan import PreparedMask
 
     counts: collections.Counter = collections.Counter()
     phase = ["forward"]

@@ -22,7 +22,7 @@ from attnkit.distributed import layout as _layout
 from attnkit.distributed.layout import pieces, positions
 from attnkit.distributed.ring import DEFAULT_TIMEOUT, RingError, RingGroup, ring_attention
 from attnkit.nn.attention import MultiHeadAttention
-from attnkit.prepare import MaskLike
+from attnkit.plan import MaskLike
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -66,7 +66,7 @@ def positions(length: int, world_size: int, rank: int, layout: str) -> torch.Ten
 
 def as_ring_mask(mask: object) -> _masks.Mask | None:
     """The mask as a mask object (bool tensors wrapped); refuse what cannot be split."""
-    from attnkit.prepare import PreparedMask
+    from attnkit.plan import PreparedMask
 
     if mask is None or isinstance(mask, _masks.Mask):
         return mask

@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 
 from attnkit import bias as _bias
-from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError, check_qkv, short
+from attnkit._validate import AttnkitError, AttnkitTypeError, AttnkitValueError, short
 from attnkit.bias import BiasLike
+from attnkit.call import check_qkv, make_call
 from attnkit.distributed import layout as _layout
-from attnkit.functional import attention, validated_call
+from attnkit.functional import attention
 from attnkit.kernels import registry
 from attnkit.kernels.lse import accumulator_dtype, add_sinks, merge_into
 from attnkit.masks import Mask
-from attnkit.prepare import MaskLike
+from attnkit.plan import MaskLike
 
 __all__ = ["RingError", "ring_attention"]
 
@@ -435,7 +436,9 @@ class _Ring:
         the registry chooses (:func:`attnkit.kernels.backward_part`), given the merged output and
         lse (no forward is recomputed)."""
         mask, part_bias = self.part(q_piece, kv_piece, attn_bias)
-        call = validated_call(q, k, v, mask, self.scale, 0.0, True, part_bias, self.softcap)
+        call = make_call(
+            q, k, v, mask=mask, scale=self.scale, return_lse=True, attn_bias=part_bias, softcap=self.softcap
+        )
         dq, dk, dv = registry.backward_part(call, out, lse, dout, dlse)
         return [dq, dk, dv, *([None] * len(params))]
 

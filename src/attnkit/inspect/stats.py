@@ -3,7 +3,10 @@
 With the row log-sum-exp of a forward pass, every weight is ``exp(s - lse)``; so one
 more pass over the tiles the prepared mask keeps can reduce them (entropy, largest
 weight, mass on the first keys, mean distance, mass each key receives, top-k keys)
-in O(L) memory. This is how :func:`attnkit.capture` records long inputs.
+in O(L) memory. This is how :func:`attnkit.capture` records long inputs. The kernel that
+computes them is the registry's choice among the kernels that compute statistics
+(:func:`attnkit.kernels.registry.stats`: the native engine's two passes, or the math
+kernel's walk); :func:`attnkit.explain` with ``stats=True`` names it.
 """
 
 from __future__ import annotations
@@ -16,18 +19,13 @@ import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.bias import BiasLike
-from attnkit.functional import validated_call
-from attnkit.kernels import native, registry, tiles
-from attnkit.prepare import MaskLike, Run
+from attnkit.call import Call, make_call
+from attnkit.kernels import registry
+from attnkit.kernels.contract import StatsRequest
+from attnkit.plan import MaskLike
 from attnkit.score_mods import ScoreModLike
 
 __all__ = ["AttentionStats", "attention_stats"]
-
-#: Keys per tile of the statistics pass: a tile is (B, H, 128 rows, at most this many keys).
-#: The pass makes several elementwise sweeps over each tile; at 2048 keys they run
-#: 1.3x faster than at 4096 (less memory traffic), and smaller tiles pay more Python
-#: per tile (benchmarks/long_context.py, 2 cores).
-STATS_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -108,94 +106,6 @@ def _positions(mask, q_len: int, kv_len: int, device, dtype):
     return found[0].to(device, dtype), found[1].to(device, dtype)
 
 
-class _Accumulator:
-    """The statistics of one group of (sequence, head) rows, filled tile by tile."""
-
-    def __init__(self, lse, kv_len: int, sink_tokens: int, topk: int, qpos, kpos):
-        bs, hs, lq = lse.shape
-        dt, dev = qpos.dtype, lse.device
-        self.entropy = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
-        self.max_weight = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
-        self.argmax = torch.full((bs, hs, lq), -1, dtype=torch.int64, device=dev)
-        self.sink_mass = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
-        self.mean_distance = torch.zeros(bs, hs, lq, dtype=dt, device=dev)
-        self.received = torch.zeros(bs, hs, kv_len, dtype=dt, device=dev)
-        self.topk = topk
-        if topk:
-            self.topk_weights = torch.zeros(bs, hs, lq, topk, dtype=dt, device=dev)
-            self.topk_keys = torch.full((bs, hs, lq, topk), -1, dtype=torch.int64, device=dev)
-        self.sink_tokens, self.qpos, self.kpos = sink_tokens, qpos, kpos
-
-    def add(self, w: torch.Tensor, d: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
-        """Reduce one tile: ``w`` the weights, ``d = log w`` where w > 0, ``(Bs, Hs, n, S)``."""
-        rows = slice(q0, q1)
-        self.entropy[..., rows] -= torch.einsum("bhij,bhij->bhi", w, d)
-        top, where = _row_max(w)
-        better = top > self.max_weight[..., rows]
-        self.max_weight[..., rows] = torch.where(better, top, self.max_weight[..., rows])
-        self.argmax[..., rows] = torch.where(better, where + k0, self.argmax[..., rows])
-        if k0 < self.sink_tokens:
-            self.sink_mass[..., rows] += w[..., : self.sink_tokens - k0].sum(-1)
-        # sum_j w |p - j| with positions (Bp, n) and (Bj, S), Bp and Bj 1 or the group's rows:
-        # one matrix product where the tile lies on one side of every query
-        p, j = self.qpos[:, rows], self.kpos[:, k0:k1]
-        before, after = bool(j.amax() <= p.amin()), bool(j.amin() >= p.amax())
-        if before or after:
-            ones_j = torch.stack([torch.ones_like(j), j], dim=-1)[:, None]  # (Bj, 1, S, 2)
-            sums = w @ ones_j  # (Bs, Hs, n, 2): sum_j w, sum_j w j
-            signed = p[:, None] * sums[..., 0] - sums[..., 1]
-            self.mean_distance[..., rows] += signed if before else -signed
-        elif p.shape[0] == 1 and j.shape[0] == 1:
-            self.mean_distance[..., rows] += torch.einsum("bhij,ij->bhi", w, (p[0, :, None] - j[0, None, :]).abs())
-        else:
-            distance = (p[:, :, None] - j[:, None, :]).abs()[:, None]  # (B, 1, n, S)
-            self.mean_distance[..., rows] += (w * distance).sum(-1)
-        self.received[..., k0:k1] += w.sum(-2)
-        if self.topk:
-            vals, idx = _row_topk(w, self.topk)
-            vals = torch.cat([self.topk_weights[..., rows, :], vals], dim=-1)
-            idx = torch.cat([self.topk_keys[..., rows, :], idx + k0], dim=-1)
-            best, pick = vals.topk(self.topk, dim=-1)
-            self.topk_weights[..., rows, :] = best
-            self.topk_keys[..., rows, :] = torch.where(best > 0, idx.gather(-1, pick), -1)
-
-
-#: Keys per sub-block when looking for a row's largest weights (see :func:`_row_max`).
-_SUB = 64
-
-
-def _row_max(w: torch.Tensor):
-    """``w.max(-1)`` (value, index) by way of sub-block maxima: finding the index is
-    several times slower than the maximum, so it is found in the winning sub-block only."""
-    s = w.shape[-1]
-    if s % _SUB or s <= _SUB:
-        return w.max(dim=-1)
-    blocks = w.view(*w.shape[:-1], s // _SUB, _SUB)
-    top, block = blocks.amax(-1).max(dim=-1)  # (..., n)
-    inside = blocks.gather(-2, block[..., None, None].expand(*block.shape, 1, _SUB)).squeeze(-2)
-    return top, block * _SUB + inside.argmax(-1)
-
-
-def _row_topk(w: torch.Tensor, k: int):
-    """``w.topk(k, -1)`` (values, indices), padded with 0 / -1 past ``S`` keys. The k largest
-    weights lie in the k sub-blocks with the largest maxima, so only those are searched."""
-    s = w.shape[-1]
-    if s % _SUB or s <= k * _SUB:
-        kk = min(k, s)
-        vals, idx = w.topk(kk, dim=-1)
-        if kk < k:
-            pad = (*w.shape[:-1], k - kk)
-            vals = torch.cat([vals, w.new_zeros(pad)], -1)
-            idx = torch.cat([idx, torch.full(pad, -1, dtype=idx.dtype, device=idx.device)], -1)
-        return vals, idx
-    blocks = w.view(*w.shape[:-1], s // _SUB, _SUB)
-    _, chosen = blocks.amax(-1).topk(k, dim=-1)  # (..., n, k)
-    cand = blocks.gather(-2, chosen[..., None].expand(*chosen.shape, _SUB))  # (..., n, k, SUB)
-    keys = chosen[..., None] * _SUB + torch.arange(_SUB, device=w.device)
-    vals, pick = cand.flatten(-2).topk(k, dim=-1)
-    return vals, keys.flatten(-2).gather(-1, pick)
-
-
 def attention_stats(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,20 +143,19 @@ def attention_stats(
             "attention_stats takes bool masks or mask objects; pass an additive float mask as "
             "attn_bias=attnkit.bias.dense(tensor) (and -inf entries as a bool mask)."
         )
-    call = validated_call(q, k, v, mask, scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
-    squeeze = q.dim() - 4
+    squeeze = q.dim() - 4 if isinstance(q, torch.Tensor) else 0
     if squeeze > 0:
         raise AttnkitValueError(f"attention_stats takes inputs of rank 2 to 4, but q has shape {tuple(q.shape)}.")
-    q4, k4, v4 = (t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) for t in (q, k, v))
-    call = validated_call(q4, k4, v4, _lift(call.mask, q.dim()), scale, 0.0, True, attn_bias, softcap, sinks, score_mod)
+    call = stats_call(
+        q, k, v, mask, scale=scale, attn_bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=score_mod
+    )
+    lq, lk = call.q.shape[2], call.k.shape[2]
+    ct = torch.float64 if call.q.dtype == torch.float64 else torch.float32
+    qpos, kpos = _positions(call.mask_object(), lq, lk, call.q.device, ct)
+    request = StatsRequest(qpos, kpos, sink_tokens, topk)
     with torch.no_grad():
-        if call.q.device.type == "cpu" and call.q.dtype != torch.float64 and not registry.refusals("native", call):
-            stats = _on_the_engine(call, sink_tokens, topk)
-        else:
-            plan = registry.choose(call)
-            _, lse = registry.run(call, plan)  # includes the sinks' mass
-            assert lse is not None, "return_lse was asked for"
-            stats = _reduce(call, lse, sink_tokens, topk)
+        found = registry.stats(call, request)
+    stats = AttentionStats(**_with_sink_entropy(call, found))
     if q.dim() < 4:
         lifted: dict[str, Any] = {}
         for f in fields(stats):
@@ -256,19 +165,16 @@ def attention_stats(
     return stats
 
 
-def _lift(mask, rank: int):
-    """A bool tensor mask of rank-2/3 inputs, lined up with the 4-D call."""
-    if isinstance(mask, torch.Tensor):
-        return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
-    return mask
-
-
-def _on_the_engine(call, sink_tokens: int, topk: int) -> AttentionStats:
-    """The statistics from the native engine's own two passes (``torch.ops.attnkit.native_stats``)."""
-    lq, lk = call.q.shape[2], call.k.shape[2]
-    qpos, kpos = _positions(call.mask_object(), lq, lk, call.q.device, torch.float32)
-    out = native.stats(call, qpos, kpos, sink_tokens, topk)
-    return AttentionStats(**_with_sink_entropy(call, out))
+def stats_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, **kwargs: Any) -> Call:
+    """The validated 4-D call of :func:`attention_stats` (rank-2 and rank-3 inputs lifted, a bool
+    tensor mask with them)."""
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        if q.dim() == k.dim() == v.dim() and 2 <= q.dim() < 4:
+            lead = (1,) * (4 - q.dim())
+            q, k, v = (t.reshape(*lead, *t.shape) for t in (q, k, v))
+            if isinstance(mask, torch.Tensor) and mask.dim() < 4:
+                mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return make_call(q, k, v, mask=mask, return_lse=True, **kwargs)
 
 
 def _with_sink_entropy(call, out: dict) -> dict:
@@ -279,69 +185,3 @@ def _with_sink_entropy(call, out: dict) -> dict:
         w_sink = torch.where(torch.isfinite(lse), w_sink, torch.zeros_like(w_sink))
         out = {**out, "entropy": out["entropy"] + torch.special.xlogy(w_sink, w_sink).neg()}
     return out
-
-
-def _reduce(call, lse: torch.Tensor, sink_tokens: int, topk: int) -> AttentionStats:
-    q, k, v = call.q, call.k, call.v
-    b, hq, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    ct = tiles.compute_dtype(q.dtype)
-    lse = lse.to(ct)
-    prepared = call.get_prepared()
-    qpos, kpos = _positions(call.mask_object(), lq, lk, q.device, ct)
-    tcall = tiles.TileCall(
-        prepared,
-        call.scale,
-        0.0,
-        0,
-        "math",
-        call.bias,
-        call.softcap,
-        tuple(call.bias.params()) if call.bias is not None else (),
-        score_mod=call.score_mod,
-    )
-    out = {
-        "entropy": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
-        "max_weight": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
-        "argmax": torch.full((b, hq, lq), -1, dtype=torch.int64, device=q.device),
-        "sink_mass": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
-        "mean_distance": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
-        "received": torch.zeros(b, hq, lk, dtype=ct, device=q.device),
-    }
-    if topk:
-        out["topk_weights"] = torch.zeros(b, hq, lq, topk, dtype=ct, device=q.device)
-        out["topk_keys"] = torch.full((b, hq, lq, topk), -1, dtype=torch.int64, device=q.device)
-    if lq and lk:
-        for gi, group in enumerate(prepared.groups):
-            sel = tiles.select(
-                group, prepared, b, hq, hkv, q.device, call.bias is not None or call.score_mod is not None
-            )
-            qg, kg, vg = tiles.group_inputs(sel, q, k, v)
-            lse_g = tiles.take(tiles.take(lse, 0, sel.batch), 1, sel.q_heads)
-            qpos_g, kpos_g = (pos if pos.shape[0] == 1 else tiles.take(pos, 0, sel.batch) for pos in (qpos, kpos))
-            acc = _Accumulator(lse_g, lk, sink_tokens, topk, qpos_g, kpos_g)
-            _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, acc)
-            for name in out:
-                tiles.put_rows(out[name], sel, getattr(acc, name))
-    return AttentionStats(**_with_sink_entropy(call, {"lse": lse, **out}))
-
-
-def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:
-    """Feed every kept tile's weights ``exp(s - lse)`` to ``acc``."""
-    hq, hkv = q.shape[1], k.shape[1]
-    for row in tiles.math_rows(group.rows):
-        if not row.runs:
-            continue
-        lf = tiles.fold(lse[:, :, row.q0 : row.q1, None], hkv)  # (Bs, Hkv, g*n, 1)
-        lf = torch.where(torch.isfinite(lf), lf, torch.zeros_like(lf))
-        for run in row.runs:
-            for k0 in range(run.k0, run.k1, STATS_KEYS):
-                chunk = Run(k0, min(k0 + STATS_KEYS, run.k1), run.full)
-                qf, kr, _, tile = tiles.run_inputs(tcall, gi, sel, q, k, v, row, chunk)
-                bias_tile = tiles.bias_tile(tcall, sel, row, chunk, hq, hkv)
-                s, _, _ = tiles.scores(tcall, qf, kr, tile, bias_tile, where=(sel, row, chunk))  # (Bs, Hkv, g*n, S)
-                d = s.sub_(lf)  # log-weights (<= 0 up to rounding), -inf for pairs that get no weight
-                counted = d > tiles.EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
-                d = d.clamp_(min=tiles.EXP_FLOOR, max=0.0)
-                w = torch.exp(d).mul_(counted)
-                acc.add(tiles.unfold(w, hq), tiles.unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)

@@ -47,7 +47,7 @@ from attnkit._types import Offset
 from attnkit._validate import AttnkitValueError
 from attnkit.functional import attention, attention_with_weights
 from attnkit.integrations import _transformers_compat as compat
-from attnkit.prepare import PreparedMask, prepare
+from attnkit.plan import PreparedMask, prepare
 
 __all__ = [
     "NAME",

@@ -1,61 +1,57 @@
 """attnkit's kernels and their registry.
 
-Each kernel is one module with a :class:`~attnkit.kernels.registry.Kernel` subclass,
-registered here; :data:`~attnkit.kernels.registry.PRIORITY` is the order ``kernel="auto"``
+Each kernel is a :class:`~attnkit.kernels.contract.Kernel` subclass in a module or folder of its
+own, registered by :mod:`attnkit.kernels.registry`; :data:`PRIORITY` is the order ``kernel="auto"``
 asks them in:
 
 - ``triton``: block-sparse, CUDA (the CPU only when forced, under ``TRITON_INTERPRET=1``);
+  :mod:`attnkit.kernels.triton`;
 - ``native``: block-sparse, CPU, attnkit's C++ engine (built once per machine);
+  :mod:`attnkit.kernels.native`;
 - ``fused``: block-sparse, CPU, PyTorch's fused flash kernel per run of the plan;
+  :mod:`attnkit.kernels.runs.fused`;
 - ``math``: block-sparse in PyTorch matmuls: every modification, dropout, any device;
-- ``sdpa``: PyTorch's fused kernels with dense masks;
-- ``reference``: the plain formula, the test oracle.
+  :mod:`attnkit.kernels.runs.math`;
+- ``sdpa``: PyTorch's fused kernels with dense masks or key limits; :mod:`attnkit.kernels.sdpa`;
+- ``reference``: the plain formula, the test oracle; :mod:`attnkit.kernels.reference`.
 
 ``tiled`` names the group of the three block-sparse CPU kernels (``kernel="tiled"`` runs the
 first of native, fused, math that can run a call). The objects :data:`TRITON`, :data:`NATIVE`,
 :data:`FUSED`, :data:`MATH`, :data:`TILED`, :data:`SDPA` and :data:`REFERENCE` name them
 wherever a kernel is asked for (``kernel=``, :func:`use_kernels`).
 
-Shared pieces: :mod:`attnkit.kernels.blocksparse` (when block sparsity pays; the plan walk of
-the PyTorch engines), :mod:`attnkit.kernels.tiles` (one run's tensors) and
-:mod:`attnkit.kernels.lse` (the log-sum-exp merge).
+Kernels import only the contract (:mod:`attnkit.kernels.contract`) and the shared parts:
+:mod:`~attnkit.kernels.sparsity` (when block sparsity pays), :mod:`~attnkit.kernels.dense` (dense
+masks and zeroing), :mod:`~attnkit.kernels.blocks` (the host-side reading of a plan) and
+:mod:`~attnkit.kernels.lse` (the log-sum-exp merge). The fast path of repeated calls is
+:mod:`attnkit.kernels.fastpath`.
 """
 
-from attnkit.kernels import native_build, registry
-from attnkit.kernels.fused import FusedKernel
-from attnkit.kernels.native import NativeKernel
-from attnkit.kernels.reference import ReferenceKernel
+from attnkit.kernels.contract import Call, Kernel, StatsRequest
 from attnkit.kernels.registry import (
+    FUSED,
     GROUPS,
     KERNELS,
+    MATH,
+    NATIVE,
     PRIORITY,
-    Call,
-    Kernel,
+    REFERENCE,
+    SDPA,
+    TILED,
+    TRITON,
     KernelGroup,
     Plan,
     backward_part,
     choose,
+    choose_stats,
     refusals,
     register_group,
     register_kernel,
     run,
+    stats,
     unregister_kernel,
     use_kernels,
 )
-from attnkit.kernels.sdpa import SDPAKernel
-from attnkit.kernels.tiled_math import MathKernel
-from attnkit.kernels.triton_attention import TritonKernel
-
-# registered last-first: each new kernel goes to the front of the priority list
-REFERENCE = register_kernel(ReferenceKernel())
-SDPA = register_kernel(SDPAKernel())
-MATH = register_kernel(MathKernel())
-FUSED = register_kernel(FusedKernel())
-NATIVE = register_kernel(NativeKernel())
-TRITON = register_kernel(TritonKernel())
-TILED = register_group("tiled", ("native", "fused", "math"))
-registry.BUILTIN_STATE.append(tuple(registry.PRIORITY))
-native_build.load_if_built()  # a cached build is loaded now: code traced by torch.compile finds it
 
 __all__ = [
     "FUSED",
@@ -72,12 +68,15 @@ __all__ = [
     "Kernel",
     "KernelGroup",
     "Plan",
+    "StatsRequest",
     "backward_part",
     "choose",
+    "choose_stats",
     "refusals",
     "register_group",
     "register_kernel",
     "run",
+    "stats",
     "unregister_kernel",
     "use_kernels",
 ]

@@ -12,8 +12,9 @@ kernel's thresholds).
 The registry is an ordered priority list (:data:`PRIORITY`): ``kernel="auto"`` walks it
 and takes the first kernel that can run the call and prefers it; :func:`attnkit.explain`
 reports every refusal. :func:`use_kernels` restricts and reorders the list for a block
-of code (like ``torch.nn.attention.sdpa_kernel``). Adding a kernel is one file with a
-:class:`Kernel` subclass and one :func:`register_kernel` call::
+of code (like ``torch.nn.attention.sdpa_kernel``). The registry imports the kernels; no
+kernel imports the registry (:mod:`attnkit.kernels.contract` is all they share). Adding a
+kernel is one file with a :class:`Kernel` subclass and one :func:`register_kernel` call::
 
     class MyKernel(Kernel):
         name = "mine"
@@ -32,51 +33,55 @@ Kernels that are engines of one family can be named together: ``"tiled"`` is the
 attnkit's block-sparse CPU kernels (``native``, ``fused``, ``math``), so ``kernel="tiled"``
 runs the first of them that can run a call (:func:`register_group`).
 
-The registry is the only place that chooses a kernel, for the forward (:func:`choose`) and
-for the backward over a part of the keys (:func:`backward_part`, ring attention).
+The registry is the only place that chooses a kernel: for the forward (:func:`choose`), for
+the backward over a part of the keys (:func:`backward_part`, ring attention) and for the
+statistics of the weights (:func:`stats`, :func:`attnkit.inspect.attention_stats`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
-from attnkit.kernels.contract import (
-    Call,
-    Kernel,
-    LimitRunner,
-    Reason,
-    Runner,
-    double_backward_error,
-    mark_first_derivative_only,
-)
+from attnkit.kernels.contract import Call, Kernel, Reason, StatsRequest, mark_first_derivative_only
 from attnkit.kernels.lse import add_sinks
-from attnkit.prepare import PreparedMask
+from attnkit.kernels.native.kernel import NativeKernel
+from attnkit.kernels.reference import ReferenceKernel
+from attnkit.kernels.runs.fused import FusedKernel
+from attnkit.kernels.runs.math import MathKernel
+from attnkit.kernels.sdpa import SDPAKernel
+from attnkit.kernels.triton.kernel import TritonKernel
+from attnkit.plan import PreparedMask
 
 __all__ = [
+    "BUILTIN",
+    "FUSED",
     "GROUPS",
     "KERNELS",
+    "MATH",
+    "NATIVE",
     "PRIORITY",
-    "Call",
-    "Kernel",
+    "REFERENCE",
+    "SDPA",
+    "TILED",
+    "TRITON",
     "KernelGroup",
-    "LimitRunner",
     "Plan",
+    "active",
     "backward_part",
     "choose",
+    "choose_stats",
     "refusals",
     "register_group",
     "register_kernel",
+    "registry_state",
     "run",
+    "stats",
+    "unregister_kernel",
     "use_kernels",
-    # the contract, re-exported where kernels have always imported it
-    "Reason",
-    "Runner",
-    "double_backward_error",
 ]
 
 
@@ -105,35 +110,15 @@ PRIORITY: list[Kernel] = []
 _GENERATION = [0]  # bumped by every change to the registry
 
 
-#: PRIORITY right after attnkit registered its own kernels (set by attnkit.kernels).
-BUILTIN_STATE: list[tuple] = []
-
-
-def builtin_registry() -> bool:
-    """Whether the registry holds attnkit's own kernels as registered, with no use_kernels active:
-    then an unmasked call's choice depends only on its device, dtypes and rank, not on its lengths."""
-    if not BUILTIN_STATE or _ACTIVE or len(PRIORITY) != len(BUILTIN_STATE[0]):
-        return False
-    return all(a is b for a, b in zip(PRIORITY, BUILTIN_STATE[0]))  # a kernel registered and removed again: True
-
-
 def registry_state() -> tuple:
     """What the choice of a kernel depends on besides the call: the registry's version and the
     innermost use_kernels (keys of cached choices)."""
     return (_GENERATION[0], _ACTIVE[-1] if _ACTIVE else None)
 
 
-def first_derivative_only(fn: Runner, kernel: Kernel) -> Runner:
-    """``fn`` with outputs that refuse a second derivative clearly, unless the kernel has one."""
-    if kernel.supports_double_backward:
-        return fn
-
-    def guarded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = fn(q, k, v)
-        mark_first_derivative_only(out, kernel.name)
-        return out
-
-    return guarded
+def active() -> tuple[tuple[Kernel, ...], bool] | None:
+    """The innermost :func:`use_kernels`' kernels and whether their preferences are asked, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def _named(kernel) -> Kernel | KernelGroup:
@@ -219,20 +204,22 @@ def unregister_kernel(kernel: Kernel | str) -> None:
         PRIORITY.remove(kernel)
 
 
-#: The kernels :func:`use_kernels` allows, innermost last (module state, like the backend
-#: flags of ``sdpa_kernel``: torch.compile can read it, a ContextVar it cannot).
-_ACTIVE: list[tuple[Kernel, ...]] = []
+#: The kernels :func:`use_kernels` allows and whether their preferences are asked, innermost last
+#: (module state, like the backend flags of ``sdpa_kernel``: torch.compile can read it).
+_ACTIVE: list[tuple[tuple[Kernel, ...], bool]] = []
 
 
 @contextlib.contextmanager
-def use_kernels(*kernels: Kernel | str) -> Iterator[None]:
+def use_kernels(*kernels: Kernel | str, prefer: bool = False) -> Iterator[None]:
     """Within the block, ``kernel="auto"`` takes the first of these kernels that can run a call.
 
     Like ``torch.nn.attention.sdpa_kernel``: the order given is the preference (the
     kernels' own :meth:`Kernel.prefers` is not asked), and it reaches every attnkit call made inside
     (modules, :func:`attnkit.capture`, models run through the transformers integration).
     Names, groups (``"tiled"``: its members in order) or kernel objects; a call none of them
-    can run raises an error naming each one's reasons.
+    can run raises an error naming each one's reasons. With ``prefer=True`` the kernels' own
+    preferences are asked in this order, as ``auto`` asks :data:`PRIORITY` (the first that can run
+    a call and prefers it; else the first that can run it): ``auto`` restricted to these kernels.
 
     >>> import torch, attnkit
     >>> q = torch.randn(1, 2, 8, 16)
@@ -244,7 +231,7 @@ def use_kernels(*kernels: Kernel | str) -> Iterator[None]:
         kernels = tuple(kernels[0])
     if not kernels:
         raise AttnkitValueError("use_kernels needs at least one kernel, e.g. use_kernels('tiled', 'reference').")
-    _ACTIVE.append(_expanded(kernels))
+    _ACTIVE.append((_expanded(kernels), bool(prefer)))
     try:
         yield
     finally:
@@ -264,6 +251,7 @@ class Plan:
     ):
         self.chosen, self.kernel, self._reason = kernel, kernel.name, reason
         self._call, self._refusals = call, dict(refusals or {})
+        self._allowed = _ACTIVE[-1][0] if _ACTIVE else None  # the use_kernels this choice was made under
 
     @property
     def reason(self) -> str:
@@ -285,7 +273,11 @@ class Plan:
     def rejected(self) -> dict:
         for name, k in KERNELS.items():
             if self._call is not None and (name not in self._refusals or self._refusals[name] is _LATER):
-                self._refusals[name] = k.not_supported_reasons(self._call)
+                if self._allowed is not None and k not in self._allowed:
+                    names = ", ".join(x.name for x in self._allowed)
+                    self._refusals[name] = [f"not among the kernels of use_kernels({names})"]
+                else:
+                    self._refusals[name] = k.not_supported_reasons(self._call)
         return {name: _refusal_words(why) for name, why in self._refusals.items() if name != self.kernel}
 
     def __str__(self) -> str:
@@ -370,21 +362,23 @@ def _auto(call: Call) -> Plan:
             call,
             refusals,
         )
-    if _ACTIVE:  # use_kernels: the user's order is the preference; the first that can run it runs it
-        for k in _ACTIVE[-1]:
-            reasons = k.not_supported_reasons(call)
-            if not reasons:
-                return _plan(
-                    k,
-                    f"the first of use_kernels({', '.join(x.name for x in _ACTIVE[-1])}) that runs this call",
-                    call,
-                    refusals,
-                )
-            refusals[k.name] = reasons
-        detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
-        raise AttnkitValueError(f"no kernel allowed here can run this call ({detail}).")
+    order: tuple[Kernel, ...] | list[Kernel] = PRIORITY
+    if _ACTIVE:
+        allowed, prefer = _ACTIVE[-1]
+        if not prefer:  # use_kernels: the user's order is the preference; the first that can run it runs it
+            for k in allowed:
+                reasons = k.not_supported_reasons(call)
+                if not reasons:
+                    return _plan(
+                        k, f"the first of use_kernels({', '.join(x.name for x in allowed)}) that runs this call",
+                        call, refusals,
+                    )  # fmt: skip
+                refusals[k.name] = reasons
+            detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
+            raise AttnkitValueError(f"no kernel allowed here can run this call ({detail}).")
+        order = allowed
     device = call.q.device.type
-    for k in PRIORITY:
+    for k in order:
         if not k.runs_on(device):
             refusals[k.name] = _LATER
             continue
@@ -405,7 +399,7 @@ def _auto(call: Call) -> Plan:
             call,
             refusals,
         )
-    for k in PRIORITY:
+    for k in order:
         if refusals.get(k.name) is _LATER:
             refusals[k.name] = k.not_supported_reasons(call) or [f"does not run on {device}"]
     detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
@@ -421,8 +415,8 @@ def refusals(name: str, call: Call) -> list[str]:
     if kernel is None:
         return [f"no kernel named {name!r} is registered"]
     reasons = kernel.not_supported_reasons(call)
-    if _ACTIVE and kernel not in _ACTIVE[-1]:
-        reasons.append(f"not among the kernels of use_kernels({', '.join(k.name for k in _ACTIVE[-1])})")
+    if _ACTIVE and kernel not in _ACTIVE[-1][0]:
+        reasons.append(f"not among the kernels of use_kernels({', '.join(k.name for k in _ACTIVE[-1][0])})")
     return reasons
 
 
@@ -432,7 +426,7 @@ def backward_part(
     """``(dq, dk, dv)`` of a part of the keys (see :meth:`Kernel.backward_part`) by the kernel the
     registry chooses among those that implement it: the first of :func:`use_kernels`' list, else
     of :data:`PRIORITY`, that can run the call and prefers it (else the first that can run it)."""
-    order = _ACTIVE[-1] if _ACTIVE else tuple(PRIORITY)
+    order, forced = (_ACTIVE[-1][0], not _ACTIVE[-1][1]) if _ACTIVE else (tuple(PRIORITY), False)
     capable: list[Kernel] = []
     refusals: dict[str, list[str]] = {}
     for k in order:
@@ -442,28 +436,46 @@ def backward_part(
         if reasons:
             refusals[k.name] = reasons
             continue
-        if _ACTIVE or k.prefers(call)[0]:
+        if forced or k.prefers(call)[0]:
             capable.insert(0, k)
             break
         capable.append(k)
     if not capable:
         detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
         raise AttnkitValueError(f"no kernel can compute the backward over this part of the keys ({detail}).")
-    kernel = capable[0]
-    if kernel.block_size is not None:
-        call.prepared = call.prepared_at(kernel.block_size)
-    return kernel.backward_part(call, out, lse, grad_out, grad_lse)
+    return capable[0].backward_part(call, out, lse, grad_out, grad_lse)
+
+
+def choose_stats(call: Call) -> Plan:
+    """The kernel that computes the statistics of a call's weights (:func:`stats`): the first of
+    :func:`use_kernels`' list, else of :data:`PRIORITY`, that computes statistics and can run it."""
+    order = _ACTIVE[-1][0] if _ACTIVE else tuple(PRIORITY)
+    refusals: dict[str, object] = {}
+    for k in order:
+        if not k.supports_stats:
+            refusals[k.name] = ["computes no statistics"]
+            continue
+        reasons = k.not_supported_reasons(call)
+        if not reasons:
+            return _plan(k, "the first kernel that computes statistics and can run this call", call, refusals)
+        refusals[k.name] = reasons
+    detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
+    raise AttnkitValueError(f"no kernel allowed here computes the statistics of this call ({detail}).")
+
+
+def stats(call: Call, request: StatsRequest) -> dict[str, torch.Tensor]:
+    """The statistics of a 4-D call's weights (:meth:`Kernel.stats`) by the kernel
+    :func:`choose_stats` picks."""
+    return choose_stats(call).chosen.stats(call, request)
 
 
 def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the chosen kernel; ``(out, lse or None)``."""
     kernel = KERNELS["reference"] if call.empty else plan.chosen  # empty: zeros (and lse -inf)
-    if kernel.block_size is not None and not call.empty and not call.compiling:
-        call.prepared = call.prepared_at(kernel.block_size)
     if call.sinks is None or "sinks" in kernel.supports_score_mods:
         out, lse = kernel.run(call)
     else:
-        out, lse = kernel.run(replace(call, sinks=None, return_lse=True, _by_block=call._by_block))
+        out, lse = kernel.run(call.replace(sinks=None, return_lse=True))
         assert lse is not None, f"{kernel.name} was asked for the lse"
         out, lse = add_sinks(out, lse, call.sinks)
         lse = lse if call.return_lse else None
@@ -471,3 +483,16 @@ def run(call: Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
         mark_first_derivative_only(out, kernel.name)
         mark_first_derivative_only(lse, kernel.name)
     return out, lse
+
+
+# --- attnkit's own kernels, registered last-first: each new kernel goes to the front -------------
+
+REFERENCE = register_kernel(ReferenceKernel())
+SDPA = register_kernel(SDPAKernel())
+MATH = register_kernel(MathKernel())
+FUSED = register_kernel(FusedKernel())
+NATIVE = register_kernel(NativeKernel())
+TRITON = register_kernel(TritonKernel())
+TILED = register_group("tiled", ("native", "fused", "math"))
+#: PRIORITY as attnkit registered it (what :mod:`attnkit.kernels.fastpath` checks the registry against).
+BUILTIN: tuple[Kernel, ...] = tuple(PRIORITY)

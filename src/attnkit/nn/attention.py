@@ -14,7 +14,7 @@ from attnkit import functional, masks
 from attnkit._types import Device, IntLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
 from attnkit.bias import BiasLike
-from attnkit.prepare import MaskLike
+from attnkit.plan import MaskLike
 
 if TYPE_CHECKING:
     from attnkit.nn.cache import KVCache

@@ -4,10 +4,11 @@ A :class:`PreparedMask` holds, per (sequence, head) of the mask and per row bloc
 ``bq`` queries, the key blocks of ``bk`` keys that are not empty and which of them are
 full, as tensors (``kv_num``, ``kv_indices``, ``kv_full``: the form a GPU kernel
 reads, like FlexAttention's ``BlockMask``), the element masks of the partial blocks as
-bits (``bits``, ``tile_ids``), the facts kernels decide on (``band``, ``kept``,
-``hides_nothing``, ...) and the host-side plan the CPU kernels walk: rows of the batch and
-heads whose block maps are equal share one plan, and each plan lists, per row block, the
-runs of adjacent key blocks to visit. Everything is computed once, here, and read-only.
+bits (``bits``, ``tile_ids``) and the facts kernels decide on (``band``, ``kept``,
+``hides_nothing``, ...). Everything is computed once, here; a PreparedMask is a frozen value
+and **the one truth of its mask**: every kernel reads its block lists and bits, and none
+evaluates the mask (a ``from_fn`` predicate, say) again after preparation, so changing what
+a predicate reads afterwards changes nothing a prepared mask gives.
 
 Preparing reads the mask's values once (a host sync); reusing the prepared mask
 across layers and decoding steps is the fast path::
@@ -18,37 +19,38 @@ across layers and decoding steps is the fast path::
 
 ``attnkit.attention`` also prepares masks it is given as mask objects, through one
 bounded cache (:data:`attnkit._cache.PREPARED`): masks are found by value (their kind,
-parameters and the contents of small tensors they hold), others by identity (masks copy
-their tensors, so a mask object never changes).
+parameters and the contents of small tensors they hold); a mask whose value cannot be
+keyed (a ``from_fn`` predicate over state that cannot be fingerprinted) is prepared again
+on every call.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from attnkit import _cache
 from attnkit import masks as _masks
+from attnkit._indexing import as4d
 from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
-    "Group",
     "MaskFacts",
     "MaskLike",
     "PreparedMask",
-    "RowBlock",
-    "Run",
     "clear_cache",
     "mask_facts",
     "prepare",
     "prepared_for",
+    "rebuilt",
 ]
 
 #: The block size ``prepare`` uses when none is asked for: the CPU kernels' (``benchmarks/cpu.py``).
@@ -58,45 +60,10 @@ DEFAULT_BLOCK_SIZE = (128, 64)
 
 
 @dataclass(frozen=True)
-class Run:
-    """Keys ``[k0, k1)`` of one row block; ``full`` means every pair may attend."""
-
-    k0: int
-    k1: int
-    full: bool
-
-
-@dataclass(frozen=True)
-class RowBlock:
-    """Queries ``[q0, q1)`` and the runs of keys they attend to."""
-
-    q0: int
-    q1: int
-    runs: tuple[Run, ...]
-
-
-@dataclass(frozen=True)
-class Group:
-    """Rows of the batch and heads that share one plan.
-
-    ``batch``/``heads`` index the mask's batch and head axes; None means all of them
-    (or the mask does not differ along that axis).
-    """
-
-    batch: tuple[int, ...] | None
-    heads: tuple[int, ...] | None
-    rows: tuple[RowBlock, ...]
-
-    @property
-    def masked(self) -> bool:
-        return any(not run.full for row in self.rows for run in row.runs)
-
-
-@dataclass(frozen=True)
 class MaskFacts:
     """What a mask object says of itself at some lengths, without reading its values: the one
     place these facts are worked out, for a :class:`PreparedMask` and for a call that has not
-    prepared its mask (yet).
+    prepared its mask.
 
     - ``band``: ``(lo, hi)`` when the mask is exactly ``lo <= j - i <= hi`` (causal and window
       masks with int offsets, :meth:`attnkit.masks.Mask.band`), else None;
@@ -119,20 +86,20 @@ class MaskFacts:
         return (lo is None or lo <= -(q_len - 1)) and (hi is None or hi >= kv_len - 1)
 
 
-_NO_MASK = MaskFacts(None, False)
+NO_MASK = MaskFacts(None, False)
 
 
 def mask_facts(mask: _masks.Mask | None, q_len: int, kv_len: int) -> MaskFacts:
     """The :class:`MaskFacts` of a mask object (or of no mask) at these lengths."""
     if mask is None:
-        return _NO_MASK
+        return NO_MASK
     return MaskFacts(mask.band(q_len, kv_len), mask.limit_only())
 
 
 _UIDS = itertools.count(1)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class PreparedMask:
     """A mask prepared for ``Lq x Lk`` attention; pass it wherever a mask is accepted.
 
@@ -143,23 +110,23 @@ class PreparedMask:
     - ``kv_num (Bm, Hm, nq) int32``: kept key blocks per row block;
     - ``kv_indices (Bm, Hm, nq, nk) int32``: their indices first, in order;
     - ``kv_full (Bm, Hm, nq, nk) bool``: whether each listed block is full;
-    - ``kv_limit (Bm,) int64`` or None: keys from here on are hidden (never read);
-    - ``bits (T, bk, bq // 8) uint8``: the element masks of the partial blocks, key-major, eight
-      queries a byte (bit ``r % 8`` of byte ``r // 8`` in key ``c``'s row is query ``r``; 1 = may
-      attend; one all-zero tile where there is no partial block); None when ``bq`` is no
-      multiple of 8 (see :meth:`partial_bits`);
+    - ``kv_limit (Bm,) int64`` or None: keys from here on are hidden (never read); ``kv_limits``
+      the same as Python ints (read once, at preparation);
+    - ``bits (T, bk, ceil(bq / 8)) uint8``: the element masks of the partial blocks, key-major,
+      eight queries a byte (bit ``r % 8`` of byte ``r // 8`` in key ``c``'s row is query ``r``;
+      1 = may attend; one all-zero tile where there is no partial block);
     - ``tile_ids (Bm, Hm, nq, nk) int32``: for the j-th listed key block of each row block (the
       order of ``kv_indices``), its tile in ``bits``, or -1 for a full block;
-    - ``kept``: the mean fraction of blocks a (sequence, head) visits;
-    - ``groups``: the CPU kernels' plans (see :class:`Group`); ``masked``: whether any run
-      needs its element mask;
+    - ``kept``: the mean fraction of blocks a (sequence, head) visits; ``masked``: whether any
+      block is partial (needs its element mask);
     - ``band``, ``causal_shift``, ``limit_only``: the mask's :class:`MaskFacts`;
     - ``hides_nothing``: every pair may attend at these lengths;
-    - ``kv_limit_value``: the key limit as a Python int when every sequence has the same one
-      (None: no limit, or limits that differ), so a kernel can cut the keys without a sync;
+    - ``mask``: the mask it was prepared from (for its description and positions; never
+      evaluated again), or None for a plan rebuilt from tensors;
     - ``uid``: a number unique to this prepared mask in the process.
 
-    Kernels read these facts, never the mask's class. :meth:`to` returns a new one.
+    Kernels read these fields, never the mask's class. :meth:`to` returns a new one with its
+    tensors moved.
     """
 
     mask: _masks.Mask | None
@@ -171,19 +138,31 @@ class PreparedMask:
     kv_indices: torch.Tensor
     kv_full: torch.Tensor
     kv_limit: torch.Tensor | None
-    groups: tuple[Group, ...] = field(repr=False)
-    kept: float
-    bits: torch.Tensor | None = field(repr=False)
+    kv_limits: tuple[int, ...] | None
+    bits: torch.Tensor = field(repr=False)
     tile_ids: torch.Tensor = field(repr=False)
+    kept: float
+    masked: bool
     band: tuple[int | None, int | None] | None = None
     limit_only: bool = False
-    kv_limit_value: int | None = None
-    masked: bool = False
     hides_nothing: bool = False
-    causal_shift: int | None = None
     uid: int = field(default_factory=lambda: next(_UIDS), repr=False, compare=False)
-    #: forms derived on request (int8 element masks, a device's copies): written by this class only
+    #: forms derived on request (unpacked bits, a device's copies): written by this class only
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def causal_shift(self) -> int | None:
+        """``s`` when the mask is exactly "key j visible iff ``j <= i + s``" (0: SDPA's ``is_causal``)."""
+        return MaskFacts(self.band, self.limit_only).causal_shift
+
+    @property
+    def kv_limit_value(self) -> int | None:
+        """The key limit as a Python int when every sequence has the same one (None: no limit, or
+        limits that differ), so a kernel can cut the keys without a sync."""
+        limits = self.kv_limits
+        if not limits or any(n != limits[0] for n in limits):
+            return None
+        return limits[0]
 
     @property
     def everything(self) -> bool:
@@ -201,13 +180,11 @@ class PreparedMask:
         key = ("partial_bits", str(device))
         found = self._derived.get(key)
         if found is None:
-            if self.bits is not None:
-                bq, bk = self.block_size
-                shifts = torch.arange(8, dtype=torch.uint8, device=self.bits.device)
-                rows = (self.bits[..., None] >> shifts) & 1  # (T, bk, bq/8, 8)
-                int8 = rows.reshape(self.bits.shape[0], bk, bq).transpose(1, 2).to(torch.int8)
-            else:
-                int8 = _partial_tiles(self)[0]
+            bq, bk = self.block_size
+            shifts = torch.arange(8, dtype=torch.uint8, device=self.bits.device)
+            rows = (self.bits[..., None] >> shifts) & 1  # (T, bk, ceil(bq/8), 8)
+            rows = rows.reshape(self.bits.shape[0], bk, -1)[:, :, :bq]  # (T, bk, bq)
+            int8 = rows.transpose(1, 2).to(torch.int8)  # (T, bq, bk)
             found = (int8.to(device).contiguous(), self.tile_ids.to(device).contiguous())
             self._derived[key] = found
         return found
@@ -221,10 +198,6 @@ class PreparedMask:
         >>> bits.shape, bin(int(bits[0, 2, 0]))  # key 2 of the first diagonal tile: queries 2..7
         (torch.Size([2, 8, 1]), '0b11111100')
         """
-        if self.bits is None:
-            raise AttnkitValueError(
-                f"packed bits need a block of queries that is a multiple of 8, not {self.block_size[0]}."
-            )
         device = torch.device(device) if device is not None else self.device
         if device == self.device:
             return self.bits, self.tile_ids
@@ -253,34 +226,28 @@ class PreparedMask:
             self._derived["block_tiles"] = found
         return found
 
-    def allowed(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        """The allowed pairs of queries ``[q0, q1)`` and keys ``[k0, k1)``: ``(Bm or 1, Hm or 1, n, S)``
-        bool, evaluated from the mask (or, for a plan rebuilt from tensors, read from the bits)."""
-        if self.mask is not None:
-            from attnkit._indexing import as4d
-
-            q_idx = torch.arange(q0, q1, device=self.device)[:, None]
-            kv_idx = torch.arange(k0, k1, device=self.device)[None, :]
-            return as4d(self.mask.elements(q_idx, kv_idx, self.q_len, self.kv_len))
+    def allowed_at(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """The allowed pairs of queries ``q_idx: (n,)`` and keys ``kv_idx: (S,)`` (indices in
+        ``[0, Lq)`` and ``[0, Lk)``): ``(Bm, Hm, n, S)`` bool, read from the block codes, the
+        partial blocks' bits and the key limits (the mask is not evaluated)."""
         bq, bk = self.block_size
-        int8, _ = self.partial_bits()
-        tiles = self.block_tiles()
-        bm, hm = self.codes.shape[:2]
-        out = torch.zeros(bm, hm, q1 - q0, k1 - k0, dtype=torch.bool, device=self.device)
-        for i in range(q0 // bq, -(-q1 // bq)):
-            for j in range(k0 // bk, -(-k1 // bk)):
-                r0, r1, c0, c1 = max(q0, i * bq), min(q1, (i + 1) * bq), max(k0, j * bk), min(k1, (j + 1) * bk)
-                codes = self.codes[:, :, i, j]  # (Bm, Hm)
-                tile = int8[tiles[:, :, i, j].clamp(min=0).long()][
-                    ..., r0 - i * bq : r1 - i * bq, c0 - j * bk : c1 - j * bk
-                ]
-                block = torch.where(
-                    (codes == _masks.FULL)[..., None, None],
-                    True,
-                    (codes == _masks.PARTIAL)[..., None, None] & (tile == 1),
-                )
-                out[:, :, r0 - q0 : r1 - q0, c0 - k0 : c1 - k0] = block
+        q_idx, kv_idx = q_idx.to(self.device).long(), kv_idx.to(self.device).long()
+        bi, bj = q_idx // bq, kv_idx // bk
+        codes = self.codes[:, :, bi][:, :, :, bj]  # (Bm, Hm, n, S)
+        out = codes == _masks.FULL
+        if self.masked:
+            int8, _ = self.partial_bits()
+            tiles = self.block_tiles()[:, :, bi][:, :, :, bj].clamp(min=0).long()
+            bit = int8[tiles, (q_idx % bq)[:, None], (kv_idx % bk)[None, :]]  # (Bm, Hm, n, S)
+            out = out | ((codes == _masks.PARTIAL) & (bit == 1))
+        if self.kv_limit is not None:  # a full block may straddle a limit: keys past it are hidden
+            out = out & (kv_idx[None, None, None, :] < self.kv_limit.view(-1, 1, 1, 1))
         return out
+
+    def allowed(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """The allowed pairs of queries ``[q0, q1)`` and keys ``[k0, k1)``: ``(Bm, Hm, n, S)`` bool
+        (see :meth:`allowed_at`)."""
+        return self.allowed_at(torch.arange(q0, q1, device=self.device), torch.arange(k0, k1, device=self.device))
 
     @property
     def lead_shape(self) -> tuple[int, int]:
@@ -301,40 +268,107 @@ class PreparedMask:
         return 4
 
     def to(self, device: Device) -> PreparedMask:
-        """The same prepared mask with its tensors on ``device`` (a new value)."""
-        if self.mask is None and self.groups and self.masked:
-            return rebuilt(
-                self.q_len, self.kv_len, self.block_size, self.codes.to(device),
-                None if self.kv_limit is None else self.kv_limit.to(device),
-                None if self.bits is None else self.bits.to(device), self.tile_ids.to(device), self.band,
-            )  # fmt: skip
-        return prepare(self.mask, self.q_len, self.kv_len, device=device, block_size=self.block_size)
+        """The same prepared mask with its tensors on ``device`` (a new value; this one is unchanged)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in ("codes", "kv_num", "kv_indices", "kv_full", "bits", "tile_ids")
+        }
+        limit = None if self.kv_limit is None else self.kv_limit.to(device)
+        return PreparedMask(
+            mask=self.mask, q_len=self.q_len, kv_len=self.kv_len, block_size=self.block_size, kv_limit=limit,
+            kv_limits=self.kv_limits, kept=self.kept, masked=self.masked, band=self.band,
+            limit_only=self.limit_only, hides_nothing=self.hides_nothing, **moved,
+        )  # fmt: skip
 
     def with_block_size(self, block_size: tuple[int, int]) -> PreparedMask:
-        """The same mask prepared for another block size (through the implicit cache: once)."""
+        """The same mask prepared for another block size: blocked again from this plan's own
+        pairs (not from the mask), once per block size (through the implicit cache)."""
         if tuple(block_size) == self.block_size:
             return self
-        if self.mask is None and self.masked:
-            raise AttnkitValueError(
-                f"this plan was rebuilt from tensors at block size {self.block_size} and holds no mask to "
-                f"prepare again at {tuple(block_size)}."
-            )
-        return prepared_for(self.mask, self.q_len, self.kv_len, self.device, (block_size[0], block_size[1]))
+        return prepared_for(_Planned(self), self.q_len, self.kv_len, self.device, (block_size[0], block_size[1]))
 
     def materialize(self, device: Device = None) -> torch.Tensor:
-        """The dense bool mask ``(Bm, Hm, Lq, Lk)`` (True = may attend)."""
-        if self.mask is None and not self.masked and self.kv_limit is None and self.hides_nothing:
-            return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device or self.device)
-        if self.mask is None:
-            return self.allowed(0, self.q_len, 0, self.kv_len).to(device or self.device)
-        return self.mask.materialize(self.q_len, self.kv_len, device or self.device, check=False)
+        """The dense bool mask ``(Bm, Hm, Lq, Lk)`` (True = may attend), read from the plan."""
+        device = device or self.device
+        bm, hm = self.lead_shape
+        if self.hides_nothing:
+            return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device)
+        out = torch.empty(bm, hm, self.q_len, self.kv_len, dtype=torch.bool, device=self.device)
+        bq = self.block_size[0]
+        keys = torch.arange(self.kv_len, device=self.device)
+        for q0 in range(0, self.q_len, bq):  # a row of blocks at a time: O(bq x Lk) index tensors
+            rows = torch.arange(q0, min(q0 + bq, self.q_len), device=self.device)
+            out[:, :, q0 : q0 + rows.numel()] = self.allowed_at(rows, keys)
+        return out.to(device)
 
     def __repr__(self) -> str:
         bq, bk = self.block_size
         return (
             f"PreparedMask({self.mask!r}, Lq={self.q_len}, Lk={self.kv_len}, blocks={bq}x{bk}, "
-            f"lead_shape={self.lead_shape}, kept={self.kept:.0%}, plans={len(self.groups)})"
+            f"lead_shape={self.lead_shape}, kept={self.kept:.0%})"
         )
+
+
+class _Planned(_masks.Mask):
+    """A prepared mask read as a mask object (its pairs from the plan): what a PreparedMask is
+    blocked again from at another block size, so the plan stays the one truth of the mask."""
+
+    def __init__(self, prepared: PreparedMask):
+        self.prepared = prepared
+        self.batch_size = prepared.lead_shape[0] if prepared.lead_shape[0] > 1 else None
+
+    def tensors(self):
+        return (self.prepared.codes,)
+
+    def value_key(self) -> Hashable:
+        return ("prepared", self.prepared.uid)  # a PreparedMask never changes
+
+    def lead_shape(self):
+        return self.prepared.lead_shape
+
+    def band(self, q_len, kv_len):
+        return self.prepared.band
+
+    def limit_only(self):
+        return self.prepared.limit_only
+
+    def key_limit(self):
+        return self.prepared.kv_limit
+
+    def positions(self, q_len, kv_len, device=None):
+        mask = self.prepared.mask
+        return None if mask is None else mask.positions(q_len, kv_len, device)
+
+    def check(self, q_len, kv_len):
+        if (q_len, kv_len) != (self.prepared.q_len, self.prepared.kv_len):
+            raise AttnkitValueError(
+                f"the prepared mask was prepared for Lq={self.prepared.q_len}, Lk={self.prepared.kv_len} but is "
+                f"used with Lq={q_len}, Lk={kv_len}. Prepare it for these lengths."
+            )
+
+    def elements(self, q_idx, kv_idx, q_len, kv_len):
+        return self.prepared.allowed_at(q_idx.reshape(-1), kv_idx.reshape(-1))
+
+    def block_codes(self, b):
+        rows = []
+        keys = torch.arange(b.keys, device=b.device)
+        pad = -b.keys % b.bk
+        for i in range(b.nq):  # one row of blocks at a time
+            q_idx = torch.arange(i * b.bq, min((i + 1) * b.bq, b.q_len), device=b.device)
+            e = self.prepared.allowed_at(q_idx, keys).view(torch.uint8)  # (Bm, Hm, n, Lk)
+            lo, hi = e.amin(dim=-2), e.amax(dim=-2)
+            lo = torch.nn.functional.pad(lo, (0, pad), value=1).view(*lo.shape[:2], -1, b.bk).amin(-1)
+            hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(*hi.shape[:2], -1, b.bk).amax(-1)
+            rows.append(b.code(lo == 1, hi == 0))
+        if not rows:
+            return torch.zeros(1, 1, 0, b.nk, dtype=torch.int8, device=b.device)
+        return torch.stack(rows, dim=-2)
+
+    def __repr__(self):
+        return repr(self.prepared.mask) if self.prepared.mask is not None else "plan rebuilt from tensors"
 
 
 #: What ``mask=`` takes: a mask object, a prepared mask, a bool or float tensor, or None.
@@ -353,8 +387,8 @@ def prepare(
 
     ``mask`` is an attnkit mask object, a bool tensor (True = may attend, broadcast
     from the right like SDPA's ``attn_mask``) or None. The result holds the block lists
-    and the partial blocks' bits on ``device`` (default: the mask's own) and the CPU
-    kernels' per-row plans. Reuse it for every call with these lengths: no further host syncs.
+    and the partial blocks' bits on ``device`` (default: the mask's own). Reuse it for every
+    call with these lengths: no further host syncs, and the mask is never evaluated again.
 
     >>> import attnkit
     >>> p = attnkit.prepare(attnkit.masks.causal(), 256, 256)
@@ -390,55 +424,45 @@ def prepare(
             limit = limit.to(device=device, dtype=torch.int64).clamp(0, kv_len)
             if bool((limit >= kv_len).all()):
                 limit = None  # nothing to cut
-        codes = mask._block_map(q_len, kv_len, bq, bk, device, limit)
-        codes = codes.contiguous()
-    return _assemble(mask, q_len, kv_len, (bq, bk), codes, limit, mask_facts(mask, q_len, kv_len).band, None)
+        codes = mask._block_map(q_len, kv_len, bq, bk, device, limit).contiguous()
+    return _assemble(mask, q_len, kv_len, (bq, bk), codes, limit, mask_facts(mask, q_len, kv_len), None)
 
 
-def _assemble(mask, q_len, kv_len, block_size, codes, limit, band, bits_and_ids) -> PreparedMask:
-    """A PreparedMask from its block codes: the block lists, bits, plans and facts."""
-    bq, bk = block_size
+def _assemble(mask, q_len, kv_len, block_size, codes, limit, facts: MaskFacts, bits_and_ids) -> PreparedMask:
+    """A PreparedMask from its block codes: the block lists, bits and facts."""
     kept_blocks = codes != _masks.EMPTY
     order = torch.argsort((~kept_blocks).to(torch.int8), dim=-1, stable=True)
     kv_num = kept_blocks.sum(-1, dtype=torch.int32).contiguous()
     kv_indices = order.to(torch.int32).contiguous()
     kv_full = torch.gather(codes, -1, order) == _masks.FULL
     kept = float(kept_blocks.float().mean()) if codes.numel() else 0.0
-    limits = None if limit is None else limit.cpu().numpy()
-    groups = _plan_groups(codes.cpu().numpy(), limits, q_len, kv_len, bq, bk)
-    shared_limit = None
-    if limits is not None and limits.size and not (limits != limits.flat[0]).any():
-        shared_limit = int(limits.flat[0])
-    masked = any(g.masked for g in groups)
-    facts = MaskFacts(band, mask is not None and mask.limit_only())
+    limits = None if limit is None else tuple(int(n) for n in limit.cpu().reshape(-1).tolist())
+    masked = bool((codes == _masks.PARTIAL).any())
     if bits_and_ids is None:
         bits, tile_ids = _partial_tiles_packed(mask, q_len, kv_len, block_size, codes, kv_indices)
     else:
         bits, tile_ids = bits_and_ids
-    prepared = PreparedMask(
-        mask,
-        q_len,
-        kv_len,
-        (bq, bk),
-        codes,
-        kv_num,
-        kv_indices,
-        kv_full,
-        limit,
-        groups,
-        kept,
-        bits,
-        tile_ids,
-        band,
-        facts.limit_only,
-        shared_limit,
-        masked,
-        bool(kept == 1.0 and not masked and limit is None),
-        facts.causal_shift,
+    if "torch._dynamo" in sys.modules:  # torch.compile in use: another layout's number of
+        torch._dynamo.maybe_mark_dynamic(bits, 0)  # partial tiles runs the same compiled graph
+    return PreparedMask(
+        mask=mask,
+        q_len=q_len,
+        kv_len=kv_len,
+        block_size=tuple(block_size),
+        codes=codes,
+        kv_num=kv_num,
+        kv_indices=kv_indices,
+        kv_full=kv_full,
+        kv_limit=limit,
+        kv_limits=limits,
+        bits=bits,
+        tile_ids=tile_ids,
+        kept=kept,
+        masked=masked,
+        band=facts.band,
+        limit_only=facts.limit_only,
+        hides_nothing=bool(kept == 1.0 and not masked and limit is None),
     )
-    if bits is not None and "torch._dynamo" in sys.modules:  # torch.compile in use: another layout's
-        torch._dynamo.maybe_mark_dynamic(bits, 0)  # number of partial tiles runs the same compiled graph
-    return prepared
 
 
 def rebuilt(
@@ -447,40 +471,35 @@ def rebuilt(
     block_size: tuple[int, int],
     codes: torch.Tensor,
     kv_limit: torch.Tensor | None,
-    bits: torch.Tensor | None,
+    bits: torch.Tensor,
     tile_ids: torch.Tensor,
     band: tuple[int | None, int | None] | None,
+    limit_only: bool = False,
 ) -> PreparedMask:
-    """A PreparedMask from the tensors of one (the plan compiled code carries as arguments):
-    its groups are planned again from ``codes``, its partial blocks read from ``bits``."""
-    return _assemble(None, q_len, kv_len, tuple(block_size), codes, kv_limit, band, (bits, tile_ids))
+    """A PreparedMask from the tensors of one (the plan compiled code carries as arguments)."""
+    facts = MaskFacts(band, limit_only)
+    return _assemble(None, q_len, kv_len, tuple(block_size), codes, kv_limit, facts, (bits, tile_ids))
 
 
 def _partial_tiles_packed(mask, q_len, kv_len, block_size, codes, kv_indices):
-    """``(bits or None, tile_ids)`` at preparation (see :class:`PreparedMask`)."""
+    """``(bits, tile_ids)`` at preparation (see :class:`PreparedMask`)."""
     bq, _ = block_size
     int8, listed = _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices)
-    if bq % 8:
-        return None, listed
     t, bk = int8.shape[0], int8.shape[2]
+    rows8 = math.ceil(bq / 8) * 8
+    keys = int8.transpose(1, 2)  # (T, bk, bq)
+    if rows8 != bq:  # queries padded to whole bytes with zeros
+        keys = torch.nn.functional.pad(keys, (0, rows8 - bq))
     weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=int8.device)
-    keys = int8.transpose(1, 2).reshape(t, bk, bq // 8, 8).to(torch.uint8)  # (T, bk, bq/8, 8)
+    keys = keys.reshape(t, bk, rows8 // 8, 8).to(torch.uint8)  # (T, bk, bq/8, 8)
     packed = (keys * weights).sum(-1, dtype=torch.uint8).contiguous()  # distinct powers of two: no carry
     return packed, listed
-
-
-def _partial_tiles(prepared: PreparedMask) -> tuple[torch.Tensor, torch.Tensor]:
-    return _partial_tiles_of(
-        prepared.mask, prepared.q_len, prepared.kv_len, prepared.block_size, prepared.codes, prepared.kv_indices
-    )
 
 
 def _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bits (T, bq, bk) int8, tile_ids)`` of the partial blocks (one host sync: which blocks are
     partial). The mask is evaluated once per row block, over the key blocks partial in some
     sequence or head; at least one tile (all zeros where there is no partial block)."""
-    from attnkit._indexing import as4d
-
     device = codes.device
     bq, bk = block_size
     bm, hm, nq, nk = codes.shape
@@ -507,92 +526,6 @@ def _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices) -> tup
     return bits.to(device).contiguous(), listed.to(device).contiguous()
 
 
-# --- the CPU kernel's plans -----------------------------------------------------------
-
-#: A stretch of FULL key blocks shorter than this is computed with its PARTIAL
-#: neighbours under one mask: one masked call is cheaper than splitting and merging.
-MIN_FULL_RUN = 1024
-#: Adjacent row blocks with the same runs are computed as one, up to this many
-#: (query, key) pairs per run when the run needs its element mask.
-MAX_MASKED_TILE = 2**20
-MAX_ROWS = 4096
-
-
-def _plan_groups(codes: np.ndarray, limit, q_len, kv_len, bq, bk) -> tuple[Group, ...]:
-    """Group rows (and heads) with equal block maps and limits; one plan per group."""
-    bm, hm = codes.shape[:2]
-    by_batch: dict = {}
-    for b in range(bm):
-        key = (codes[b].tobytes(), None if limit is None else int(limit[b]))
-        by_batch.setdefault(key, []).append(b)
-    groups = []
-    for (_, lim), rows in by_batch.items():
-        batch = None if len(by_batch) == 1 else tuple(rows)
-        by_head: dict = {}
-        for h in range(hm):
-            by_head.setdefault(codes[rows[0], h].tobytes(), []).append(h)
-        for heads in by_head.values():
-            state = codes[rows[0], heads[0]]
-            end = kv_len if lim is None else lim
-            groups.append(
-                Group(batch, None if len(by_head) == 1 else tuple(heads), _plan_rows(state, end, q_len, bq, bk))
-            )
-    return tuple(groups)
-
-
-def _plan_rows(state: np.ndarray, kv_end: int, q_len: int, bq: int, bk: int) -> tuple[RowBlock, ...]:
-    rows: list[RowBlock] = []
-    for i in range(state.shape[0]):
-        block = RowBlock(i * bq, min((i + 1) * bq, q_len), _runs(state[i], bk, kv_end))
-        if rows and rows[-1].runs == block.runs and _can_grow(rows[-1], block):
-            block = RowBlock(rows[-1].q0, block.q1, block.runs)  # one call for both
-            rows.pop()
-        rows.append(block)
-    return tuple(rows)
-
-
-def _can_grow(prev: RowBlock, block: RowBlock) -> bool:
-    rows = block.q1 - prev.q0
-    if rows > MAX_ROWS:
-        return False
-    return all(run.full or rows * (run.k1 - run.k0) <= MAX_MASKED_TILE for run in block.runs)
-
-
-def _runs(row: np.ndarray, bk: int, kv_end: int) -> tuple[Run, ...]:
-    """The runs of one row of block codes, keys clipped at ``kv_end``.
-
-    Non-empty blocks that touch form one run; a FULL stretch of at least
-    MIN_FULL_RUN keys becomes a run of its own that skips the element mask.
-    """
-    idx = np.flatnonzero(row)
-    if idx.size == 0:
-        return ()
-    codes = row[idx]
-    breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(codes) != 0)) + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), idx.size]
-    segments = [
-        (int(idx[s]) * bk, min(int(idx[e - 1] + 1) * bk, kv_end), bool(codes[s] == _masks.FULL))
-        for s, e in zip(starts, ends)
-    ]
-    segments = [seg for seg in segments if seg[1] > seg[0]]
-
-    def touches_partial(i: int) -> bool:
-        before = i > 0 and segments[i - 1][1] == segments[i][0] and not segments[i - 1][2]
-        after = i + 1 < len(segments) and segments[i + 1][0] == segments[i][1] and not segments[i + 1][2]
-        return before or after
-
-    # a full stretch too short to be worth a call of its own joins its partial neighbours
-    runs: list[list] = []
-    for i, (k0, k1, full) in enumerate(segments):
-        full = full and (k1 - k0 >= MIN_FULL_RUN or not touches_partial(i))
-        if runs and runs[-1][1] == k0 and runs[-1][2] == full:
-            runs[-1][1] = k1
-        else:
-            runs.append([k0, k1, full])
-    return tuple(Run(k0, k1, full) for k0, k1, full in runs)
-
-
 # --- the implicit cache ---------------------------------------------------------------
 
 
@@ -604,11 +537,14 @@ def prepared_for(
     mask: _masks.Mask | None, q_len: int, kv_len: int, device: Device, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
 ) -> PreparedMask:
     """``prepare(mask, q_len, kv_len, device=device, block_size=block_size)`` through the
-    bounded implicit cache (:data:`attnkit._cache.PREPARED`): once per (mask, lengths, device,
-    block size).
+    bounded implicit cache (:data:`attnkit._cache.PREPARED`): once per (mask value, lengths,
+    device, block size).
 
     Masks are found by value (:meth:`attnkit.masks.Mask.value_key`: kind, parameters and the
-    contents of small tensors), others by identity, held weakly and checked.
+    contents of small tensors); a mask whose value cannot be keyed but that never changes
+    (:meth:`~attnkit.masks.Mask.cacheable`: large tensors it holds copies of) by identity, held
+    weakly and checked; any other (a predicate over state that cannot be fingerprinted) is
+    prepared again on each call.
     """
     value_key = ("no mask",) if mask is None else mask.value_key()
     if value_key is None and mask is not None and not mask.cacheable():  # may change behind its identity

@@ -7,7 +7,7 @@ relative bias, their sums: :meth:`attnkit.bias.Bias.band`, learnable) inside its
 Softmax statistics are float32; float32 inputs are read in place, bfloat16 and float16 ones a
 tile at a time (bfloat16 products on AMX tiles or as AVX512-BF16 dot products where the CPU has
 them: :func:`attnkit.kernels.native_build.info`). Calls of at most
-:data:`FEW_ROWS` query rows (decoding) take a row path that reads only the keys some row sees,
+:func:`few_rows` query rows (decoding) take a row path that reads only the keys some row sees,
 and a padding mask reaches it as its lengths (:func:`limit_plan`: nothing prepared per step).
 ``native_stats`` computes :func:`attnkit.inspect.attention_stats` in two passes. The forward op is
 differentiable through its registered autograd formula (``native_backward``), and traced by
@@ -30,33 +30,50 @@ from __future__ import annotations
 import torch
 
 from attnkit import _cache
-from attnkit.kernels import blocksparse, fused, native_build, tiles
-from attnkit.kernels.blocksparse import BLOCK_SIZE
-from attnkit.kernels.registry import Call, Kernel, LimitRunner, Reason, Runner, first_derivative_only
-from attnkit.prepare import PreparedMask
+from attnkit.kernels import sparsity
+from attnkit.kernels.contract import (
+    Call,
+    Form,
+    Kernel,
+    LimitRunner,
+    Reason,
+    Runner,
+    StatsRequest,
+    first_derivative_only,
+)
+from attnkit.kernels.native import build as native_build
+from attnkit.kernels.sparsity import BLOCK_SIZE
+from attnkit.plan import PreparedMask
 
 __all__ = [
-    "FEW_ROWS",
+    "DENSE_PLANS",
     "MIN_QUERIES",
     "MIN_ROWS",
     "NativeKernel",
     "backward",
+    "few_rows",
     "forward",
     "limit_plan",
-    "stats",
 ]
 
 #: It is preferred for calls of at least this many queries (it computes 32 query rows at a time),
-#: and for calls of at most :data:`FEW_ROWS` whose keys end at a limit per sequence.
+#: and for calls of at most :func:`few_rows` whose keys end at a limit per sequence.
 MIN_ROWS = 16
-#: Calls of at most this many queries take the engine's row path (native.cpp's FEW_ROWS): one
-#: dot product per score, each key read once for the query heads of its group.
-FEW_ROWS = 8
 #: It is preferred to SDPA for calls with at least this many query rows in all (B * Hq * Lq;
 #: benchmarks/cpu.py and core.py: unmasked calls 0.76-0.92x SDPA's time from 2048 rows on, causal
 #: 0.5-0.75x; at 1024 rows, unmasked, 1.04x). It does not depend on Lk, so a decoding step's
 #: choice stays the same as its cache grows (the lean path relies on it).
 MIN_QUERIES = 2048
+
+
+#: The native engine's plan of every block kept, by ``(nq, nk, bq, bk)`` (plain tensors, never changed).
+DENSE_PLANS = _cache.Bounded(32, "plans of every block kept")
+
+
+def few_rows() -> int:
+    """Calls of at most this many queries take the engine's row path (one dot product per score,
+    each key read once for the query heads of its group): read from the loaded library."""
+    return native_build.constants()["FEW_ROWS"]
 
 
 def _require() -> None:
@@ -91,17 +108,17 @@ def forward(
 def limit_plan(call: Call) -> tuple | None:
     """``(kv_num, kv_indices, tile_ids, bits, kv_limit)`` for a mask that hides exactly the keys
     past each sequence's limit (padding), made from the limits alone: every block listed (one
-    plan per size, kept in ``attnkit._cache.DENSE_PLANS``) and the limits as ``kv_limit``, so a
+    plan per size, kept in ``attnkit.DENSE_PLANS``) and the limits as ``kv_limit``, so a
     decoding step's new padding mask is never prepared. None for other masks."""
-    if isinstance(call.mask, PreparedMask):
+    if isinstance(call.mask, PreparedMask) or call.form not in (Form.LIMIT, Form.LIMITS, Form.ALL):
         return None
-    limits = call.key_limits()
+    limits = call.limits
     if limits is None:
         return None
     bq, bk = BLOCK_SIZE
     nq, nk = -(-call.shapes.lq // bq), -(-call.shapes.lk // bk)
     key = (nq, nk, bq, bk)
-    dense = _cache.DENSE_PLANS.get(key)
+    dense = DENSE_PLANS.get(key)
     if dense is None:
         dense = (
             torch.full((1, 1, nq), nk, dtype=torch.int32),
@@ -109,14 +126,13 @@ def limit_plan(call: Call) -> tuple | None:
             torch.full((1, 1, nq, nk), -1, dtype=torch.int32),
             torch.zeros(1, bk, bq // 8, dtype=torch.uint8),
         )
-        _cache.DENSE_PLANS.put(key, dense)
+        DENSE_PLANS.put(key, dense)
     return (*dense, torch.tensor(limits, dtype=torch.int64))
 
 
 def _plan(call: Call) -> tuple:
     """The native plan of an eager call: from its key limits (padding) or its prepared mask."""
-    found = call.cached("native plan", lambda: limit_plan(call) or call.prepared_at(BLOCK_SIZE).native_plan())
-    return found  # type: ignore[return-value]
+    return limit_plan(call) or call.prepared_at(BLOCK_SIZE).native_plan()
 
 
 def _few_rows_by_limit(call: Call) -> bool:
@@ -124,13 +140,13 @@ def _few_rows_by_limit(call: Call) -> bool:
     FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), with
     no modification or dropout, eager."""
     return (
-        call.shapes.lq <= FEW_ROWS
+        call.shapes.lq <= few_rows()
         and call.shapes.rank == 4
         and not call.compiling
-        and not call.score_mods()
+        and not call.mods
         and call.dropout_p == 0.0
         and not isinstance(call.mask, PreparedMask)
-        and call.key_limits() is not None
+        and call.limits is not None
     )
 
 
@@ -176,31 +192,10 @@ def _backward(q, k, v, plan, block_size, out, lse, grad_out, grad_lse, *, scale,
     return dq, dk, dv
 
 
-def stats(call: Call, qpos: torch.Tensor, kpos: torch.Tensor, sink_tokens: int, topk: int) -> dict[str, torch.Tensor]:
-    """The statistics of :func:`attnkit.inspect.attention_stats` for a call the native kernel can
-    run (``registry.refusals("native", call)`` is empty; rank-4 inputs), from one operator call:
-    ``{name: tensor}`` with every field of
-    :class:`~attnkit.inspect.AttentionStats` (the sinks' own entropy term excepted).
-    ``qpos (1 or B, Lq)``, ``kpos (1 or B, Lk)``: the mask's positions, float32."""
-    _require()
-    bq, bk = BLOCK_SIZE
-    band = _band(call)
-    sinks = None if call.sinks is None else call.sinks.detach().float().reshape(-1)
-    found = torch.ops.attnkit.native_stats(
-        call.q, call.k, *_plan(call), None if band is None else band.detach(), sinks, qpos.float(), kpos.float(),
-        bq, bk, call.scale, call.softcap or 0.0, sink_tokens, topk,
-    )  # fmt: skip
-    names = ("lse", "entropy", "max_weight", "argmax", "sink_mass", "mean_distance", "received")
-    out = dict(zip(names, found))
-    if topk:
-        out["topk_weights"], out["topk_keys"] = found[7], found[8]
-    return out
-
-
 def _kept_in_words(call: Call) -> str:
     if call.mask is None:
         return "no mask"
-    limits = None if isinstance(call.mask, PreparedMask) else call.key_limits()
+    limits = None if isinstance(call.mask, PreparedMask) else call.limits
     if limits is not None:
         return f"keys up to each sequence's limit ({min(limits)}-{max(limits)} of {call.shapes.lk})"
     return f"{call.prepared_at(BLOCK_SIZE).kept:.0%} of blocks kept"
@@ -208,14 +203,7 @@ def _kept_in_words(call: Call) -> str:
 
 def _band(call: Call) -> torch.Tensor | None:
     """The call's bias as a band of ``kv - q`` (differentiable in the bias's tensors), or None."""
-    if call.bias is None:
-        return None
-
-    def make():
-        q, k, _ = blocksparse.as4d(call)
-        return tiles.band_for(call.bias, q, k, detach=False)
-
-    return call.cached("native band", make)  # type: ignore[return-value]
+    return call.bias_band
 
 
 def _amx() -> bool:
@@ -232,11 +220,12 @@ class NativeKernel(Kernel):
     block_size = BLOCK_SIZE
     supports_lse = True
     supports_backward_part = True
+    supports_stats = True
     supports_score_mods = ("bias", "softcap")  # bias: a band of kv - q; sinks from the lse
     max_rank = 4
 
     def _reasons(self, call: Call) -> list[str]:
-        reasons = blocksparse.compile_refusals(call)
+        reasons = sparsity.compile_refusals(call)
         if call.compiling:  # no build, no load while tracing: what this process has
             state = native_build.loaded_state()
             if state is None or not state[0]:
@@ -266,15 +255,18 @@ class NativeKernel(Kernel):
                 )
             return (
                 False,
-                f"{s.lq} queries: it computes {native_build.ROWS} rows at a time (decoding steps run elsewhere)",
+                lambda: (
+                    f"{s.lq} queries: it computes {native_build.constants()['ROWS']} rows at a time "
+                    "(decoding steps run elsewhere)"
+                ),
             )
         if call.compiling:
             return True, "under torch.compile: torch.ops.attnkit.native_forward over the PreparedMask's tensors"
         how = native_build.info()
-        if call.score_mods() or call.return_lse:
-            mods = blocksparse.modifications_in_words(call, True) or "return_lse=True"
+        if call.mods or call.return_lse:
+            mods = sparsity.modifications_in_words(call, True) or "return_lse=True"
             return True, lambda: f"{_kept_in_words(call)}, {mods}; {how}"
-        rows = blocksparse.rows_of(call)
+        rows = sparsity.rows_of(call)
         # half precision with a backward, on PyTorch's own dense or causal SDPA: its bf16 backward uses
         # bf16 products, the engine's computes in float32 (where bf16 runs on AMX tiles, causal too)
         half_training = call.half and call.backward and (call.mask is None or (_amx() and call.causal_shift() == 0))
@@ -285,13 +277,13 @@ class NativeKernel(Kernel):
                 f"{'no mask' if call.mask is None else 'causal'}, half precision with a backward: SDPA's bf16 "
                 "backward uses bf16 products (the engine's backward computes in float32)"
             )
-        yes, why = blocksparse.sparse_pays(call, blocksparse.LIMITS, fused.squares_and_full)
+        yes, why = sparsity.sparse_pays(call, sparsity.LIMITS, squares=True)
         if not yes:
             return yes, why
         return True, lambda: f"{why if isinstance(why, str) else why()}; {how}"
 
     def runner(self, call: Call) -> Runner | None:
-        if call.score_mods() or call.compiling:
+        if call.mods or call.compiling:
             return None
         s, plan, scale = call.shapes, _plan(call), call.scale
         bq, bk = BLOCK_SIZE
@@ -333,7 +325,7 @@ class NativeKernel(Kernel):
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = call.shapes
-        q4, k4, v4 = blocksparse.as4d(call)
+        q4, k4, v4 = call.as4d()
         if call.compiling:
             prepared = call.mask
             assert isinstance(prepared, PreparedMask), "compiled calls carry a PreparedMask"
@@ -353,8 +345,25 @@ class NativeKernel(Kernel):
     def backward_part(
         self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q4, k4, v4 = blocksparse.as4d(call)
+        q4, k4, v4 = call.as4d()
         return _backward(
             q4, k4, v4, _plan(call), BLOCK_SIZE, out, lse, grad_out, grad_lse, scale=call.scale,
             softcap=call.softcap, band=_band(call), own_lse=False,
         )  # fmt: skip
+
+    def stats(self, call: Call, request: StatsRequest) -> dict[str, torch.Tensor]:
+        """The statistics from one operator call, ``torch.ops.attnkit.native_stats``: the engine's own
+        two passes (the lse, then the weights reduced tile by tile)."""
+        _require()
+        bq, bk = BLOCK_SIZE
+        band = _band(call)
+        sinks = None if call.sinks is None else call.sinks.detach().float().reshape(-1)
+        found = torch.ops.attnkit.native_stats(
+            call.q, call.k, *_plan(call), None if band is None else band.detach(), sinks, request.qpos.float(),
+            request.kpos.float(), bq, bk, call.scale, call.softcap or 0.0, request.sink_tokens, request.topk,
+        )  # fmt: skip
+        names = ("lse", "entropy", "max_weight", "argmax", "sink_mass", "mean_distance", "received")
+        out = dict(zip(names, found))
+        if request.topk:
+            out["topk_weights"], out["topk_keys"] = found[7], found[8]
+        return out

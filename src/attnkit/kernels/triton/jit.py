@@ -5,7 +5,7 @@ one query block. Defined only where Triton is installed (the "gpu" extra).
 
 from __future__ import annotations
 
-from attnkit.kernels.triton_env import AVAILABLE, tl, triton
+from attnkit.kernels.triton.env import AVAILABLE, tl, triton
 
 __all__ = ["AVAILABLE", "backward_kernel", "forward_kernel"]
 

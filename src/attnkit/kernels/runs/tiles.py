@@ -1,14 +1,13 @@
-"""Walking a prepared mask's tiles: the engine the block-sparse kernel, attention statistics
-and ring attention share.
+"""One run of a plan as tensors: what the PyTorch engines' walk, its statistics and its backward
+share.
 
-A :class:`~attnkit.prepare.PreparedMask` lists, per group of batch rows and heads, row
-blocks of queries and the runs of key blocks they attend. This module turns one run
-into tensors: the folded queries (grouped query heads folded into rows, so K/V are
-never copied per query head), the K/V slice (keys no row uses zeroed, so NaN there
-cannot leak), the evaluated mask tile (cached on the prepared mask) and the bias tile,
-and the scores of the math engine. Shapes: a group's inputs are ``q: (B, Hq, Lq, D)``,
-``k: (B, Hkv, Lk, D)``, ``v: (B, Hkv, Lk, Dv)``; a folded run is ``(B, Hkv, g*n, S)``
-with ``g = Hq / Hkv`` and ``n`` rows, ``S`` keys.
+A plan (:mod:`attnkit.kernels.blocks`) lists, per group of batch rows and heads, row blocks of
+queries and the runs of key blocks they attend. This module turns one run into tensors: the
+folded queries (grouped query heads folded into rows, so K/V are never copied per query head),
+the K/V slice (keys no row uses zeroed, so NaN there cannot leak), the mask tile (read from the
+PreparedMask's bits, kept in its store) and the bias tile, and the scores of the math engine.
+Shapes: a group's inputs are ``q: (B, Hq, Lq, D)``, ``k: (B, Hkv, Lk, D)``, ``v: (B, Hkv, Lk, Dv)``;
+a folded run is ``(B, Hkv, g*n, S)`` with ``g = Hq / Hkv`` and ``n`` rows, ``S`` keys.
 """
 
 from __future__ import annotations
@@ -21,8 +20,9 @@ import torch
 
 from attnkit import _cache
 from attnkit._indexing import as4d
-from attnkit.kernels.reference import used_keys
-from attnkit.prepare import Group, PreparedMask, RowBlock, Run
+from attnkit.kernels.blocks import Group, RowBlock, Run
+from attnkit.kernels.dense import used_keys
+from attnkit.plan import PreparedMask
 
 if TYPE_CHECKING:
     from attnkit.bias import Bias
@@ -33,6 +33,9 @@ TakeIndex = Union[tuple[int, int], torch.Tensor, None]
 
 __all__ = [
     "EXP_FLOOR",
+    "Grads",
+    "Pair",
+    "Tensor",
     "MATH_ROWS",
     "NEG_INF",
     "Select",
@@ -57,6 +60,11 @@ __all__ = [
 ]
 
 NEG_INF = float("-inf")
+
+#: The walk's tensors and results: one tensor, ``(out, lse)``, ``(dq, dk, dv)``.
+Tensor = torch.Tensor
+Pair = tuple[torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # --- folding grouped query heads into rows ----------------------------------------------
@@ -158,13 +166,13 @@ class TileCall:
     scale: float
     dropout_p: float
     seed: int
-    engine: str  # "fused" or "math": the kernel the registry chose (kernels/fused.py, kernels/tiled_math.py)
+    engine: str  # "fused" or "math": the engine of the walk (runs/fused_engine.py, runs/math_engine.py)
     bias: Bias | None = None  # evaluated per tile
     softcap: float | None = None
     params: tuple = ()  # the bias's and score_mod's tensors, inputs of the autograd function
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
-    band: torch.Tensor | None = None  # (Hq or 1, Lq + Lk - 1): a bias of kv_idx - q_idx alone (Bias.band)
+    band: torch.Tensor | None = None  # (Hq or 1, Lq + Lk - 1): a bias of kv_idx - q_idx alone (Call.bias_band)
 
     @property
     def fused(self) -> bool:
@@ -272,23 +280,6 @@ def run_inputs(
     if tile is not None and tile.hidden_rows is not None:  # junk (NaN) in queries that see no key here
         qf = torch.where(tile.hidden_rows[..., None], q.new_zeros(()), qf)
     return qf, kr, vr, tile
-
-
-def band_for(bias: Bias | None, q: torch.Tensor, k: torch.Tensor, detach: bool = True) -> torch.Tensor | None:
-    """``bias.band`` in the dtype the fused and native engines add it in (float32, or float64 for
-    float64 inputs), contiguous; None without a bias or for one that is not a band. ``detach=False``
-    keeps it differentiable in the bias's tensors (the native engine computes its gradient)."""
-    if bias is None:
-        return None
-    values = bias.band(q.shape[1], q.shape[2], k.shape[2])
-    if values is None or q.device.type != "cpu":
-        return None
-    values = values.detach() if detach else values
-    values = values.to(device=q.device, dtype=compute_dtype(q.dtype)).contiguous()
-    # the fused engine answers a row with no finite score with 0 and lse 0, not -inf: a band
-    # with -inf in it (a learned table can hold one) stays on the math engine. One read of
-    # Lq + Lk - 1 values in host memory, once per call.
-    return values if bool(torch.isfinite(values).all()) else None
 
 
 def flip_rows(t: torch.Tensor, group: int) -> torch.Tensor:

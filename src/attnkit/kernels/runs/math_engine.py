@@ -1,14 +1,12 @@
-"""The ``math`` kernel: a prepared mask's runs as matmul, softmax statistics and matmul, in PyTorch.
+"""The math engine of the walk: one run as matmul, softmax statistics and matmul, in PyTorch,
+forward and backward (the ``math`` kernel's engine, and the fused engine's backward where
+PyTorch's fused backward computes too little: the gradients of the lse or of a bias's tensors).
 
-It walks the plan (:mod:`attnkit.kernels.blocksparse`) one run at a time, at most
-:data:`~attnkit.kernels.tiles.MATH_ROWS` queries per tile, with the statistics in float32 (float64
-for float64 inputs). It is the block-sparse kernel for everything the others cannot take: any
-bias (evaluated one tile at a time, with the gradients of its own tensors), soft-capping, any
-``score_mod`` (autograd on each tile), dropout (a keep-mask drawn per run from a generator seeded
-once per call from the global generator, so ``torch.manual_seed`` reproduces it), Dv != D,
-float64, and any device (off the CPU a Python loop of small matmuls: ``kernel="math"`` forces it).
-
-Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), scale=scale)``.
+A run is walked at most :data:`~attnkit.kernels.runs.tiles.MATH_ROWS` queries at a time, with the
+statistics in float32 (float64 for float64 inputs): any bias (evaluated one tile at a time, with
+the gradients of its own tensors), soft-capping, any ``score_mod`` (autograd on each tile),
+dropout (a keep-mask drawn per run from a generator seeded once per call), Dv != D, float64, any
+device.
 """
 
 from __future__ import annotations
@@ -17,12 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from attnkit.kernels import blocksparse, tiles
-from attnkit.kernels.blocksparse import BLOCK_SIZE, Square
-from attnkit.kernels.registry import Call, Kernel, Reason, Runner, first_derivative_only
-from attnkit.prepare import Group, RowBlock, Run
+from attnkit.kernels.blocks import Group, RowBlock, Run, Square
+from attnkit.kernels.runs import tiles
+from attnkit.kernels.runs.tiles import Grads, Pair, Tensor
 
-__all__ = ["MathKernel", "dropout_keep_mask"]
+__all__ = ["ENGINE", "MathEngine", "dropout_keep_mask"]
 
 
 def dropout_keep_mask(
@@ -134,16 +131,20 @@ def _score_mod_backward(call: tiles.TileCall, sel, row: RowBlock, run: Run, befo
     return torch.zeros_like(ds) if found[0] is None else found[0]
 
 
-class _MathEngine:
-    """The math walk's parts (registered in :data:`attnkit.kernels.blocksparse.ENGINES`)."""
+class MathEngine:
+    """The math walk's parts (see :class:`attnkit.kernels.runs.walk.Engine`)."""
 
-    def forward_whole(self, call: tiles.TileCall, q, k, v):
+    name = "math"
+
+    def forward_whole(self, call: tiles.TileCall, q: Tensor, k: Tensor, v: Tensor) -> Pair | None:
         return None
 
-    def steps(self, call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q, k) -> list:
+    def steps(self, call: tiles.TileCall, gi: int, group: Group, sel: tiles.Select, q: Tensor, k: Tensor) -> list:
         return list(tiles.math_rows(group.rows))
 
-    def forward_run(self, call: tiles.TileCall, gi: int, sel: tiles.Select, q, k, v, row: RowBlock, run: Run):
+    def forward_run(
+        self, call: tiles.TileCall, gi: int, sel: tiles.Select, q: Tensor, k: Tensor, v: Tensor, row: RowBlock, run: Run
+    ) -> Pair:
         qf, kr, vr, tile = tiles.run_inputs(call, gi, sel, q, k, v, row, run)
         bias_tile = tiles.bias_tile(call, sel, row, run, q.shape[1], k.shape[1])
         s, _, _ = tiles.scores(call, qf, kr, tile, bias_tile, where=(sel, row, run))
@@ -160,15 +161,37 @@ class _MathEngine:
         o = (p @ vr.to(p.dtype)).div_(torch.where(total == 0, 1.0, total))  # (B, Hkv, g*n, S) x (B, Hkv, S, Dv)
         return o, lse_r
 
-    def forward_square(self, call: tiles.TileCall, sq: Square, q, k, v):
+    def forward_square(self, call: tiles.TileCall, sq: Square, q: Tensor, k: Tensor, v: Tensor) -> Pair:
         raise AssertionError("the math engine plans no causal squares")
 
-    def backward_whole(self, call: tiles.TileCall, q, k, v, out, lse, grad_out, grad_lse):
+    def backward_whole(
+        self,
+        call: tiles.TileCall,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        grad_out: Tensor,
+        grad_lse: Tensor | None,
+    ) -> Grads | None:
         return None
 
     def backward_group(
-        self, call: tiles.TileCall, gi, group: Group, sel: tiles.Select, q, k, v, out, lse, grad_out, grad_lse, grads
-    ):
+        self,
+        call: tiles.TileCall,
+        gi: int,
+        group: Group,
+        sel: tiles.Select,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        grad_out: Tensor,
+        grad_lse: Tensor | None,
+        grads: dict,
+    ) -> Grads:
         lse_safe = torch.where(lse == tiles.NEG_INF, 0.0, lse)
         hq, hkv = q.shape[1], k.shape[1]
         ct = tiles.compute_dtype(q.dtype)
@@ -189,86 +212,4 @@ class _MathEngine:
         return dq, dk, dv
 
 
-ENGINE = blocksparse.ENGINES["math"] = _MathEngine()
-
-
-class MathKernel(Kernel):
-    """The block-sparse walk in PyTorch matmuls (see the module's docstring)."""
-
-    name = "math"
-    block_size = BLOCK_SIZE
-    supports_dropout = True
-    supports_lse = True
-    supports_backward_part = True
-    supports_score_mods = ("bias", "softcap", "score_mod")  # sinks: added by the registry from the lse
-    max_rank = 4
-
-    def _reasons(self, call: Call) -> list[str]:
-        return blocksparse.compile_refusals(call)
-
-    def prefers(self, call: Call) -> tuple[bool, Reason]:
-        if call.compiling:
-            return True, "under torch.compile: block-sparse through a custom op over the PreparedMask's tensors"
-        if call.q.device.type != "cpu":
-            return (
-                False,
-                lambda: f"on {call.q.device.type} it is a Python loop of small matmuls (kernel='math' forces it)",
-            )
-        if call.score_mods():
-            p = call.prepared_at(self.block_size)
-            return True, lambda: f"{p.kept:.0%} of blocks kept, {blocksparse.modifications_in_words(call, False)}"
-        if call.dropout_p > 0.0 or call.return_lse:
-            p = call.prepared_at(self.block_size)
-            why = f"dropout_p={call.dropout_p}" if call.dropout_p > 0.0 else "return_lse=True"
-            return True, lambda: f"{why}, {p.kept:.0%} of blocks kept"
-        return blocksparse.sparse_pays(call, blocksparse.LIMITS)
-
-    def runner(self, call: Call) -> Runner | None:
-        if call.score_mods() or call.dropout_p > 0.0 or call.compiling:
-            return None
-        s, prepared, scale = call.shapes, call.prepared_at(self.block_size), call.scale
-        lead = (1,) * (4 - s.rank)
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q4, k4, v4 = (t.reshape(*lead, *t.shape) for t in (q, k, v))  # (B, H, L, D)
-            return blocksparse.attention(q4, k4, v4, prepared, engine="math", scale=scale)[0].reshape(s.out)
-
-        return first_derivative_only(run, self) if call.backward else run
-
-    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if call.compiling:
-            return blocksparse.compiled_run(call, "math")
-        s = call.shapes
-        q4, k4, v4 = blocksparse.as4d(call)
-        out, lse = blocksparse.attention(
-            q4,
-            k4,
-            v4,
-            call.prepared_at(self.block_size),
-            engine="math",
-            scale=call.scale,
-            dropout_p=call.dropout_p,
-            bias=call.bias,
-            softcap=call.softcap,
-            score_mod=call.score_mod,
-        )
-        return out.reshape(s.out), lse.reshape(s.scores[:-1]) if call.return_lse else None
-
-    def backward_part(
-        self, call: Call, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q4, k4, v4 = blocksparse.as4d(call)
-        return blocksparse.backward_part(
-            q4,
-            k4,
-            v4,
-            call.prepared_at(self.block_size),
-            out,
-            lse,
-            grad_out,
-            grad_lse,
-            engine="math",
-            scale=call.scale,
-            bias=call.bias,
-            softcap=call.softcap,
-        )
+ENGINE = MathEngine()

@@ -1,4 +1,4 @@
-"""Building and loading attnkit's native CPU engine (``native.cpp``): PyTorch operators in C++.
+"""Building and loading attnkit's native CPU engine (``csrc/``): PyTorch operators in C++.
 
 The source ships with attnkit and is compiled once per machine, at its first use, with the C++
 compiler found on the machine (``$CXX``, else ``g++`` or ``c++``) against the PyTorch that is
@@ -62,27 +62,35 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENABLED",
-    "SOURCE",
+    "SOURCES",
     "VERSION",
     "available",
     "build",
     "cache_dir",
     "check_library",
+    "constants",
     "info",
     "library_path",
-    "load_if_built",
     "loaded_state",
     "status",
 ]
 
-SOURCE = Path(__file__).with_name("native.cpp")
-#: The interface version of the operators this module speaks to (``native_interface()`` in native.cpp).
-VERSION = 7
+#: The engine's C++ sources: one translation unit (``ops.cpp``) and its stage headers.
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCE = SOURCE_DIR / "ops.cpp"
+#: The interface version of the operators this module speaks to (``native_interface()`` in ops.cpp).
+VERSION = 8
 #: Whether the engine may be used at all: ``ATTNKIT_NATIVE=0`` turns it off for the process
-#: (the other CPU kernels run instead); tests set this attribute.
+#: (the other CPU kernels run instead), read once at import.
 ENABLED = os.environ.get("ATTNKIT_NATIVE", "1") != "0"
-#: The rows of queries the engine computes together (its block of queries is a multiple of this).
-ROWS = 32
+
+
+def sources() -> list[Path]:
+    """The C++ files of the engine, in a stable order."""
+    return sorted(SOURCE_DIR.glob("*.[ch]*"))
+
+
+SOURCES = sources()
 
 
 # --- building -------------------------------------------------------------------------------
@@ -143,6 +151,7 @@ def _commands(compiler: str, out: Path, obj: Path) -> list[list[str]]:
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         *(["-fopenmp"] if openmp else []),
         *sanitize,
+        f"-I{SOURCE_DIR}",
         str(SOURCE),
         "-o",
         str(obj),
@@ -168,7 +177,8 @@ def cache_dir() -> Path:
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), torch.__version__.encode(), torch.__file__.encode()):
+    parts = [p.name.encode() + b"\0" + p.read_bytes() for p in sources()]
+    for part in (*parts, version.encode(), torch.__version__.encode(), torch.__file__.encode()):
         key.update(part)
         key.update(b"\0")
     for text in (_cpu_key(), _arch(), " ".join(_sanitize())):
@@ -298,21 +308,6 @@ def library_path() -> Path:
     return _library_path(compiler)
 
 
-def load_if_built() -> None:
-    """Load the engine when a build for this machine is cached and sound (no compiling here): at
-    import, so that code traced by torch.compile finds it loaded. Anything else waits for the
-    first call."""
-    global _loaded
-    if not ENABLED or _loaded is not None:
-        return
-    try:
-        path = library_path()
-    except (OSError, RuntimeError, subprocess.SubprocessError):
-        return
-    if check_library(path) is None:
-        _load()
-
-
 def loaded_state() -> tuple[bool, str] | None:
     """``status()`` without building or loading: None while nothing was tried in this process
     (what code traced by torch.compile reads)."""
@@ -331,6 +326,26 @@ def _load_library(path: Path) -> str:
         raise RuntimeError(f"{path} defines interface {interface}; this attnkit speaks {VERSION}")
     _register_python_parts()
     return torch.ops.attnkit.native_info()
+
+
+def constants() -> dict:
+    """The engine's own sizes Python decides with, read from the loaded library once
+    (``native_constants()``): ``FEW_ROWS`` (calls of at most this many queries take its row path),
+    ``ROWS`` (query rows computed together; its block of queries is a multiple of this)."""
+    found = _CONSTANTS.get("value")
+    if found is None:
+        _require_loaded()
+        found = _CONSTANTS["value"] = json.loads(torch.ops.attnkit.native_constants())
+    return found
+
+
+_CONSTANTS: dict = {}
+
+
+def _require_loaded() -> None:
+    ok, why = status()
+    if not ok:
+        raise RuntimeError(f"attnkit's native engine cannot run here: {why}")
 
 
 def _load() -> _Loaded:

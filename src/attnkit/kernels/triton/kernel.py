@@ -25,11 +25,11 @@ import torch
 
 from attnkit import _cache
 from attnkit import bias as _bias
-from attnkit.kernels.registry import Call, Kernel, Reason
-from attnkit.kernels.triton_env import AVAILABLE, interpreted, triton
+from attnkit.kernels.contract import Call, Form, Kernel, Reason
+from attnkit.kernels.triton.env import AVAILABLE, interpreted, triton
 
 if AVAILABLE:
-    from attnkit.kernels.triton_jit import backward_kernel, forward_kernel
+    from attnkit.kernels.triton.jit import backward_kernel, forward_kernel
 
 __all__ = ["AVAILABLE", "TritonKernel", "interpreted", "triton_attention"]
 
@@ -56,7 +56,7 @@ def _plan(call: Call):
     """The prepared mask at this kernel's block sizes and its element bits (``prepared.partial_bits``),
     through the one bounded cache: once per mask, lengths and device."""
     prepared = call.prepared_at(TritonKernel.block_size)
-    if prepared.band is not None or prepared.mask is None:  # evaluated in the kernel from two ints
+    if prepared.band is not None or not prepared.masked:  # evaluated in the kernel from two ints, or none
         store = _cache.plan_store(prepared)
         key = ("triton no bits", str(call.q.device))
         cached = store.get(key)
@@ -283,10 +283,10 @@ class TritonKernel(Kernel):
     def prefers(self, call: Call) -> tuple[bool, Reason]:
         if call.q.device.type != "cuda":
             return False, "Triton's interpreter is for tests on the CPU (kernel='triton' forces it)"
-        plain = not call.score_mods() and not call.return_lse and call.dropout_p == 0.0
-        if plain and call.mask is None:
+        plain = not call.mods and not call.return_lse and call.dropout_p == 0.0
+        if plain and call.form is Form.NONE:
             return False, "no mask: PyTorch's flash/cuDNN kernels are faster"
-        if plain and call.causal_shift() == 0 and call.scale > 0.0:
+        if plain and call.form is Form.CAUSAL and call.scale > 0.0:
             return False, "is_causal: PyTorch's flash/cuDNN kernels are faster"
         kept = call.prepared_at(self.block_size).kept
         return (

@@ -29,13 +29,21 @@ def _probe() -> bool:
         return False
 
 
-def rows_contiguous(t):
+def rows_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` with a unit stride in its last dimension: the private kernels read each row as
     contiguous memory and give garbage for ``x[..., ::2]`` or a transposed ``(B, H, D, L)``."""
     return t if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def flash_forward(q, k, v, *, attn_mask=None, scale: float, is_causal: bool = False):
+def flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, H, L, Dv), lse (B, H, L) float32)`` of PyTorch's CPU flash kernel.
 
     q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, D); ``attn_mask`` additive
@@ -47,7 +55,18 @@ def flash_forward(q, k, v, *, attn_mask=None, scale: float, is_causal: bool = Fa
     )
 
 
-def flash_backward(grad_out, q, k, v, out, lse, *, attn_mask=None, scale: float, is_causal: bool = False):
+def flash_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flash_forward`, recomputed from its saved ``lse``. Any strides."""
     grad_out, q, k, v, out, attn_mask = (rows_contiguous(t) for t in (grad_out, q, k, v, out, attn_mask))
     return _ops._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -1,0 +1,159 @@
+"""The fast path of :func:`attnkit.attention`: calls of a signature already validated and chosen for
+run a cached runner, without validating or walking the registry again.
+
+A decoding step repeats the same call in every layer, and validating and choosing again would
+cost as much as the attention itself. Three caches, each keyed by what decides the call's
+validation and its kernel (never by the identity of a tensor someone can change):
+
+==============================  ===============================================================
+cache                           key
+==============================  ===============================================================
+:data:`LEAN`                    the call's signature (:func:`signature`): shapes, dtypes,
+                                devices, the mask's value key (or a PreparedMask's ``uid``), the
+                                scale (by its bits), autograd and inference mode, the registry's
+                                state (its version and the innermost ``use_kernels``)
+:data:`LEAN_ANY_LENGTH`         the same without Lk, for unmasked rank-4 calls SDPA runs
+:data:`LEAN_LIMITS`             the same with a padding mask's lengths left out (their count
+                                kept): its runner takes them per call (``Kernel.limit_runner``)
+==============================  ===============================================================
+
+The invariant the last two rely on (:func:`builtin_registry`, tested in
+``tests/kernels/test_fastpath.py``): with attnkit's own kernels registered as they are and no
+``use_kernels`` active, the choice of an unmasked rank-4 call does not depend on its key length
+when SDPA takes it (every kernel before SDPA in the priority list declines or refuses it for a
+reason that does not read Lk), and the choice of a call whose mask only cuts keys does not depend
+on the cut when the native engine's row path takes it (at most ``FEW_ROWS`` queries: it takes
+them whatever the limits). Entries are made only where that holds.
+
+A mask whose value cannot be keyed (a ``from_fn`` predicate over state that cannot be
+fingerprinted, a tensor mask) never takes the fast path: it is validated, chosen and prepared on
+every call (prepare it once with :func:`attnkit.prepare` and pass the PreparedMask instead).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Hashable
+
+import torch
+
+from attnkit import _cache
+from attnkit import masks as _masks
+from attnkit._validate import compiling
+from attnkit.call import clamped_limits, make_call
+from attnkit.kernels import registry
+from attnkit.kernels.contract import Runner
+from attnkit.plan import PreparedMask
+
+__all__ = ["LEAN", "LEAN_ANY_LENGTH", "LEAN_LIMITS", "builtin_registry", "runner", "signature"]
+
+#: Validated calls and their kernels' runners.
+LEAN = _cache.Bounded(32, "lean runners")
+#: The same for unmasked rank-4 calls, keyed without the key length (a growing KV cache).
+LEAN_ANY_LENGTH = _cache.Bounded(32, "lean runners, any key length")
+#: The same for calls with a padding mask, keyed without its lengths: runners that take them.
+LEAN_LIMITS = _cache.Bounded(32, "lean runners, any padding lengths")
+
+
+def builtin_registry() -> bool:
+    """Whether the registry holds attnkit's own kernels as registered, with no use_kernels active:
+    then the invariant of this module's docstring holds."""
+    priority = registry.PRIORITY
+    if registry.active() is not None or len(priority) != len(registry.BUILTIN):
+        return False
+    return all(a is b for a, b in zip(priority, registry.BUILTIN))  # registered and removed again: True
+
+
+def _scale_key(scale) -> Hashable:
+    """A scale by its value and sign (``0.0`` and ``-0.0`` differ; None is the default)."""
+    if scale is None or type(scale) is int:
+        return scale
+    return struct.pack("<d", scale)
+
+
+def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, scale: object) -> tuple | None:
+    """The key that decides this call's validation and its kernel, or None (no fast path)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling():
+        return None
+    if scale is not None and type(scale) not in (float, int):
+        return None
+    if mask is None:
+        mask_key = None
+    elif isinstance(mask, _masks.Mask):
+        mask_key = mask.value_key()  # kind, parameters and small CPU tensors by value
+        if mask_key is None:
+            return None
+    elif isinstance(mask, PreparedMask):
+        mask_key = ("prepared", mask.uid)  # unique for the process's life, and never changed
+    else:
+        return None  # tensors: their values decide, and reading them costs what the path saves
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        mask_key,
+        _scale_key(scale),
+        grad,
+        torch.is_inference_mode_enabled(),
+        registry.registry_state(),
+    )
+
+
+def _any_length(key: tuple, q, k, v) -> tuple | None:
+    """``key`` without the key length, for a rank-4 call with Lk >= 1 (else None)."""
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return None
+    if k.shape[2] != v.shape[2] or k.shape[2] == 0:
+        return None
+    return (key[0], k.shape[:2] + k.shape[3:], v.shape[:2] + v.shape[3:], *key[3:])
+
+
+def _limit_free(key: tuple, mask) -> tuple | None:
+    """``key`` with a padding mask's lengths left out (``Mask.limit_free_key``), or None."""
+    if not isinstance(mask, _masks.Mask):
+        return None
+    free = mask.limit_free_key()
+    return None if free is None else (*key[:9], free, *key[10:])
+
+
+def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, scale: object) -> Runner | None:
+    """A cached runner for this call's signature (made on the first call of it), or None."""
+    key = signature(q, k, v, mask, scale)
+    if key is None:
+        return None
+    found = LEAN.get(key)
+    if found is not None:
+        return found
+    any_length = _any_length(key, q, k, v) if mask is None else None
+    if any_length is not None:
+        found = LEAN_ANY_LENGTH.get(any_length)
+        if found is not None:
+            return found
+    limit_free = _limit_free(key, mask)
+    if limit_free is not None:
+        by_limits = LEAN_LIMITS.get(limit_free)
+        if by_limits is not None:
+            lq, lk = q.shape[-2], k.shape[-2]
+            mask.check_values(lq, lk)  # the lengths are all that differ: their checks, as the full path's
+            limits = clamped_limits(mask, lk)
+            return lambda q, k, v: by_limits(q, k, v, limits)
+    call = make_call(q, k, v, mask=mask, scale=scale)  # raises as the full path does
+    chosen = registry.choose(call).chosen
+    made = chosen.runner(call)
+    if made is None:
+        return None
+    LEAN.put(key, made)
+    if any_length is not None and chosen.name == "sdpa" and builtin_registry():
+        LEAN_ANY_LENGTH.put(any_length, made)
+    if limit_free is not None and builtin_registry():
+        by_limits = chosen.limit_runner(call)
+        if by_limits is not None:
+            LEAN_LIMITS.put(limit_free, by_limits)
+    return made
