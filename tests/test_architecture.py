@@ -365,6 +365,6 @@ def test_tests_pin_kernels_through_the_registry():
         for p in TESTS.rglob("*.py")
         if p.name != "test_architecture.py"
         for i, line in enumerate(p.read_text().splitlines())
-        if flips.search(line)
+        if flips.search(line) and not line.rstrip().endswith("# the staleness case itself")
     ]
     assert not offenders, "\n".join(offenders)

@@ -10,7 +10,9 @@ the same tensors came back with their version unchanged), the test is its regres
 from __future__ import annotations
 
 import gc
+import types
 
+import numpy as np
 import pytest
 import torch
 from _oracle import naive_attention, randn
@@ -197,3 +199,237 @@ def test_decoding_steps_with_a_new_padding_mask_each_share_one_runner_and_stay_e
         mask = masks.padding(torch.tensor([50, 9, 20]))
         _close(attnkit.attention(q, k2, v2, mask), _want(q, k2, v2, mask, 1, 50))
         assert len(fastpath.LEAN_LIMITS) == (2 if native else 0)
+
+
+# --- state a predicate reaches: followed by value, or never cached ----------------------------------
+
+#: A configuration "module" and class the predicates below read (as a user's config.py would be).
+CONFIG = types.ModuleType("attnkit_test_config")
+CONFIG.WIDTH = 8
+
+
+class Config:
+    WIDTH = 8
+
+
+#: A module whose name only starts like a library's (a user's torch_utils.py).
+TORCH_UTILS = types.ModuleType("torch_utils")
+exec("WIDTH = 8\ndef near(q, kv):\n    return (q - kv).abs() < WIDTH\n", TORCH_UTILS.__dict__)
+
+WIDTH = 8  # read only inside nested code of the predicates below
+
+
+def _module_attribute(b, h, q, kv):
+    return (kv <= q) & (q - kv < CONFIG.WIDTH)
+
+
+def _class_attribute(b, h, q, kv):
+    return (kv <= q) & (q - kv < Config.WIDTH)
+
+
+def _nested_lambda(b, h, q, kv):
+    near = lambda x: x < WIDTH  # noqa: E731
+    return (kv <= q) & near(q - kv)
+
+
+def _inner_def(b, h, q, kv):
+    def near(x):
+        return x < WIDTH
+
+    return (kv <= q) & near(q - kv)
+
+
+def _comprehension(b, h, q, kv):
+    return (kv <= q) & [x < WIDTH for x in [q - kv]][0]
+
+
+def _library_lookalike(b, h, q, kv):
+    return (kv <= q) & TORCH_UTILS.near(q, kv)
+
+
+def _set_module(n):
+    CONFIG.WIDTH = n
+
+
+def _set_class(n):
+    Config.WIDTH = n
+
+
+def _set_global(n):
+    globals()["WIDTH"] = n
+
+
+def _set_lookalike(n):
+    TORCH_UTILS.WIDTH = n
+
+
+READS = {
+    "a config module's attribute": (_module_attribute, _set_module),
+    "a class attribute": (_class_attribute, _set_class),
+    "a global inside a nested lambda": (_nested_lambda, _set_global),
+    "a global inside an inner def": (_inner_def, _set_global),
+    "a global inside a comprehension": (_comprehension, _set_global),
+    "a module named like torch_utils": (_library_lookalike, _set_lookalike),
+}
+
+
+@pytest.mark.parametrize("kernel", ["auto", "tiled", "sdpa"])
+@pytest.mark.parametrize("name", list(READS))
+def test_state_a_predicate_reads_through_modules_classes_and_nested_code_is_followed(name, kernel):
+    """The fingerprint of a from_fn predicate follows what it reads by value: a config module's or
+    class's attribute (keyed by the module or class object, the first mask was kept), a global read
+    only inside a nested lambda, inner def or comprehension (not among the outer code's names), a
+    function of a user module named like a library (``torch_utils``: keyed by identity)."""
+    fn, change = READS[name]
+    change(8)
+    try:
+        mask = masks.from_fn(fn)
+        q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
+        first = attnkit.attention(q, k, v, mask, kernel=kernel)
+        _close(first, _want(q, k, v, mask, 300, 300))
+        change(60)
+        second = attnkit.attention(q, k, v, mask, kernel=kernel)
+        _close(second, _want(q, k, v, mask, 300, 300))
+        assert not torch.allclose(first, second)
+    finally:
+        change(8)
+
+
+def _callables():
+    """Callables a predicate may close over whose state changes behind their identity: ``(callable,
+    how to change it)`` by name."""
+    ids = torch.arange(300) // 50
+
+    emb = torch.nn.Embedding(300, 1)
+    with torch.no_grad():
+        emb.weight.copy_((torch.arange(300) // 50).float()[:, None])
+    holder = torch.nn.Module()
+    holder.register_buffer("ids", (torch.arange(300) // 50).clone())
+
+    def bump_emb():
+        with torch.no_grad():
+            emb.weight.copy_((torch.arange(300) // 25).float()[:, None])
+
+    table = (torch.arange(300) // 50).numpy().copy()
+    lookup = np.vectorize(lambda i: table[i])
+
+    def bump_table():
+        table[:] = np.arange(300) // 25
+
+    return {
+        "a bound tensor method": (
+            lambda q, kv, pick=ids.index_select: (
+                pick(0, q.reshape(-1)).view(q.shape) == pick(0, kv.reshape(-1)).view(kv.shape)
+            ),
+            lambda: ids.copy_(torch.arange(300) // 25),
+        ),
+        "an nn.Embedding lookup": (
+            lambda q, kv: emb(q.reshape(-1)).view(q.shape) == emb(kv.reshape(-1)).view(kv.shape),
+            bump_emb,
+        ),
+        "an nn.Module holding a buffer": (
+            lambda q, kv: holder.ids[q] == holder.ids[kv],
+            lambda: holder.ids.copy_(torch.arange(300) // 25),
+        ),
+        "np.vectorize": (
+            lambda q, kv: torch.from_numpy(lookup(q.numpy())) == torch.from_numpy(lookup(kv.numpy())),
+            bump_table,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_callables()))
+def test_callables_with_state_behind_their_identity_are_not_served_stale(name):
+    """Bound tensor methods, torch.nn modules and np.vectorize were keyed by identity (their tensor or
+    function never read): now a bound method is keyed by its tensor's bytes, and a module or
+    vectorized function has no fingerprint, so its mask is prepared again on each call."""
+    same_doc, change = _callables()[name]
+    mask = masks.from_fn(lambda b, h, q, kv, f=same_doc: f(q, kv) & (kv <= q))
+    q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
+    first = attnkit.attention(q, k, v, mask)
+    _close(first, _want(q, k, v, mask, 300, 300))
+    change()
+    second = attnkit.attention(q, k, v, mask)
+    _close(second, _want(q, k, v, mask, 300, 300))
+    assert not torch.allclose(first, second)
+
+
+def test_zero_and_negative_zero_are_different_keys():
+    """A float a predicate reads is keyed by its bits: 0.0 and -0.0 (equal, so one key before) differ."""
+
+    def make(c):
+        return masks.from_fn(lambda b, h, q, kv: (kv <= q) | (torch.copysign(torch.tensor(1.0), torch.tensor(c)) > 0))
+
+    q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
+    everything, causal = make(0.0), make(-0.0)
+    _close(attnkit.attention(q, k, v, everything), _want(q, k, v, everything, 300, 300))
+    _close(attnkit.attention(q, k, v, causal), _want(q, k, v, causal, 300, 300))
+    assert everything.value_key() != causal.value_key()
+
+
+@pytest.mark.parametrize("kernel", ["native", "fused", "math", "sdpa", "reference"])
+def test_a_prepared_mask_is_the_one_truth_of_its_predicate_for_every_kernel(kernel):
+    """A PreparedMask keeps the pairs its predicate gave when it was prepared: a change to what the
+    predicate reads afterwards changes no kernel's answer (native read the bits, sdpa and reference
+    evaluated the predicate again, fused and math mixed the two)."""
+    if kernel == "native" and not native_build.available():
+        pytest.skip(native_build.status()[1])
+    state = {"width": 8}
+    mask = masks.from_fn(lambda b, h, q, kv: (kv <= q) & (q - kv < state["width"]))
+    prepared = attnkit.prepare(mask, 300, 300)
+    before = mask.materialize(300, 300)
+    state["width"] = 80
+    q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
+    got = attnkit.attention(q, k, v, prepared, kernel=kernel)
+    want = naive_attention(q.double(), k.double(), v.double(), before)[0]
+    _close(got, want)
+    assert torch.equal(prepared.materialize(), before)
+
+
+@pytest.mark.parametrize("how", ["data", "numpy", "in place"])
+def test_a_kv_cache_rolled_back_through_data_or_numpy_appends_after_the_new_end(how):
+    """KVCache's common-fill shortcut is keyed by the lengths' values: a roll-back written through
+    ``.data`` or ``.numpy()`` keeps the tensor's version counter, and the shortcut appended after the
+    old end (attention then read the rolled-back entry)."""
+    mha = attnkit.MultiHeadAttention(32, 4)
+    cache = attnkit.KVCache(2, 4, 16, 8)
+    x = randn(2, 6, 32)
+    with torch.no_grad():
+        mha(x[:, :5], mask=masks.causal(), cache=cache)
+        roll = {"data": lambda: cache.lengths.data.sub_(2), "numpy": lambda: cache.lengths.numpy().__isub__(2)}
+        roll.get(how, lambda: cache.lengths.sub_(2))()
+        assert cache.lengths.tolist() == [3, 3]
+        step, _ = mha(x[:, 5:6], mask=masks.causal(), cache=cache)
+        # the step's token sits right after the 3 kept ones: the same as running those 4 tokens fresh
+        fresh, _ = mha(torch.cat([x[:, :3], x[:, 5:6]], dim=1), mask=masks.causal())
+    torch.testing.assert_close(step[:, 0], fresh[:, -1], atol=1e-5, rtol=1e-5)
+    assert cache.lengths.tolist() == [4, 4]
+
+
+def test_switching_kernels_after_a_padding_decode_step_runs_the_kernel_explain_names(monkeypatch):
+    """After a decoding step with a padding mask ran the native row path (a runner that takes the
+    lengths), turning the engine off in the process, or pinning another kernel the public way, runs
+    the kernel explain names: each kernel's state and use_kernels are in every cache key (with the
+    switch flipped, the row path kept running while explain named sdpa)."""
+    if not native_build.available():
+        pytest.skip(native_build.status()[1])
+    from _oracle import OpCounter
+
+    q, k, v = randn(2, 4, 1, 16), randn(2, 2, 64, 16), randn(2, 2, 64, 16)
+    with torch.no_grad():
+        for n in (40, 41):
+            attnkit.attention(q, k, v, masks.padding(torch.tensor([n, 30])))
+        mask = masks.padding(torch.tensor([42, 31]))
+        monkeypatch.setattr(native_build, "ENABLED", False)  # the staleness case itself
+        assert attnkit.explain(q, k, v, mask).kernel == "sdpa"
+        with OpCounter("attnkit::native_forward") as ops:
+            got = attnkit.attention(q, k, v, mask)
+        assert ops.counts["attnkit::native_forward"] == 0
+        monkeypatch.undo()
+        with attnkit.use_kernels("sdpa"):
+            assert attnkit.explain(q, k, v, mask).kernel == "sdpa"
+            with OpCounter("attnkit::native_forward") as ops:
+                pinned = attnkit.attention(q, k, v, mask)
+    assert ops.counts["attnkit::native_forward"] == 0
+    _close(got, _want(q, k, v, mask, 1, 64))
+    _close(pinned, _want(q, k, v, mask, 1, 64))

@@ -123,12 +123,11 @@ def test_the_cache_appends_a_common_fill_as_a_slice_and_mixed_fills_by_index():
     (mixed fills, index writes), then after a reset: the stored entries are the same either way,
     and a write to ``lengths`` by hand is respected."""
     fast, slow = KVCache(3, 2, 9, 4), KVCache(3, 2, 9, 4)
-    slow._common = None  # the index path throughout
     for counts in (None, None, torch.tensor([1, 0, 2]), None):
         t = 2
         k, v = randn(3, 2, t, 4), randn(3, 2, t, 4)
-        for cache in (fast, slow):
-            cache.append(k, v, counts)
+        fast.append(k, v, counts)
+        slow.append(k, v, torch.full((3,), t) if counts is None else counts)  # counts: the index path throughout
         assert torch.equal(fast.lengths, slow.lengths)
         assert torch.equal(fast.keys, slow.keys) and torch.equal(fast.values, slow.values)
     fast.reset()

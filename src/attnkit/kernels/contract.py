@@ -92,6 +92,12 @@ class Kernel:
     #: Whether it implements :meth:`stats`.
     supports_stats: bool = False
 
+    def state(self) -> object:
+        """What this kernel's availability depends on in this process besides the call (a switch, a
+        probe's answer), as a hashable value: part of the key of every cached choice, so changing it
+        is never served stale. None (the default): nothing."""
+        return None
+
     def runs_on(self, device_type: str) -> bool:
         """Whether it runs on this device type at all (the registry skips it cheaply otherwise)."""
         return self.devices is None or device_type in self.devices

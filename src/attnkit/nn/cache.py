@@ -61,22 +61,19 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self._keys.device)
         self._start = self.lengths.clone()  # lengths before the latest append
         self._bound = 0  # no sequence holds more than this many entries (a host-side int)
-        self._common = self._common_fill(0)  # every sequence holds the same number of entries
 
-    def _common_fill(self, n: int) -> tuple | None:
-        """``(n, lengths, its version)``: every sequence holds ``n`` entries while ``lengths`` is this
-        tensor, unchanged (a write to it, in place or not, drops the shortcut). None where inference
-        tensors keep no version counter."""
-        if self.lengths.is_inference():
+    def _fills(self) -> tuple[int, ...] | None:
+        """Each sequence's number of entries, read from ``lengths`` as it is now (by value: a write
+        through ``.data`` or ``.numpy()`` is seen), where that costs no device sync: on the CPU,
+        outside torch.compile. None elsewhere."""
+        if self.lengths.device.type != "cpu" or compiling():
             return None
-        return (n, self.lengths, self.lengths._version)
+        return tuple(self.lengths.tolist())
 
-    def _common_length(self) -> int | None:
-        """The number of entries every sequence holds, when known without reading ``lengths``."""
-        c = self._common
-        if c is not None and c[1] is self.lengths and c[2] == self.lengths._version:
-            return c[0]
-        return None
+    def _common_length(self, fills: tuple[int, ...] | None = None) -> int | None:
+        """The number of entries every sequence holds, when they all hold the same (by value)."""
+        fills = self._fills() if fills is None else fills
+        return fills[0] if fills and all(n == fills[0] for n in fills) else None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -102,7 +99,6 @@ class KVCache:
         self.lengths.zero_()
         self._start.zero_()
         self._bound = 0
-        self._common = self._common_fill(0)
 
     def _check_counts(self, counts, b: int, t: int) -> torch.Tensor | None:
         if counts is None:
@@ -161,6 +157,9 @@ class KVCache:
             )
         counts = self._check_counts(counts, b, t)
         device = self.lengths.device
+        fills = self._fills()
+        if fills is not None:  # the lengths as they are now (the user may have rolled them back)
+            self._bound = max(fills, default=0)
         if self._bound + t > self.max_len:  # may not fit: look at the real lengths
             end = self.lengths + (t if counts is None else counts)
             if bool((end > self.max_len).any()):
@@ -170,7 +169,7 @@ class KVCache:
                     f"and {int(end[worst] - self.lengths[worst])} more do not fit in max_len={self.max_len}. "
                     "Build the cache with a larger max_len, or reset() it."
                 )
-        common = self._common_length() if counts is None else None
+        common = self._common_length(fills) if counts is None else None
         if common is not None:  # every sequence at the same fill: a slice, no index tensors
             self._keys[:, :, common : common + t] = k
             self._values[:, :, common : common + t] = v
@@ -185,7 +184,6 @@ class KVCache:
         self._start = self.lengths
         self.lengths = self.lengths + (t if counts is None else counts)
         self._bound = min(self._bound + t, self.max_len)
-        self._common = None if common is None else self._common_fill(common + t)
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(B, Hkv, n, D)`` of the filled part of the keys and values.
@@ -193,7 +191,9 @@ class KVCache:
         ``n`` is at least the longest sequence; entries past a sequence's own length
         are hidden by :meth:`mask` and never read by the block-sparse kernel.
         """
-        return self._keys[:, :, : self._bound], self._values[:, :, : self._bound]
+        fills = self._fills()
+        bound = self._bound if fills is None else min(max(fills, default=0), self.max_len)
+        return self._keys[:, :, :bound], self._values[:, :, :bound]
 
     def mask(self, mask: masks.Mask | None = None) -> masks.Mask:
         """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`)."""

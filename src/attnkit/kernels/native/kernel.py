@@ -224,6 +224,9 @@ class NativeKernel(Kernel):
     supports_score_mods = ("bias", "softcap")  # bias: a band of kv - q; sinks from the lse
     max_rank = 4
 
+    def state(self) -> object:
+        return native_build.ENABLED  # ATTNKIT_NATIVE=0, or the attribute set in this process
+
     def _reasons(self, call: Call) -> list[str]:
         reasons = sparsity.compile_refusals(call)
         if call.compiling:  # no build, no load while tracing: what this process has

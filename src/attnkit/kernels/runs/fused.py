@@ -32,6 +32,9 @@ class FusedKernel(Kernel):
     supports_score_mods = ("bias",)  # a band of kv - q; sinks: added by the registry from the lse
     max_rank = 4
 
+    def state(self) -> object:
+        return aten.AVAILABLE  # PyTorch's fused CPU ops, probed at import
+
     def _reasons(self, call: Call) -> list[str]:
         reasons = sparsity.compile_refusals(call)
         if not aten.AVAILABLE:
