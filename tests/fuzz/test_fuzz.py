@@ -135,6 +135,51 @@ def test_gradients_against_the_formula(sizes, data, kernel, seed):
         assert (a - w).abs().max() <= 1e-9 * max(1.0, w.abs().max().item()), f"d{name} {kernel} {what}"
 
 
+@st.composite
+def padding_lengths(draw, b, lk):
+    """Each sequence's key limit, often 1 (each row sees one key), Lk, or a run of equal limits."""
+    one = st.sampled_from([1, 1, lk, max(lk // 2, 1)])
+    lengths = [draw(st.one_of(one, st.integers(1, lk))) for _ in range(b)]
+    if draw(st.booleans()):
+        lengths = [lengths[0]] * b  # one limit for every sequence: SDPA over the first keys
+    return lengths
+
+
+@given(shapes(max_len=300), st.data(), st.integers(0, 2**31 - 1))
+def test_sdpa_padding_and_gqa_gradients_within_sdpas_own_error(sizes, data, seed):
+    """The sdpa kernel's float32 gradients with padding masks (and GQA) against the float64 formula:
+    within 2x the larger of PyTorch SDPA's own error on the same problem (its dense mask) and the
+    naive formula's (TESTING.md's rule where SDPA is the better one); exact where the formula is
+    (one visible key: dq and dk are 0)."""
+    b, hq, hkv, lq, lk, d, dv = sizes
+    lengths = data.draw(padding_lengths(b, lk))
+    note(f"{sizes} padding({lengths})")
+    mask = masks.padding(torch.tensor(lengths))
+    dense = mask.materialize(lq, lk)
+    q, k, v = _tensors(sizes, torch.float32, seed)
+    upstream = torch.randn(b, hq, lq, dv, generator=torch.Generator().manual_seed(seed + 1))
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves), leaves, upstream.to(dtype))
+
+    group = hq // hkv
+    gold = grads(lambda a, b_, c: naive_attention(a, b_, c, dense)[0], torch.float64)
+    naive = grads(lambda a, b_, c: naive_attention(a, b_, c, dense)[0], torch.float32)
+    theirs = grads(
+        lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(
+            a, b_.repeat_interleave(group, 1), c.repeat_interleave(group, 1), attn_mask=dense
+        ),
+        torch.float32,
+    )
+    ours = grads(lambda a, b_, c: attnkit.attention(a, b_, c, mask, kernel="sdpa"), torch.float32)
+    for name, o, g, n, t in zip(("dq", "dk", "dv"), ours, gold, naive, theirs):
+        ref = n if (n.double() - g).abs().max() >= (t.double() - g).abs().max() else t
+        assert_oracle(o, g, ref, factor=2.0, what=f"{name} padding({lengths})", small=True)
+    if all(n == 1 for n in lengths):  # every row sees one key: its weight is exactly 1
+        assert not ours[0].any() and not ours[1].any()
+
+
 @given(shapes(max_len=100), st.data(), st.sampled_from(["tiled", "reference"]), st.integers(0, 2**31 - 1))
 def test_score_modifications_against_the_reference(sizes, data, kernel, seed):
     b, hq, hkv, lq, lk, d, dv = sizes

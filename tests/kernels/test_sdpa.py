@@ -43,3 +43,25 @@ def test_dense_path_copies_keys_only_when_unused_rows_hold_non_finite_values(jun
         allowed.expand(2, 1, 3, 64),
     )
     assert_oracle(out, gold, naive)
+
+
+@pytest.mark.parametrize("lengths", [[1, 1], [1, 5], [1, 64]])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (8, 1)])
+def test_one_visible_key_is_exact_on_sdpa(lengths, heads):
+    """Where a row sees one key its weight is exactly 1 by the formula: the output is that key's
+    value, dq and dk are exactly 0, dv is the sum of dO over the rows (GQA included), one rounding
+    (SDPA over one key returned weights of 1 +- 1e-7 and gradients of 1e-6)."""
+    hq, hkv = heads
+    q, k, v = (randn(2, h, 64, 16, requires_grad=True) for h in (hq, hkv, hkv))
+    mask = attnkit.masks.padding(torch.tensor(lengths))
+    out = attnkit.attention(q, k, v, mask, kernel="sdpa")
+    go = randn(*out.shape)
+    out.backward(go)
+    first = [b for b, n in enumerate(lengths) if n == 1]
+    group = hq // hkv
+    for b in first:
+        assert torch.equal(out[b], v[b, :, :1].detach().repeat_interleave(group, 0).expand(hq, 64, 16))
+        assert not q.grad[b].any() and not k.grad[b].any()
+        want = go[b].double().reshape(hkv, group * 64, 16).sum(1)  # (Hkv, Dv)
+        torch.testing.assert_close(v.grad[b, :, 0].double(), want, atol=4 * torch.finfo(torch.float32).eps * 64, rtol=0)
+        assert not v.grad[b, :, 1:].any()

@@ -67,12 +67,16 @@ def _own_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: 
     """SDPA of 4-D inputs over their first ``n`` keys: ``n >= 1``. With one key every row's weight is
     exactly 1: the output is that key's value (gradients of q and k exactly 0)."""
     if n == 1 and dropout_p == 0.0:
-        group = q.shape[1] // k.shape[1]
-        k0, v0 = k[:, :, :1], v[:, :, :1]  # (B, Hkv, 1, D), (B, Hkv, 1, Dv)
-        if group > 1:
-            k0, v0 = k0.repeat_interleave(group, dim=1), v0.repeat_interleave(group, dim=1)
-        s = (q @ k0.transpose(-2, -1)) * scale  # (B, Hq, Lq, D) x (B, Hq, D, 1) -> (B, Hq, Lq, 1)
-        return torch.exp(s - s) * v0  # the weight exp(s - lse) with lse = s: 1, or NaN as the formula's
+        b, hq, lq, d = q.shape
+        hkv = k.shape[1]
+        qf = q.reshape(b, hkv, (hq // hkv) * lq, d)  # (B, Hkv, g*Lq, D): a group's query heads as rows
+        s = (qf @ k[:, :, :1].transpose(-2, -1)) * scale  # (B, Hkv, g*Lq, D) x (B, Hkv, D, 1)
+        w = torch.exp(s - s)  # the weight exp(s - lse) with lse = s: 1, or NaN as the formula's
+        # (B, Hkv, g*Lq, 1) * (B, Hkv, 1, Dv): the output is that key's value; its gradient, the sum of
+        # dO over every row that sees it, is summed in a wider dtype (one rounding, as the formula's)
+        wide = torch.float64 if v.dtype in (torch.float32, torch.float64) else torch.float32
+        out = (w.to(wide) * v[:, :, :1].to(wide)).to(v.dtype)
+        return out.reshape(b, hq, lq, v.shape[-1])
     return F.scaled_dot_product_attention(
         q, k[:, :, :n], v[:, :, :n], dropout_p=dropout_p, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1])
     )
@@ -105,6 +109,8 @@ def _plain(call: Call) -> str | None:
     """How the call runs without a mask tensor: "plain" (no mask), "all" (a mask that hides nothing
     here), "causal", "limit", "limits"; None: with its dense mask."""
     form = call.form
+    if form in (Form.NONE, Form.ALL) and call.shapes.lk == 1 and call.shapes.rank == 4:
+        return "limit"  # one key, which every row sees: its weight is exactly 1
     if form is Form.NONE:
         return "plain"
     if form is Form.ALL:
@@ -188,7 +194,7 @@ class SDPAKernel(Kernel):
         if how == "causal":
             return True, "is_causal: PyTorch's flash/cuDNN kernels" if cuda else "is_causal"
         if how == "limit":
-            limit = call.shared_key_limit()
+            limit = call.shared_key_limit() or 1
             return True, f"every sequence's keys end at {limit}: no mask over the first {limit} keys"
         if how == "limits":
             return True, "each sequence's keys end at its own limit: one call per limit over those keys, no mask"
@@ -217,8 +223,7 @@ class SDPAKernel(Kernel):
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return by_limit(q, k, v, limits, scale=scale)
         elif how == "limit":
-            limit = call.shared_key_limit()
-            assert limit is not None
+            limit = call.shared_key_limit() or 1  # (None: one key, no mask)
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return _own_keys(q, k, v, limit, scale, 0.0)
@@ -257,8 +262,7 @@ class SDPAKernel(Kernel):
         if how == "causal":
             return sdpa(call.q, call.k, call.v, None, causal=True, **kw), None
         if how == "limit":  # the keys past the limit are never read: no zeroing, no mask
-            limit = call.shared_key_limit()
-            assert limit is not None
+            limit = call.shared_key_limit() or 1  # (None: one key, no mask)
             return _own_keys(call.q, call.k, call.v, limit, call.scale, call.dropout_p), None
         if how == "limits":  # the same, one call per limit
             assert call.limits is not None
