@@ -1,0 +1,93 @@
+"""The invariant the fast path (attnkit.kernels.fastpath) relies on, checked on the registry itself.
+
+Two of its caches leave a part of the call out of their key: LEAN_ANY_LENGTH the key length of an
+unmasked rank-4 call SDPA runs, LEAN_LIMITS the lengths of a padding mask the native engine's row
+path runs. That is right only while the registry's choice for such calls does not depend on what
+is left out; these tests ask the registry (``explain``) across the values left out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+import torch
+from _oracle import randn
+
+import attnkit
+from attnkit import masks
+from attnkit.kernels import fastpath
+from attnkit.kernels.native import build as native_build
+from attnkit.kernels.native import kernel as native
+
+KEY_LENGTHS = (1, 2, 7, 64, 127, 300, 2049, 5000)
+
+
+@pytest.mark.parametrize(
+    "b, hq, hkv, lq, dtype, grad",
+    [
+        (1, 8, 8, 1, torch.float32, False),
+        (4, 8, 2, 1, torch.float32, False),
+        (2, 4, 4, 3, torch.bfloat16, False),
+        (1, 2, 1, 15, torch.float32, True),
+        (1, 32, 8, 64, torch.float32, False),
+        (2, 16, 16, 128, torch.bfloat16, True),
+        (1, 4, 4, 9, torch.float64, False),
+    ],
+)
+def test_an_unmasked_calls_choice_does_not_depend_on_its_key_length(b, hq, hkv, lq, dtype, grad):
+    """Where SDPA takes an unmasked rank-4 call at one key length, it takes it at every one: the
+    choice LEAN_ANY_LENGTH keeps without Lk is the registry's for any Lk."""
+    assert fastpath.builtin_registry()
+    chosen = set()
+    for lk in KEY_LENGTHS:
+        q = torch.empty(b, hq, lq, 16, dtype=dtype).requires_grad_(grad)
+        k = torch.empty(b, hkv, lk, 16, dtype=dtype)
+        chosen.add(attnkit.explain(q, k, k).kernel)
+    assert len(chosen) == 1 or "sdpa" not in chosen, chosen
+
+
+def test_a_padding_masks_choice_does_not_depend_on_its_lengths():
+    """Where the native engine's row path takes a decoding step with a padding mask, it takes it
+    for any lengths (equal, different, 0, Lk): the runner LEAN_LIMITS keeps without them is the
+    registry's choice for all of them."""
+    if not native_build.available():
+        pytest.skip(native_build.status()[1])
+    assert fastpath.builtin_registry()
+    lk = 96
+    for lq, (b, hq, hkv) in itertools.product((1, 2, native.few_rows()), ((1, 4, 4), (3, 8, 2), (2, 2, 1))):
+        q, k = torch.empty(b, hq, lq, 16), torch.empty(b, hkv, lk, 16)
+        draws = [[0] * b, [lk] * b, [1] * b, list(range(1, b + 1)), [lk // 2] * b, [lk - i for i in range(b)]]
+        chosen = {attnkit.explain(q, k, k, masks.padding(torch.tensor(n))).kernel for n in draws}
+        assert chosen == {"native"}, (lq, b, hq, hkv, chosen)
+
+
+def test_the_fast_path_serves_what_the_full_path_computes():
+    """The lean runners (any length, any padding lengths) give what validating and choosing again
+    gives, for every length and lengths drawn after the first call."""
+    with torch.no_grad():
+        q, keys = randn(2, 4, 1, 16), randn(2, 2, 200, 16)
+        for lk in (10, 11, 150, 199):
+            k = keys[:, :, :lk]
+            torch.testing.assert_close(attnkit.attention(q, k, k), attnkit.attention(q, k, k, kernel="reference"))
+        for lengths in ([5, 9], [200, 1], [0, 0], [200, 200], [33, 33]):
+            mask = masks.padding(torch.tensor(lengths))
+            torch.testing.assert_close(
+                attnkit.attention(q, keys, keys, mask), attnkit.attention(q, keys, keys, mask, kernel="reference")
+            )
+
+
+def test_the_fast_path_key_changes_with_everything_the_choice_reads():
+    """use_kernels, a registration and a kernel's own state are in the key: the same call is another
+    signature under each (its runner is never served across them)."""
+    q = randn(1, 2, 4, 8)
+    base = fastpath.signature(q, q, q, masks.causal(), None)
+    with attnkit.use_kernels("reference"):
+        assert fastpath.signature(q, q, q, masks.causal(), None) != base
+    assert fastpath.signature(q, q, q, masks.causal(), 0.0) != fastpath.signature(q, q, q, masks.causal(), -0.0)
+    keyed = masks.from_fn(lambda b, h, i, j: i >= j + torch.tensor(0))  # torch.tensor: keyed by identity
+    assert fastpath.signature(q, q, q, keyed, None) is not None
+    state = types.SimpleNamespace(shift=1)
+    unkeyed = masks.from_fn(lambda b, h, i, j: i >= j + state.shift)  # an object's attribute: no value key
+    assert fastpath.signature(q, q, q, unkeyed, None) is None
