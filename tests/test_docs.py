@@ -79,3 +79,10 @@ def test_skipped_blocks_say_why():
         text = (ROOT / page).read_text(encoding="utf-8")
         for reason in re.findall(r"<!-- not run: ([^>]*)-->", text):
             assert len(reason.strip()) > 10, f"{page}: say why a block is not run"
+
+
+def test_the_contributing_guides_kernel_example_is_a_doctest():
+    """docs/contributing.md's "Adding a kernel" example is a >>> block: test_page_examples_run runs
+    it as a doctest, so its registration, explain line and answer must stay true."""
+    found = [code for _, code in blocks(Path("docs/contributing.md")) if code.lstrip().startswith(">>>")]
+    assert any("register_kernel(" in code and "attnkit.explain(" in code for code in found)

@@ -275,7 +275,7 @@ def _global_reads(code: types.CodeType) -> list[tuple[str, ...]]:
 def _global_values(fn: types.FunctionType, depth: int) -> tuple:
     """The values of the globals ``fn`` reads, each followed through its attribute reads while it
     is a module or class (those are keyed by what is read from them, not by themselves)."""
-    out = []
+    out: list[tuple[tuple[str, ...], Hashable]] = []
     for chain in sorted(set(_global_reads(fn.__code__))):
         if chain[0] not in fn.__globals__:  # a builtin (abs, len) or a name not bound yet
             out.append((chain[:1], ("unbound",)))  # binding it later changes the key

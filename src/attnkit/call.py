@@ -17,7 +17,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -93,7 +93,7 @@ class Form(enum.Enum):
 # --- the checks -------------------------------------------------------------------------------
 
 
-def check_qkv(q: object, k: object, v: object) -> Shapes:
+def check_qkv(q: Any, k: Any, v: Any) -> Shapes:
     """Check q: (..., Hq, Lq, D), k: (..., Hkv, Lk, D), v: (..., Hkv, Lk, Dv)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -148,7 +148,7 @@ def check_qkv(q: object, k: object, v: object) -> Shapes:
     return Shapes(tuple(q.shape[:-3]), hq, hkv, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], rank)
 
 
-def check_scale(scale: object, d: int) -> float:
+def check_scale(scale: Any, d: int) -> float:
     """Return the softmax scale: ``scale`` as given (0.0 and negatives honoured) or 1/sqrt(D)."""
     if scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
@@ -406,7 +406,7 @@ class Call:
     mods: tuple[str, ...]
     _prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def replace(self, **changes: object) -> Call:
+    def replace(self, **changes: Any) -> Call:
         """This call with some fields changed (the mask stays: its preparations are shared)."""
         new = dataclasses.replace(self, **changes)
         if "mask" not in changes:

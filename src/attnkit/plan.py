@@ -269,7 +269,7 @@ class PreparedMask:
 
     def to(self, device: Device) -> PreparedMask:
         """The same prepared mask with its tensors on ``device`` (a new value; this one is unchanged)."""
-        device = torch.device(device)
+        device = torch.device(device) if device is not None else self.device
         if device == self.device:
             return self
         moved = {

@@ -43,7 +43,7 @@ from attnkit._validate import compiling
 from attnkit.call import clamped_limits, make_call
 from attnkit.kernels import registry
 from attnkit.kernels.contract import Runner
-from attnkit.plan import PreparedMask
+from attnkit.plan import MaskLike, PreparedMask
 
 __all__ = ["LEAN", "LEAN_ANY_LENGTH", "LEAN_LIMITS", "builtin_registry", "runner", "signature"]
 
@@ -71,7 +71,7 @@ def _scale_key(scale) -> Hashable:
     return struct.pack("<d", scale)
 
 
-def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, scale: object) -> tuple | None:
+def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: float | None) -> tuple | None:
     """The key that decides this call's validation and its kernel, or None (no fast path)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling():
         return None
@@ -123,7 +123,7 @@ def _limit_free(key: tuple, mask) -> tuple | None:
     return None if free is None else (*key[:9], free, *key[10:])
 
 
-def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, scale: object) -> Runner | None:
+def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: float | None) -> Runner | None:
     """A cached runner for this call's signature (made on the first call of it), or None."""
     key = signature(q, k, v, mask, scale)
     if key is None:
@@ -140,6 +140,7 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, scal
     if limit_free is not None:
         by_limits = LEAN_LIMITS.get(limit_free)
         if by_limits is not None:
+            assert isinstance(mask, _masks.Mask), "a padding mask (_limit_free)"
             lq, lk = q.shape[-2], k.shape[-2]
             mask.check_values(lq, lk)  # the lengths are all that differ: their checks, as the full path's
             limits = clamped_limits(mask, lk)

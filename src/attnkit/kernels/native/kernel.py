@@ -6,13 +6,13 @@ the host-side runs, and applies the mask, soft-capping and a bias of ``kv - q`` 
 relative bias, their sums: :meth:`attnkit.bias.Bias.band`, learnable) inside its tile loop.
 Softmax statistics are float32; float32 inputs are read in place, bfloat16 and float16 ones a
 tile at a time (bfloat16 products on AMX tiles or as AVX512-BF16 dot products where the CPU has
-them: :func:`attnkit.kernels.native_build.info`). Calls of at most
+them: :func:`attnkit.kernels.native.build.info`). Calls of at most
 :func:`few_rows` query rows (decoding) take a row path that reads only the keys some row sees,
 and a padding mask reaches it as its lengths (:func:`limit_plan`: nothing prepared per step).
 ``native_stats`` computes :func:`attnkit.inspect.attention_stats` in two passes. The forward op is
 differentiable through its registered autograd formula (``native_backward``), and traced by
 ``torch.compile`` as one op over the PreparedMask's tensors. It is built once per machine
-(:mod:`attnkit.kernels.native_build`); where it cannot be, the registry runs the fused or math
+(:mod:`attnkit.kernels.native.build`); where it cannot be, the registry runs the fused or math
 kernel and ``attnkit.explain`` says why.
 
 Equivalent PyTorch code (forward)::

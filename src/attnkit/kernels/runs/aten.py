@@ -8,6 +8,8 @@ use them declare so, and the tiled kernel falls back to its math engine without 
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 _ops = torch.ops.aten
@@ -29,6 +31,10 @@ def _probe() -> bool:
         return False
 
 
+@overload
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def rows_contiguous(t: None) -> None: ...
 def rows_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` with a unit stride in its last dimension: the private kernels read each row as
     contiguous memory and give garbage for ``x[..., ::2]`` or a transposed ``(B, H, D, L)``."""
@@ -49,7 +55,8 @@ def flash_forward(
     q: (B, H, Lq, D), k: (B, H, Lk, D), v: (B, H, Lk, D); ``attn_mask`` additive
     (0 / -inf) in q's dtype, broadcastable to (B, H, Lq, Lk). Any strides.
     """
-    q, k, v, attn_mask = (rows_contiguous(t) for t in (q, k, v, attn_mask))
+    q, k, v = rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)
+    attn_mask = None if attn_mask is None else rows_contiguous(attn_mask)
     return _ops._scaled_dot_product_flash_attention_for_cpu(
         query=q, key=k, value=v, dropout_p=0.0, is_causal=is_causal, attn_mask=attn_mask, scale=scale
     )
@@ -68,7 +75,8 @@ def flash_backward(
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flash_forward`, recomputed from its saved ``lse``. Any strides."""
-    grad_out, q, k, v, out, attn_mask = (rows_contiguous(t) for t in (grad_out, q, k, v, out, attn_mask))
+    grad_out, q, k, v, out = (rows_contiguous(t) for t in (grad_out, q, k, v, out))
+    attn_mask = None if attn_mask is None else rows_contiguous(attn_mask)
     return _ops._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out=grad_out,
         query=q,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, TypeAlias, Union
 
 import torch
 
@@ -62,9 +62,9 @@ __all__ = [
 NEG_INF = float("-inf")
 
 #: The walk's tensors and results: one tensor, ``(out, lse)``, ``(dq, dk, dv)``.
-Tensor = torch.Tensor
-Pair = tuple[torch.Tensor, torch.Tensor]
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Tensor: TypeAlias = torch.Tensor
+Pair: TypeAlias = tuple[torch.Tensor, torch.Tensor]
+Grads: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # --- folding grouped query heads into rows ----------------------------------------------

@@ -24,6 +24,7 @@ from attnkit.kernels.blocks import Group, RowBlock, Run, Square
 from attnkit.kernels.contract import double_backward_error
 from attnkit.kernels.lse import merge
 from attnkit.kernels.runs import aten, fused_engine, math_engine, tiles
+from attnkit.kernels.runs.tiles import Grads, Pair, Tensor
 from attnkit.plan import PreparedMask
 
 if TYPE_CHECKING:
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from attnkit.score_mods import ScoreMod
 
 __all__ = ["ENGINES", "Engine", "attention", "backward_part", "draw_seed", "forward", "backward"]
-
-
-Tensor, Pair, Grads = tiles.Tensor, tiles.Pair, tiles.Grads
 
 
 class Engine(Protocol):
@@ -192,7 +190,7 @@ def backward(
 
 class _TileAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: tiles.TileCall, *params) -> Pair:
+    def forward(ctx, q, k, v, call: tiles.TileCall, *params):
         out, lse = forward(call, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
@@ -200,7 +198,7 @@ class _TileAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None) -> Grads:
+    def backward(ctx, grad_out, grad_lse):
         call = ctx.call
         if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted
             raise double_backward_error(call.engine)
