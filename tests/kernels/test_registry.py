@@ -183,7 +183,7 @@ def test_every_capable_kernel_declining_runs_the_first_of_them():
     first of them, says so, and is exact (it used to fail formatting its own error)."""
     from attnkit.kernels import registry
 
-    saved, kernels = list(registry.PRIORITY), dict(registry.KERNELS)
+    saved = list(registry.PRIORITY)
     try:
         for k in saved:
             if k is not attnkit.kernels.FUSED:
@@ -194,8 +194,8 @@ def test_every_capable_kernel_declining_runs_the_first_of_them():
         out = attnkit.attention(q, k, v, masks.causal())
         gold, naive = gold_and_naive(q, k, v, masks.causal().materialize(64, 64))
         assert_oracle(out, gold, naive)
-    finally:
-        registry.PRIORITY[:] = saved
-        registry.KERNELS.clear()
-        registry.KERNELS.update(kernels)
-        registry._GENERATION[0] += 1
+    finally:  # the registry as it was, through its own API (which every cache key follows)
+        registry.unregister_kernel(attnkit.kernels.FUSED)
+        for kernel in reversed(saved):
+            registry.register_kernel(kernel)
+        assert registry.PRIORITY == saved

@@ -43,6 +43,7 @@ from attnkit._validate import compiling
 from attnkit.call import clamped_limits, make_call
 from attnkit.kernels import registry
 from attnkit.kernels.contract import Runner
+from attnkit.kernels.registry import registry_state
 from attnkit.plan import MaskLike, PreparedMask
 
 __all__ = ["LEAN", "LEAN_ANY_LENGTH", "LEAN_LIMITS", "builtin_registry", "runner", "signature"]
@@ -99,10 +100,10 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike,
         k.device,
         v.device,
         mask_key,
-        _scale_key(scale),
+        scale if scale is None or type(scale) is int else _scale_key(scale),
         grad,
         torch.is_inference_mode_enabled(),
-        registry.registry_state(),
+        registry_state(),
     )
 
 

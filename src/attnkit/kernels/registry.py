@@ -113,11 +113,11 @@ _GENERATION = [0]  # bumped by every change to the registry
 def registry_state() -> tuple:
     """What the choice of a kernel depends on besides the call: the registry's version, the innermost
     use_kernels and each kernel's own :meth:`Kernel.state` (keys of cached choices)."""
-    return (_GENERATION[0], _ACTIVE[-1] if _ACTIVE else None, tuple(k.state() for k in _STATEFUL))
+    return (_GENERATION[0], _ACTIVE[-1] if _ACTIVE else None, *[state() for state in _STATEFUL])
 
 
-#: The registered kernels whose availability depends on the process (they override Kernel.state).
-_STATEFUL: list[Kernel] = []
+#: The state() of each registered kernel whose availability depends on the process (it overrides it).
+_STATEFUL: list = []
 
 
 def active() -> tuple[tuple[Kernel, ...], bool] | None:
@@ -185,7 +185,7 @@ def register_kernel(kernel: Kernel, *, before: Kernel | str | None = None, after
     old = KERNELS.get(kernel.name)
     KERNELS[kernel.name] = kernel
     _GENERATION[0] += 1
-    _STATEFUL[:] = [k for k in KERNELS.values() if type(k).state is not Kernel.state]
+    _STATEFUL[:] = [k.state for k in KERNELS.values() if type(k).state is not Kernel.state]
     if old is not None and old in PRIORITY and before is None and after is None:
         PRIORITY[PRIORITY.index(old)] = kernel
         return kernel
@@ -205,7 +205,7 @@ def unregister_kernel(kernel: Kernel | str) -> None:
     kernel = _kernel_named(kernel)
     _GENERATION[0] += 1
     KERNELS.pop(kernel.name, None)
-    _STATEFUL[:] = [k for k in KERNELS.values() if type(k).state is not Kernel.state]
+    _STATEFUL[:] = [k.state for k in KERNELS.values() if type(k).state is not Kernel.state]
     if kernel in PRIORITY:
         PRIORITY.remove(kernel)
 
