@@ -68,7 +68,7 @@ def test_the_fast_path_serves_what_the_full_path_computes():
     gives, for every length and lengths drawn after the first call."""
     with torch.no_grad():
         q, keys = randn(2, 4, 1, 16), randn(2, 2, 200, 16)
-        for lk in (10, 11, 150, 199):
+        for lk in (1, 10, 11, 150, 199, 1):  # one key first: its exact path must not serve the others
             k = keys[:, :, :lk]
             torch.testing.assert_close(attnkit.attention(q, k, k), attnkit.attention(q, k, k, kernel="reference"))
         for lengths in ([5, 9], [200, 1], [0, 0], [200, 200], [33, 33]):

@@ -65,3 +65,17 @@ def test_one_visible_key_is_exact_on_sdpa(lengths, heads):
         want = go[b].double().reshape(hkv, group * 64, 16).sum(1)  # (Hkv, Dv)
         torch.testing.assert_close(v.grad[b, :, 0].double(), want, atol=4 * torch.finfo(torch.float32).eps * 64, rtol=0)
         assert not v.grad[b, :, 1:].any()
+
+
+@pytest.mark.parametrize("lengths", [[0], [0, 0], [0, 3]])
+def test_sequences_that_see_no_key_have_zero_gradients_on_sdpa(lengths):
+    """A padding mask of length 0 gives 0 and zero gradients for q, k and v, also where every
+    sequence sees no key (found by make fuzz: the per-limit calls left an output outside the graph,
+    and autograd.grad refused it)."""
+    b = len(lengths)
+    q, k, v = (randn(b, 2, 3, 8, requires_grad=True) for _ in range(3))
+    out = attnkit.attention(q, k, v, attnkit.masks.padding(torch.tensor(lengths)), kernel="sdpa")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for i, n in enumerate(lengths):
+        if n == 0:
+            assert not out[i].any() and not dq[i].any() and not dk[i].any() and not dv[i].any()

@@ -28,6 +28,12 @@ __all__ = ["SMALL_PAIRS", "SDPAKernel", "by_limit", "sdpa"]
 SMALL_PAIRS = 256 * 256
 
 
+def _grouped(hq, hkv) -> bool:
+    """Whether K/V heads are shared (GQA), as a Python bool: with dynamic shapes under torch.compile
+    the comparison is symbolic, and SDPA's ``enable_gqa`` takes a bool (the branch guards on it)."""
+    return True if hq != hkv else False  # noqa: SIM210
+
+
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,7 +46,7 @@ def sdpa(
     causal: bool = False,
 ) -> torch.Tensor:
     """PyTorch's fused kernel on 4-D views of ``(..., H, L, D)`` inputs."""
-    gqa = bool(shapes.hq != shapes.hkv)
+    gqa = _grouped(shapes.hq, shapes.hkv)
     if shapes.rank == 4 and (mask is None or mask.dim() <= 4):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
@@ -78,7 +84,7 @@ def _own_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: 
         out = (w.to(wide) * v[:, :, :1].to(wide)).to(v.dtype)
         return out.reshape(b, hq, lq, v.shape[-1])
     return F.scaled_dot_product_attention(
-        q, k[:, :, :n], v[:, :, :n], dropout_p=dropout_p, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1])
+        q, k[:, :, :n], v[:, :, :n], dropout_p=dropout_p, scale=scale, enable_gqa=_grouped(q.shape[1], k.shape[1])
     )
 
 
@@ -87,7 +93,10 @@ def by_limit(
 ) -> torch.Tensor:
     """SDPA of 4-D inputs whose sequence b sees its first ``limits[b]`` keys: one call per limit over
     those keys (keys past a limit are never read), a sequence that sees none gives 0."""
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    # zeros in the graph of q, k and v (sums of empty slices: 0 whatever they hold), so a call whose
+    # every sequence sees no key still has gradients (zero ones)
+    nothing = q.narrow(-1, 0, 0).sum() + k.narrow(-2, 0, 0).sum() + v.narrow(-2, 0, 0).sum()
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + nothing
     rows: dict[int, list[int]] = {}
     for b, n in enumerate(limits):
         rows.setdefault(n, []).append(b)
@@ -215,23 +224,31 @@ class SDPAKernel(Kernel):
             if call.tensor_mask:
                 return None  # a tensor's values are not part of the signature: made on every call
             return _dense_runner(self, call)
-        gqa = bool(shapes.hq != shapes.hkv)
+        gqa = _grouped(shapes.hq, shapes.hkv)
         if how == "limits":
             limits = call.limits
             assert limits is not None
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return by_limit(q, k, v, limits, scale=scale)
+        elif shapes.rank == 4 and (how in ("plain", "all") or (how == "limit" and call.shared_key_limit() is None)):
+            # no mask (or none that hides anything): every key as it comes, so the fast path keeps this
+            # runner for any Lk (over one key the exact path, else SDPA over them all)
+
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                if k.shape[-2] == 1:
+                    return _own_keys(q, k, v, 1, scale, 0.0)
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         elif how == "limit":
-            limit = call.shared_key_limit() or 1  # (None: one key, no mask)
+            limit = call.shared_key_limit()
+            assert limit is not None
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return _own_keys(q, k, v, limit, scale, 0.0)
-        elif shapes.rank == 4:
-            causal = how == "causal"  # "plain" and "all": no mask
+        elif shapes.rank == 4:  # causal
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=gqa)
         else:
             causal = how == "causal"
 
