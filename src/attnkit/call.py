@@ -23,7 +23,9 @@ import torch
 
 from attnkit import bias as _bias
 from attnkit import masks as _masks
+from attnkit._context import any_autocast, autocast_cast, autocast_dtype, forward_ad_active, transform_of
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, broadcasts_to, check_dropout, compiling, short
+from attnkit.bias import band_of
 from attnkit.plan import DEFAULT_BLOCK_SIZE, MaskFacts, MaskLike, PreparedMask, mask_facts, prepare, prepared_for
 from attnkit.score_mods import ScoreModLike, as_score_mod
 
@@ -35,7 +37,6 @@ __all__ = [
     "Call",
     "Form",
     "Shapes",
-    "bias_band",
     "check_broadcast",
     "clamped_limits",
     "check_qkv",
@@ -404,6 +405,9 @@ class Call:
     limits: tuple[int, ...] | None
     form: Form
     mods: tuple[str, ...]
+    #: "torch.func" or "forward-mode AD" where the call runs under such a transform (None: plain
+    #: autograd); only kernels made of PyTorch's own operations follow those (``supports_transforms``).
+    transform: str | None = None
     _prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> Call:
@@ -495,12 +499,12 @@ class Call:
 
     @functools.cached_property
     def bias_band(self) -> torch.Tensor | None:
-        """The bias as one band of ``kv - q`` per head (:func:`bias_band`), differentiable in the
-        bias's tensors; None without a bias, off the CPU, or where it is no finite band."""
+        """The bias as one band of ``kv - q`` per head (:func:`attnkit.bias.band_of`), differentiable in
+        the bias's tensors; None without a bias, off the CPU, or where it is no finite band."""
         if self.bias is None or self.shapes.rank > 4:
             return None
         q, k, _ = self.as4d()
-        return bias_band(self.bias, q, k, check=not self.compiling)
+        return band_of(self.bias, q, k, check=not self.compiling)
 
     def prepared_at(self, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> PreparedMask:
         """The call's mask prepared at ``block_size``: the user's own PreparedMask (at another size:
@@ -519,24 +523,6 @@ class Call:
         return found
 
 
-def bias_band(bias: Bias | None, q: torch.Tensor, k: torch.Tensor, check: bool = True) -> torch.Tensor | None:
-    """``bias`` as one band of ``kv - q`` per head (:meth:`attnkit.bias.Bias.band`) for 4-D ``q, k``:
-    ``(Hq or 1, Lq + Lk - 1)`` in float32 (float64 for float64 inputs) on the CPU, differentiable in
-    the bias's tensors; None without a bias, off the CPU, for a bias that is not a band, or (with
-    ``check``: one host read of the band) one holding a value that is not finite (a row could then
-    see no finite score, which the engines that add a band do not answer with 0)."""
-    if bias is None or q.device.type != "cpu":
-        return None
-    values = bias.band(q.shape[1], q.shape[2], k.shape[2])
-    if values is None:
-        return None
-    values = values.to(device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    values = values.contiguous()
-    if check and not bool(torch.isfinite(values.detach()).all()):
-        return None
-    return values
-
-
 def make_call(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -553,9 +539,16 @@ def make_call(
 ) -> Call:
     """The arguments of one :func:`attnkit.attention` call, validated, as the :class:`Call` kernels
     read (raises the clear errors of the public functions)."""
+    cast = autocast_dtype(q.device.type) if isinstance(q, torch.Tensor) and any_autocast() else None
+    if cast is not None:
+        # under torch.autocast attention runs in the autocast dtype on every kernel, as SDPA does
+        # (float64 stays float64): one output dtype per input dtype, whichever kernel runs
+        q, k, v = autocast_cast(q, cast), autocast_cast(k, cast), autocast_cast(v, cast)
+        mask = autocast_cast(mask, cast)
     shapes = check_qkv(q, k, v)
     tracing = compiling()
-    mask = _check_mask(mask, q, shapes, tracing)
+    transform = None if tracing else transform_of(q, k, v)
+    mask = _check_mask(mask, q, shapes, tracing or transform is not None)
     softcap = _check_softcap(softcap, q)
     sinks = _check_sinks(sinks, q, shapes)
     bias_object = _check_bias(attn_bias, q, shapes)
@@ -595,4 +588,10 @@ def make_call(
         limits=limits,
         form=_form(mask, facts, limits, shapes),
         mods=mods,
+        transform=transform if transform is not None else _learned_transform(learned),
     )
+
+
+def _learned_transform(learned: list[torch.Tensor]) -> str | None:
+    """A forward-mode tangent on a bias's or score_mod's own tensors (the inputs have none)."""
+    return transform_of(*learned) if learned and forward_ad_active() else None

@@ -296,13 +296,15 @@ class PreparedMask:
         bm, hm = self.lead_shape
         if self.hides_nothing:
             return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device)
-        out = torch.empty(bm, hm, self.q_len, self.kv_len, dtype=torch.bool, device=self.device)
         bq = self.block_size[0]
         keys = torch.arange(self.kv_len, device=self.device)
-        for q0 in range(0, self.q_len, bq):  # a row of blocks at a time: O(bq x Lk) index tensors
-            rows = torch.arange(q0, min(q0 + bq, self.q_len), device=self.device)
-            out[:, :, q0 : q0 + rows.numel()] = self.allowed_at(rows, keys)
-        return out.to(device)
+        parts = [  # a row of blocks at a time: O(bq x Lk) index tensors
+            self.allowed_at(torch.arange(q0, min(q0 + bq, self.q_len), device=self.device), keys)
+            for q0 in range(0, self.q_len, bq)
+        ]
+        if not parts:
+            return torch.zeros(bm, hm, 0, self.kv_len, dtype=torch.bool, device=device)
+        return torch.cat(parts, dim=2).to(device)  # (Bm, Hm, Lq, Lk) (cat: inductor compiles it, slice writes not)
 
     def __repr__(self) -> str:
         bq, bk = self.block_size

@@ -247,11 +247,36 @@ def test_seq2seq_equals_eager(name):
         )
 
 
+BYPASSING = {
+    "bloom": lambda: transformers.BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4),
+    "mpt": lambda: transformers.MptConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4),
+    "deberta-v2": lambda: transformers.DebertaV2Config(
+        vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    ),
+    "xlnet": lambda: transformers.XLNetConfig(vocab_size=V, d_model=64, n_layer=2, n_head=4, d_inner=128),
+}
+
+
+@pytest.mark.parametrize("name", list(BYPASSING))
+def test_models_that_bypass_the_interface_are_refused_at_load(name, tmp_path):
+    """A model that computes attention in its own code is refused when it is built or loaded with
+    attn_implementation="attnkit" (it loaded, then ran without attnkit or failed at its first
+    forward with an error that did not name the cause)."""
+    config = BYPASSING[name]()
+    with pytest.raises(ValueError, match="computes attention in its own code"):
+        AutoModel.from_config(config, attn_implementation="attnkit")
+    AutoModel.from_config(config, attn_implementation="eager").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="computes attention in its own code.*use attn_implementation='sdpa'"):
+        AutoModel.from_pretrained(tmp_path, attn_implementation="attnkit")
+    AutoModel.from_pretrained(tmp_path, attn_implementation="eager")  # other implementations are untouched
+
+
 def test_models_that_bypass_the_interface_are_refused():
     # Falcon picks its attention class by name: transformers itself cannot build it for "attnkit"
     assert not hf.uses_attention_interface(transformers.FalconForCausalLM)
     config = BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")  # transformers loads it ...
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.config._attn_implementation = "attnkit"  # set after load: check_model still says why
     with pytest.raises(ValueError, match="computes attention in its own code"):
         hf.check_model(model)  # ... and attnkit says it would not run attnkit
     with pytest.raises(ValueError, match="computes attention in its own code"):

@@ -42,6 +42,7 @@ __all__ = [
     "BiasLike",
     "alibi",
     "alibi_slopes",
+    "band_of",
     "cached",
     "dense",
     "from_fn",
@@ -159,3 +160,21 @@ def dense(tensor: torch.Tensor) -> Bias:
 
 #: What ``attn_bias=`` takes: an :mod:`attnkit.bias` object, a float tensor, or None.
 BiasLike = Bias | torch.Tensor | None
+
+
+def band_of(bias: Bias | None, q: torch.Tensor, k: torch.Tensor, check: bool = True) -> torch.Tensor | None:
+    """``bias`` as one band of ``kv - q`` per head (:meth:`attnkit.bias.Bias.band`) for 4-D ``q, k``:
+    ``(Hq or 1, Lq + Lk - 1)`` in float32 (float64 for float64 inputs) on the CPU, differentiable in
+    the bias's tensors; None without a bias, off the CPU, for a bias that is not a band, or (with
+    ``check``: one host read of the band) one holding a value that is not finite (a row could then
+    see no finite score, which the engines that add a band do not answer with 0)."""
+    if bias is None or q.device.type != "cpu":
+        return None
+    values = bias.band(q.shape[1], q.shape[2], k.shape[2])
+    if values is None:
+        return None
+    values = values.to(device=q.device, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    values = values.contiguous()
+    if check and not bool(torch.isfinite(values.detach()).all()):
+        return None
+    return values

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -65,6 +67,7 @@ class Capture:
                 "`import attnkit.integrations.transformers`)."
             )
         self._model = model
+        self._thread: int | None = None  # the thread that opened the block: only its calls are recorded
         self.weights: list[torch.Tensor] = []
         self.stats: list = []
         self.names: list[str] = []
@@ -93,6 +96,8 @@ class Capture:
 
     def _hook(self, name: str):
         def hook(module, q, k, v, mask, kwargs):
+            if threading.get_ident() != self._thread:  # another thread's call of the same model
+                return
             if getattr(module, "holds_a_shard", lambda: False)():
                 raise AttnkitValueError(
                     f"layer {name!r} is a RingMultiHeadAttention over several ranks: each rank holds a shard of the "
@@ -108,11 +113,12 @@ class Capture:
 
     def _hf_hook(self, module, q, k, v, mask, mods):
         name = self._hf_names.get(id(module))
-        if name is None:  # attention of another model
+        if name is None or threading.get_ident() != self._thread:  # another model's, or another thread's
             return
         self._record(name, q, k, v, mask, {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale")})
 
     def __enter__(self) -> Capture:
+        self._thread = threading.get_ident()
         if self._hf_names is not None:
             from attnkit.integrations.transformers import check_model, register_attention_hook
 
@@ -164,7 +170,8 @@ def capture(
 
     ``with attnkit.capture(model) as cap: model(...)``; then ``cap.weights`` (or
     ``cap.stats`` with ``mode="stats"``) and ``cap.names``. Outside the block nothing is
-    recorded and no hook remains. Works on models built from
+    recorded and no hook remains; inside it, only the calls of the thread that opened the block
+    (another thread serving the same model is not recorded). Works on models built from
     :class:`attnkit.MultiHeadAttention` and on transformers models loaded with
     ``attn_implementation="attnkit"``.
 

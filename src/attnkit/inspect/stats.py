@@ -41,12 +41,13 @@ class AttentionStats:
     - ``mean_distance``: ``sum_j w_ij |p(i) - k(j)|`` with the mask's positions
       (:meth:`attnkit.masks.Mask.positions`: each sequence's own inside a KV cache);
     - ``received (B, H, Lk)``: each key's total weight over all queries;
-    - ``topk_keys`` / ``topk_weights (B, H, Lq, topk)``: the largest weights of each row,
+    - ``topk_keys`` / ``topk_weights (B, H, Lq, min(topk, Lk))``: the largest weights of each row,
       largest first (keys ``-1`` / weights 0 where a row has fewer allowed keys); None
       when ``topk=0``.
 
     A fully masked row has lse ``-inf`` and 0 everywhere else. All values are float32
-    (float64 for float64 inputs) and exact to that precision.
+    (float64 for float64 inputs) and exact to that precision. ``topk`` and ``sink_tokens`` past Lk
+    count every key (``topk_keys`` is then ``(B, H, Lq, Lk)``).
     """
 
     lse: torch.Tensor
@@ -150,6 +151,7 @@ def attention_stats(
         q, k, v, mask, scale=scale, attn_bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=score_mod
     )
     lq, lk = call.q.shape[2], call.k.shape[2]
+    topk, sink_tokens = min(topk, lk), min(sink_tokens, lk)  # a row has at most Lk keys to rank or count
     ct = torch.float64 if call.q.dtype == torch.float64 else torch.float32
     qpos, kpos = _positions(call.mask_object(), lq, lk, call.q.device, ct)
     request = StatsRequest(qpos, kpos, sink_tokens, topk)

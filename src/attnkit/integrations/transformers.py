@@ -25,10 +25,12 @@ to transformers' own dense mask.
 The attention function maps ``scaling``, ``dropout``, ``softcap`` (Gemma 2),
 ``s_aux`` (gpt-oss sinks), ``position_bias`` (T5's relative bias, as a dense bias),
 GQA and ``output_attentions`` onto :func:`attnkit.attention`; :func:`attnkit.use_kernels`
-reaches it. Models that compute attention in their own code (ALiBi models such as
-Bloom and Falcon) would ignore the name: :func:`check_model` says so, and attnkit's own
-entry points (``capture``, ``attnkit show --model``) call it. Nothing of transformers
-is patched; :func:`unregister` removes the name again. transformers' internals are read
+reaches it. Models that compute attention in their own code (DeBERTa, XLNet, and the ALiBi
+models Bloom, Falcon and MPT) would ignore the name: they are refused at load, with the
+same words as :func:`check_model` (a module-registration hook of PyTorch sees the model
+register its first layer with ``attn_implementation="attnkit"`` set on its config), and
+attnkit's own entry points (``capture``, ``attnkit show --model``) check again. Nothing of
+transformers is patched; :func:`unregister` removes the name and the hook again. transformers' internals are read
 in :mod:`attnkit.integrations._transformers_compat` only.
 """
 
@@ -326,6 +328,30 @@ def _capturing_attentions() -> bool:
 uses_attention_interface = compat.uses_attention_interface
 
 
+def _refusal(model_class: type) -> str:
+    return (
+        f"{model_class.__name__} computes attention in its own code (it never calls transformers' attention "
+        "interface), so attn_implementation='attnkit' would run it without attnkit. attnkit cannot run this "
+        "architecture through transformers; use attn_implementation='sdpa' (or 'eager')."
+    )
+
+
+def _refuse_at_load(module: torch.nn.Module, name: str, submodule: object) -> None:
+    """A module-registration hook: a transformers model set to ``attn_implementation="attnkit"``
+    that computes attention in its own code is refused when it registers its first layer (its
+    config holds the implementation by then), so loading it fails with the reason."""
+    if not isinstance(module, compat.pretrained_model_class()):
+        return None
+    config = getattr(module, "config", None)
+    if getattr(config, "_attn_implementation", None) == NAME and not compat.uses_attention_interface(type(module)):
+        raise AttnkitValueError(_refusal(type(module)))
+    return None
+
+
+#: The registration hook of :func:`register` (None while unregistered).
+_LOAD_CHECK: list[RemovableHandle] = []
+
+
 def check_model(model: torch.nn.Module) -> None:
     """Raise a clear error if ``model`` would not run its attention through attnkit.
 
@@ -343,21 +369,23 @@ def check_model(model: torch.nn.Module) -> None:
                 f"attn_implementation={NAME!r} (after `import attnkit.integrations.transformers`)."
             )
         if not compat.uses_attention_interface(type(part)):
-            raise AttnkitValueError(
-                f"{type(part).__name__} computes attention in its own code (it never calls transformers' "
-                "attention interface), so attn_implementation='attnkit' runs it without attnkit. attnkit "
-                "cannot run this architecture through transformers; use attn_implementation='sdpa'."
-            )
+            raise AttnkitValueError(_refusal(type(part)))
 
 
 def register() -> None:
-    """Register ``"attnkit"`` with transformers' attention and mask interfaces (done on import)."""
+    """Register ``"attnkit"`` with transformers' attention and mask interfaces (done on import), and
+    the check that refuses, at load, a model that would ignore it."""
     compat.register(NAME, attention_forward, mask_function)
+    if not _LOAD_CHECK:
+        _LOAD_CHECK.append(torch.nn.modules.module.register_module_module_registration_hook(_refuse_at_load))
 
 
 def unregister() -> None:
-    """Remove ``"attnkit"`` from transformers' interfaces again (:func:`register` adds it back)."""
+    """Remove ``"attnkit"`` from transformers' interfaces again, and the load check (:func:`register`
+    adds both back)."""
     compat.unregister(NAME)
+    while _LOAD_CHECK:
+        _LOAD_CHECK.pop().remove()
 
 
 register()

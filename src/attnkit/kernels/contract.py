@@ -91,6 +91,10 @@ class Kernel:
     supports_backward_part: bool = False
     #: Whether it implements :meth:`stats`.
     supports_stats: bool = False
+    #: Whether it runs under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap) and
+    #: forward-mode AD: only a kernel made of PyTorch's own differentiable operations, with no
+    #: custom operator, autograd.Function or host read of its inputs, does.
+    supports_transforms: bool = False
 
     def state(self) -> object:
         """What this kernel's availability depends on in this process besides the call (a switch, a
@@ -119,6 +123,11 @@ class Kernel:
             reasons.append("no backward pass")
         if call.compiling and not self.supports_compile:
             reasons.append("cannot run inside torch.compile")
+        if call.transform is not None and not self.supports_transforms:
+            reasons.append(
+                f"cannot run under {call.transform} (its operators have no rule for it); kernel='auto' runs "
+                "the reference kernel there"
+            )
         reasons += call.mod_refusals(self.supports_score_mods, self.supports_lse)
         if self.max_rank is not None and call.shapes.rank > self.max_rank:
             reasons.append(f"takes inputs of rank 2 to {self.max_rank}, not {call.shapes.rank}")

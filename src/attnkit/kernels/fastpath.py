@@ -39,6 +39,7 @@ import torch
 
 from attnkit import _cache
 from attnkit import masks as _masks
+from attnkit._context import any_autocast, in_transform
 from attnkit._validate import compiling
 from attnkit.call import clamped_limits, make_call
 from attnkit.kernels import registry
@@ -74,8 +75,10 @@ def _scale_key(scale) -> Hashable:
 
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: float | None) -> tuple | None:
     """The key that decides this call's validation and its kernel, or None (no fast path)."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling():
-        return None
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling() or in_transform():
+        return None  # under a transform the call chooses again (only some kernels follow it)
+    if any_autocast():
+        return None  # the call is cast first (make_call)
     if scale is not None and type(scale) not in (float, int):
         return None
     if mask is None:

@@ -160,7 +160,7 @@ def run_with_weights(call: Call, *, out_from_weights: bool = True) -> tuple[torc
     """
     q, k, v = call.q, call.k, call.v
     dense = dense_mask(call)
-    k, v = zero_unused_keys(k, v, dense, sync=not call.compiling)
+    k, v = zero_unused_keys(k, v, dense, sync=not call.compiling and call.transform is None)
     q = zero_hidden_queries(q, dense)
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
@@ -209,6 +209,7 @@ class ReferenceKernel(Kernel):
 
     name = "reference"
     supports_double_backward = True
+    supports_transforms = True  # plain PyTorch operations: torch.func and forward-mode AD follow them
     supports_dropout = True
     supports_float_mask = True
     supports_lse = True

@@ -41,6 +41,7 @@ statistics of the weights (:func:`stats`, :func:`attnkit.inspect.attention_stats
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -113,7 +114,8 @@ _GENERATION = [0]  # bumped by every change to the registry
 def registry_state() -> tuple:
     """What the choice of a kernel depends on besides the call: the registry's version, the innermost
     use_kernels and each kernel's own :meth:`Kernel.state` (keys of cached choices)."""
-    return (_GENERATION[0], _ACTIVE[-1] if _ACTIVE else None, *[state() for state in _STATEFUL])
+    stack = _active_stack()
+    return (_GENERATION[0], stack[-1] if stack else None, *[state() for state in _STATEFUL])
 
 
 #: The state() of each registered kernel whose availability depends on the process (it overrides it).
@@ -122,7 +124,8 @@ _STATEFUL: list = []
 
 def active() -> tuple[tuple[Kernel, ...], bool] | None:
     """The innermost :func:`use_kernels`' kernels and whether their preferences are asked, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    stack = _active_stack()
+    return stack[-1] if stack else None
 
 
 def _named(kernel) -> Kernel | KernelGroup:
@@ -210,9 +213,18 @@ def unregister_kernel(kernel: Kernel | str) -> None:
         PRIORITY.remove(kernel)
 
 
-#: The kernels :func:`use_kernels` allows and whether their preferences are asked, innermost last
-#: (module state, like the backend flags of ``sdpa_kernel``: torch.compile can read it).
-_ACTIVE: list[tuple[tuple[Kernel, ...], bool]] = []
+#: Per thread: the kernels :func:`use_kernels` allows and whether their preferences are asked,
+#: innermost last. Thread-local (not a ContextVar: torch.compile reads a thread's local state and
+#: guards on it), so a block in one thread never changes another thread's choice.
+_LOCAL = threading.local()
+
+
+def _active_stack() -> list[tuple[tuple[Kernel, ...], bool]]:
+    """This thread's use_kernels entries, innermost last."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
 
 
 @contextlib.contextmanager
@@ -237,11 +249,17 @@ def use_kernels(*kernels: Kernel | str, prefer: bool = False) -> Iterator[None]:
         kernels = tuple(kernels[0])
     if not kernels:
         raise AttnkitValueError("use_kernels needs at least one kernel, e.g. use_kernels('tiled', 'reference').")
-    _ACTIVE.append((_expanded(kernels), bool(prefer)))
+    stack = _active_stack()
+    entry = (_expanded(kernels), bool(prefer))
+    stack.append(entry)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        # this block's own entry (a generator closed late, out of order, never pops another's)
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is entry:
+                del stack[i]
+                break
 
 
 class Plan:
@@ -257,7 +275,8 @@ class Plan:
     ):
         self.chosen, self.kernel, self._reason = kernel, kernel.name, reason
         self._call, self._refusals = call, dict(refusals or {})
-        self._allowed = _ACTIVE[-1][0] if _ACTIVE else None  # the use_kernels this choice was made under
+        inner = active()
+        self._allowed = inner[0] if inner else None  # the use_kernels this choice was made under
 
     @property
     def reason(self) -> str:
@@ -369,8 +388,9 @@ def _auto(call: Call) -> Plan:
             refusals,
         )
     order: tuple[Kernel, ...] | list[Kernel] = PRIORITY
-    if _ACTIVE:
-        allowed, prefer = _ACTIVE[-1]
+    inner = active()
+    if inner is not None:
+        allowed, prefer = inner
         if not prefer:  # use_kernels: the user's order is the preference; the first that can run it runs it
             for k in allowed:
                 reasons = k.not_supported_reasons(call)
@@ -421,8 +441,9 @@ def refusals(name: str, call: Call) -> list[str]:
     if kernel is None:
         return [f"no kernel named {name!r} is registered"]
     reasons = kernel.not_supported_reasons(call)
-    if _ACTIVE and kernel not in _ACTIVE[-1][0]:
-        reasons.append(f"not among the kernels of use_kernels({', '.join(k.name for k in _ACTIVE[-1][0])})")
+    inner = active()
+    if inner is not None and kernel not in inner[0]:
+        reasons.append(f"not among the kernels of use_kernels({', '.join(k.name for k in inner[0])})")
     return reasons
 
 
@@ -432,7 +453,8 @@ def backward_part(
     """``(dq, dk, dv)`` of a part of the keys (see :meth:`Kernel.backward_part`) by the kernel the
     registry chooses among those that implement it: the first of :func:`use_kernels`' list, else
     of :data:`PRIORITY`, that can run the call and prefers it (else the first that can run it)."""
-    order, forced = (_ACTIVE[-1][0], not _ACTIVE[-1][1]) if _ACTIVE else (tuple(PRIORITY), False)
+    inner = active()
+    order, forced = (inner[0], not inner[1]) if inner is not None else (tuple(PRIORITY), False)
     capable: list[Kernel] = []
     refusals: dict[str, list[str]] = {}
     for k in order:
@@ -455,7 +477,8 @@ def backward_part(
 def choose_stats(call: Call) -> Plan:
     """The kernel that computes the statistics of a call's weights (:func:`stats`): the first of
     :func:`use_kernels`' list, else of :data:`PRIORITY`, that computes statistics and can run it."""
-    order = _ACTIVE[-1][0] if _ACTIVE else tuple(PRIORITY)
+    inner = active()
+    order = inner[0] if inner is not None else tuple(PRIORITY)
     refusals: dict[str, object] = {}
     for k in order:
         if not k.supports_stats:

@@ -16,6 +16,7 @@ from attnkit._validate import (
     AttnkitValueError,
     check_int_tensor,
     check_nonnegative_int,
+    compiling,
     short,
 )
 from attnkit.masks._base import (
@@ -89,7 +90,7 @@ class PrefixLM(Positional, Mask):
     def __init__(self, prefix_len, align: str, q_offset=0, kv_offset=0):
         if isinstance(prefix_len, torch.Tensor):
             prefix_len = own(check_int_tensor(prefix_len, "prefix_len", (1,)))
-            if prefix_len.device.type == "cpu" and (prefix_len < 0).any():
+            if not compiling() and prefix_len.device.type == "cpu" and bool((prefix_len < 0).any()):
                 raise AttnkitValueError(f"prefix_len must be >= 0, but got {short(prefix_len.tolist())}.")
         elif isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
             prefix_len = check_nonnegative_int(int(prefix_len), "prefix_len")
@@ -230,10 +231,15 @@ class Padding(Mask):
             )
         lengths = own(check_int_tensor(lengths, "lengths", (1,)))
         # a decoding step's few lengths, read once as ints (masks are values): its checks, value
-        # key and key limits need no further host read
-        small = lengths.device.type == "cpu" and lengths.numel() <= SMALL_LENGTHS
+        # key and key limits need no further host read. Under torch.compile nothing is read (the
+        # constructor traces: no data-dependent Python)
+        tracing = compiling()
+        small = not tracing and lengths.device.type == "cpu" and lengths.numel() <= SMALL_LENGTHS
         self._values = tuple(lengths.tolist()) if small else None
-        negative = min(self._values, default=0) < 0 if small else lengths.device.type == "cpu" and (lengths < 0).any()
+        if small:
+            negative = min(self._values, default=0) < 0
+        else:
+            negative = not tracing and lengths.device.type == "cpu" and bool((lengths < 0).any())
         if negative:
             raise AttnkitValueError(f"lengths must be >= 0, but got {short(lengths.tolist())}.")
         self.lengths = lengths

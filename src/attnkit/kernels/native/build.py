@@ -309,11 +309,23 @@ def library_path() -> Path:
 
 
 def loaded_state() -> tuple[bool, str] | None:
-    """``status()`` without building or loading: None while nothing was tried in this process
-    (what code traced by torch.compile reads)."""
+    """``status()`` without building or loading: None while nothing was tried in this process."""
     if not ENABLED:
         return False, "native engine turned off by ATTNKIT_NATIVE=0"
     return None if _loaded is None else (_loaded.ok, _loaded.why)
+
+
+def refusal_while_tracing() -> str:
+    """Why the engine cannot run, '' where it can: what code traced by ``torch.compile`` asks. Run
+    once at trace time, eagerly (it may build and load the engine then; it is never built at import),
+    its answer a constant of the graph."""
+    ok, why = status()
+    return "" if ok else why
+
+
+# torch._dynamo.assume_constant_result(refusal_while_tracing), without importing torch._dynamo here
+# (1.2 s at import): the decorator sets only this attribute (tests/kernels/test_compile.py checks it)
+refusal_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _load_library(path: Path) -> str:

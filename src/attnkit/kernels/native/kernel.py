@@ -229,10 +229,10 @@ class NativeKernel(Kernel):
 
     def _reasons(self, call: Call) -> list[str]:
         reasons = sparsity.compile_refusals(call)
-        if call.compiling:  # no build, no load while tracing: what this process has
-            state = native_build.loaded_state()
-            if state is None or not state[0]:
-                reasons.append(state[1] if state else "not loaded in this process (an eager call builds and loads it)")
+        if call.compiling:  # built and loaded at trace time where it was not yet (an eager step of tracing)
+            why = native_build.refusal_while_tracing()
+            if why:
+                reasons.append(why)
             elif isinstance(call.mask, PreparedMask) and call.mask.block_size != BLOCK_SIZE:
                 reasons.append(f"under torch.compile: a PreparedMask of block size {BLOCK_SIZE} (the default)")
             return reasons

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from attnkit.call import bias_band
+from attnkit.bias import band_of
 from attnkit.kernels import blocks
 from attnkit.kernels.blocks import Group, RowBlock, Run, Square
 from attnkit.kernels.contract import double_backward_error
@@ -218,7 +218,7 @@ def _band(engine: str, bias: Bias | None, band: torch.Tensor | None, q, k) -> to
     """The fused engine's band of the bias, detached (its gradient is the math formula's)."""
     if engine != "fused" or bias is None:
         return None
-    band = bias_band(bias, q, k) if band is None else band
+    band = band_of(bias, q, k) if band is None else band
     return None if band is None else band.detach()
 
 
@@ -252,7 +252,7 @@ def attention(
     :class:`attnkit.bias.Bias`, evaluated one tile at a time). ``softcap`` caps the
     scaled scores with ``softcap * tanh(s / softcap)`` before the bias; ``score_mod`` (an
     :class:`attnkit.score_mods.ScoreMod`) modifies them after it, tile by tile, with gradients.
-    ``band``: the bias as a band of ``kv - q`` (:func:`attnkit.call.bias_band`), which the fused
+    ``band``: the bias as a band of ``kv - q`` (:func:`attnkit.bias.band_of`), which the fused
     engine adds as its mask (worked out here when not given).
     """
     if dropout_p > 0.0 and seed is None:
