@@ -5,24 +5,29 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# constraints.txt pins torch to the CPU build 2.13.0; an unpinned torch pulls a CUDA build.
+# constraints.txt pins torch to 2.13.0; scripts/install_torch.py installs its CPU build (from PyTorch's
+# CPU index where the package index would give the CUDA build: TORCH_INDEX names another mirror).
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+TORCH := 2.13.0
 SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test test-torch test-native-builds lint docs wheel fuzz bench tutorial clean
-LINTED := src tests benchmarks examples scripts docs/hooks.py
+.PHONY: demo test test-torch test-native-builds resolve lint docs wheel fuzz bench tutorial clean
+LINTED := src tests benchmarks examples scripts docs/hooks.py setup.py
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) torch==2.13.0
+	@echo "make: setting up $(VENV) (once, a few minutes): PyTorch $(TORCH) (CPU build), attnkit with [viz,models]"
+	@echo "      (matplotlib, safetensors, tokenizers, scikit-learn, librosa, the MiniLM weights) and MovieLens-100K"
+	$(BIN)/python scripts/install_torch.py $(TORCH) -c constraints.txt
 	$(PIP) -e '.[viz,models]'
-	$(PIP) --no-deps recbole==1.2.1  # only for MovieLens-100K's files, read without importing recbole
+	$(PIP) --no-deps --no-warn-conflicts recbole==1.2.1  # only for MovieLens-100K's files, read without importing recbole
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed
-	$(PIP) -e '.[viz,models,hf,test,gpu,docs,lint]'
+	@echo "make: adding the test, docs and lint tools to $(VENV) (pytest, hypothesis, selenium, transformers, triton, mkdocs, ruff, mypy)"
+	$(PIP) --no-warn-conflicts -e '.[viz,models,hf,test,gpu,docs,lint]'  # recbole's own dependencies are not wanted
 	touch $@
 
 demo: $(VENV)/.demo-installed
@@ -35,12 +40,14 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python -m attnkit.viz.gallery attention
 
 tutorial: $(VENV)/.demo-installed
-	$(BIN)/python examples/tutorial.py
+	$(BIN)/python examples/tutorial.py --out attention
 
+# the suite in parallel (pytest-xdist): one worker per core, one thread each (tests/conftest.py)
+TEST_WORKERS ?= auto
 test: $(VENV)/.test-installed
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		echo "NOTE: no chromium/chromedriver on PATH: the browser tests will be skipped (apt-get install chromium chromium-driver)"
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # the suite on the newest torch attnkit supports (2.14.1: a CUDA build, run on the CPU), in a venv of its own,
 # with the native engine turned off: the PyTorch engines, what a machine without a C++ compiler runs
@@ -48,11 +55,11 @@ TORCH_NEXT ?= 2.14.1
 VENV_NEXT := .venv-torch
 $(VENV_NEXT)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_NEXT)
-	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_NEXT)
+	$(VENV_NEXT)/bin/python scripts/install_torch.py $(TORCH_NEXT)
 	grep -v '^torch==' constraints.txt > $(VENV_NEXT)/constraints.txt
 	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check -c $(VENV_NEXT)/constraints.txt \
 		-e '.[viz,models,hf,test]'  # no [gpu]: torch 2.14.1 brings its own Triton (3.8)
-	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps recbole==1.2.1
+	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts recbole==1.2.1
 	touch $@
 
 # what the first pass leaves to make test (CI time): the engine's builds for other CPUs (the same
@@ -61,32 +68,38 @@ $(VENV_NEXT)/.installed: pyproject.toml
 NOT_ON_TORCH_NEXT := -k "not vector_widths" --ignore=tests/viz --ignore=tests/test_docs.py
 test-torch: $(VENV_NEXT)/.installed
 	$(VENV_NEXT)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
-	ATTNKIT_NATIVE=0 $(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider $(NOT_ON_TORCH_NEXT)
+	ATTNKIT_NATIVE=0 $(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal \
+		$(NOT_ON_TORCH_NEXT)
 	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py tests/kernels/test_native_build.py \
 		-k "not damaged and not vector_widths"  # the engine built against this torch (the build's own checks: make test)
 
-# the native engine's tests on the builds of other CPUs than this one, in caches of their own:
-# AVX2 (x86-64-v3: 8 floats a vector, bfloat16 widened to float32) and AVX-512 without AVX512-BF16
-# (x86-64-v4); on a CPU with AMX, the AVX512-BF16 dot products too (ATTNKIT_NATIVE_AMX=0; the
-# default build takes the tiles there); a subset under AddressSanitizer and UndefinedBehaviorSanitizer
-# (their runtimes preloaded into Python; any report ends the run)
-NATIVE_TESTS := tests/kernels/test_native.py tests/kernels/test_nan.py
+# the native engine's other builds on this CPU: on a CPU with AMX, the AVX512-BF16 dot products
+# (ATTNKIT_NATIVE_AMX=0; the default build takes the tiles there); a subset under AddressSanitizer
+# and UndefinedBehaviorSanitizer (their runtimes preloaded into Python; any report ends the run).
+# The AVX2 (x86-64-v3) and AVX-512 (x86-64-v4) builds are tested by make wheel, on the wheel's own.
 SANITIZED := tests/kernels/test_native.py -k "every_mask or score_modifications or awkward or junk or rows_that_see"
 test-native-builds: export ATTNKIT_REQUIRE_NATIVE = 1
 test-native-builds: $(VENV)/.test-installed
-	@if [ "$$(uname -m)" = x86_64 ]; then \
-		ATTNKIT_NATIVE_ARCH=x86-64-v3 ATTNKIT_CACHE=build/native-v3 $(BIN)/python -m pytest -q -p no:cacheprovider $(NATIVE_TESTS) || exit 1; \
-		if grep -qw avx512f /proc/cpuinfo; then \
-			ATTNKIT_NATIVE_ARCH=x86-64-v4 ATTNKIT_CACHE=build/native-v4 $(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py || exit 1; \
-		fi; \
-		if grep -qw amx_bf16 /proc/cpuinfo; then \
-			ATTNKIT_NATIVE_AMX=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py || exit 1; \
-		fi; \
+	@if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then \
+		ATTNKIT_NATIVE_AMX=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels/test_native.py || exit 1; \
 	fi
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		ATTNKIT_NATIVE_SANITIZE=address,undefined ATTNKIT_CACHE=build/native-sanitized \
 		$(BIN)/python -m pytest -q -p no:cacheprovider $(SANITIZED)
+
+# every extra resolves together with each torch release attnkit supports, as a user's pip sees them on the
+# public index (Linux: the CUDA builds, each pinning its own Triton): pip install --dry-run, nothing
+# installed; this machine's pip configuration (local wheels, caps) left out
+RESOLVE_TORCH := 2.13.0 2.14.1 2.15.0
+resolve: $(BIN)/python
+	@mkdir -p build
+	@echo "make resolve: attnkit[all extras] beside torch $(RESOLVE_TORCH) on https://pypi.org/simple (dry runs)"
+	@echo $(RESOLVE_TORCH) | tr ' ' '\n' | xargs -P 3 -I{} sh -c \
+		'PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install --dry-run --quiet --isolated --ignore-installed \
+			--disable-pip-version-check --index-url https://pypi.org/simple "torch=={}" \
+			".[viz,models,hf,test,gpu,docs,lint]" >build/resolve-{}.log 2>&1 \
+		&& echo "  torch {}: resolves" || { echo "  torch {}: does not resolve"; grep -A8 ERROR build/resolve-{}.log; exit 255; }'
 
 # ruff (rules in pyproject.toml) and mypy over src/attnkit
 lint: $(VENV)/.test-installed
@@ -98,17 +111,24 @@ lint: $(VENV)/.test-installed
 docs: $(VENV)/.test-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# the wheel, installed non-editable into a fresh venv outside the repository: the quick start
-# with no extras, then `attnkit show` with [viz,models]
+# the wheel (with the native engine compiled once per x86-64 level: setup.py), installed non-editable
+# into a fresh venv outside the repository: on a PATH without compilers, the first call loads the
+# wheel's engine and explain names it, and the native tests pass on its AVX2 and AVX-512 builds
+# (ATTNKIT_NATIVE_ISA; scripts/check_wheel.py); the quick start with no extras, then `attnkit show`
 WHEEL_DIR := $(abspath build/wheel-check)
+WHEEL_PIP := $(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 wheel: $(VENV)/.test-installed
-	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
-	$(BIN)/python -m build --wheel --outdir $(WHEEL_DIR)/dist . >/dev/null
+	rm -rf $(WHEEL_DIR) build/lib* build/bdist* && mkdir -p $(WHEEL_DIR)
+	@echo "make wheel: building the wheel (the native engine for x86-64-v3, v4 and v4 with AVX512-BF16)"
+	$(BIN)/python -m build --wheel --no-isolation --outdir $(WHEEL_DIR)/dist . >$(WHEEL_DIR)/build.log 2>&1 || \
+		{ tail -40 $(WHEEL_DIR)/build.log; exit 1; }
+	@grep "^attnkit:" $(WHEEL_DIR)/build.log
 	$(PYTHON) -m venv $(WHEEL_DIR)/venv
-	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
-	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt $(WHEEL_DIR)/dist/*.whl
+	$(WHEEL_DIR)/venv/bin/python scripts/install_torch.py $(TORCH) -c constraints.txt
+	$(WHEEL_PIP) "$$(ls $(WHEEL_DIR)/dist/*.whl)[test]"
+	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/check_wheel.py --tests
 	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/quick_start.py
-	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$$(ls $(WHEEL_DIR)/dist/*.whl)[viz,models]"
+	$(WHEEL_PIP) "$$(ls $(WHEEL_DIR)/dist/*.whl)[viz,models]"
 	cd $(WHEEL_DIR) && venv/bin/attnkit show "The cat sat." --out shown && test -s shown/attention.html
 
 # make fuzz FUZZ_MINUTES=10: the fuzz suite (tests/fuzz) with fresh seeds until the time is up

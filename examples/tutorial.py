@@ -22,7 +22,9 @@ def section(title):
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--out", type=Path, default=Path("."), help="folder for attention.png")
+parser.add_argument(
+    "--out", type=Path, default=Path("attention"), help="folder for attention.png (default: attention/)"
+)
 args = parser.parse_args()
 torch.manual_seed(0)
 

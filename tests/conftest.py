@@ -9,8 +9,14 @@ import zlib
 # Triton decorates attnkit's kernels, at import).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers (pytest-xdist) share the cores: one thread each
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

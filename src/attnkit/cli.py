@@ -48,6 +48,17 @@ def _positive(text: str) -> int:
 MAX_LENGTH = 2**20
 
 
+def _seed(text: str) -> int:
+    """argparse type: a seed, an int >= 0 (torch.Generator's)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, but got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1, but got {value}")
+    return value
+
+
 def _length(text: str) -> int:
     """argparse type: a token count in 1..MAX_LENGTH."""
     value = _positive(text)
@@ -84,12 +95,17 @@ def _read_text(args) -> str | None:
         raise AttnkitValueError("give the text or --file FILE, not both.")
     if args.file is not None:
         try:
-            return Path(args.file).read_text(encoding="utf-8")
+            text = Path(args.file).read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise AttnkitValueError(f"--file {args.file!r} is not UTF-8 text.") from None
+        if not text.strip():
+            raise AttnkitValueError(f"--file {args.file!r} holds no text (it is empty or only white space).")
+        return text
     if args.text is None and args.model != "recall":
         raise AttnkitValueError("give a text to look at (or --file FILE).")
     if args.text is not None:
+        if not args.text.strip():
+            raise AttnkitValueError('the text is empty: give some words to look at, e.g. attnkit show "The cat sat."')
         try:
             args.text.encode("utf-8")
         except UnicodeEncodeError as err:  # bytes the terminal's encoding could not decode (surrogate escapes)
@@ -178,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.02,
         help="with --length: where the asked pair sits, 0 = start of the text, 1 = end (default 0.02)",
     )
-    p.add_argument("--seed", type=int, default=0, help="with --length: the generated text's seed")
+    p.add_argument("--seed", type=_seed, default=0, help="with --length: the generated text's seed")
     p.add_argument(
         "--rows",
         help="query positions whose full weights to keep, e.g. '0,-1' (default: the last token); "
@@ -220,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"speech only: train for about this many minutes on 2 cores (1-60), i.e. "
         f"{SPEECH_STEPS_PER_MINUTE} steps a minute; the shipped weights took the default",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the data and the initial weights")
     p.add_argument("--batch-size", type=_positive, default=None, help="default 128; captioner 96; recall and speech 32")
     p.add_argument("--out", default=None, help="output folder (default: ./<model>)")
     p.set_defaults(run=train)
@@ -260,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--digits", help="1 to 8 digits 0-9 separated by commas, drawn from the test split")
     p.add_argument("--image", help="an (8, 8n) image with n <= 8 digits: .npy in [0, 16] or a grey .png")
-    p.add_argument("--seed", type=int, default=0, help="which test-split images of those digits (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="which test-split images of those digits (default 0)")
     p.add_argument("--out", default="caption", help="output folder (default: ./caption)")
     p.set_defaults(run=caption)
 

@@ -1,4 +1,4 @@
-"""TODO"""
+"""The attnkit command: one-line errors with exit code 2, arguments checked before a model loads."""
 
 from __future__ import annotations
 
@@ -95,3 +95,51 @@ def test_show_length_and_depth_are_checked(tmp_path, capsys, args, message):
     import re
 
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["show", ""], "the text is empty"),
+        (["show", "  \n "], "the text is empty"),
+        (["show", "The cat sat.", "--layer", "6"], "--layer must be in 0..5 (this model has 6), but got 6"),
+        (["show", "The cat sat.", "--head", "-1"], "--head must be in 0..11 (this model has 12), but got -1"),
+        (["show", "The cat sat.", "--rows", "first"], "--rows must be comma-separated token positions"),
+        (["show", "The cat sat.", "--rows", ","], "--rows names no position"),
+        (["show", "--model", "recall", "--layer", "2"], "--layer must be in 0..1 (this model has 2), but got 2"),
+    ],
+)
+def test_show_checks_its_arguments_before_loading_a_model(tmp_path, capsys, monkeypatch, args, message):
+    """Each of these used to load and run the model first (about 11 s) or to run it on [CLS] [SEP]."""
+    from attnkit.models.minilm import MiniLM
+    from attnkit.models.recall import RecallLM
+
+    def loaded(*_, **__):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(MiniLM, "from_package", classmethod(loaded))
+    monkeypatch.setattr(RecallLM, "from_package", classmethod(loaded))
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_seeds_are_whole_numbers_from_zero(tmp_path, capsys):
+    for command in (["caption", "--digits", "1"], ["show", "--model", "recall"], ["train", "translator"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "--seed", "-1", "--out", str(tmp_path)])
+        assert exit_.value.code == 2 and "--seed: must be in 0..2**63-1, but got -1" in capsys.readouterr().err
+
+
+def test_an_emoji_is_drawn_as_a_mark_without_a_glyph_warning(tmp_path, capsys):
+    """matplotlib's fonts have no robot: the figure shows U+FFFD, and no "Glyph missing" warning with a
+    file path reaches the user (the page keeps the emoji: the browser draws it)."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["show", "I like \U0001f916 robots.", "--out", str(tmp_path)]) == 0
+    assert not [w for w in caught if "Glyph" in str(w.message)], [str(w.message) for w in caught]
+    assert "Glyph" not in capsys.readouterr().err
+    assert "\U0001f916" in (tmp_path / "attention.html").read_text(encoding="utf-8")

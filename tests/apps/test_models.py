@@ -145,7 +145,7 @@ def test_show_rejects_a_head_that_does_not_exist(model, tmp_path):
         text=True,
         timeout=300,
     )
-    assert run.returncode != 0 and "--head must be in 0..11, but got 12" in run.stderr
+    assert run.returncode != 0 and "--head must be in 0..11 (this model has 12), but got 12" in run.stderr
 
 
 # regression: finding F13 of the review of the seams between features

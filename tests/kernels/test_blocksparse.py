@@ -282,8 +282,11 @@ def test_dispatch_with_the_native_engine(monkeypatch, request):
     for mask in (None, masks.causal(), masks.sliding_window(128), masks.padding(torch.tensor([1000]))):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             got = plan(mask, dtype=dtype)
-            assert got.kernel == "native" and str(got).endswith(native_build.info()), got
-    assert str(plan(None)) == f"native: no mask, 4096 query rows; {native_build.info()}"
+            half = dtype != torch.float32  # bfloat16's products named only for half inputs
+            assert got.kernel == "native" and str(got).endswith(native_build.describe(half)), got
+            assert ("bfloat16:" in str(got)) == half, got
+    assert str(plan(None)) == f"native: no mask, 4096 query rows; {native_build.describe(False)}"
+    assert native_build.build_name() in str(plan(None))  # which build runs: the wheel's, or built here
     for lk in (1, 16, 5000):  # the choice for an unmasked call does not depend on Lk
         assert plan(None, h=1, lq=rows, lk=lk).kernel == "native"
         assert plan(None, h=1, lq=rows - 1, lk=lk).kernel == "sdpa"

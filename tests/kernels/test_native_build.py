@@ -79,7 +79,8 @@ def test_without_a_compiler_the_other_kernels_run(tmp_path):
     env = {"PATH": str(tmp_path), "CXX": "", "ATTNKIT_CACHE": str(tmp_path / "cache"), "ATTNKIT_NATIVE": "1"}
     got = _probe(env)
     assert not got["ok"] and "no C++ compiler found" in got["why"], got
-    assert got["warnings"] == []  # a machine with no compiler is a known case, not a warning
+    (warning,) = got["warnings"]  # one, with what to install (test_native_store.py: only where it was wanted)
+    assert "apt-get install g++" in warning, warning
     assert got["err"] <= got["bound"]
     assert got["kernel"] == "fused" and any("no C++ compiler found" in r for r in got["native"]), got
 
@@ -300,9 +301,10 @@ def test_the_forward_operator_traces_as_one_op_under_torch_compile(built):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
-@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64-v2"])
+@pytest.mark.parametrize("arch", ["x86-64-v2"])
 def test_other_vector_widths_are_exact(arch, tmp_path):
-    """Built for AVX2 (8 floats a vector) and for SSE4 (4): the same answers within the oracle rule."""
+    """Built for SSE4 (4 floats a vector): the same answers within the oracle rule. (AVX2's build,
+    x86-64-v3, and AVX-512's run the native tests in make wheel: the wheel carries them.)"""
     code = """
         import json, torch, attnkit
         from attnkit import masks

@@ -279,6 +279,8 @@ def test_long_page_fits_its_budget_opens_and_zooms_to_tokens(browser, tmp_path):
     spans = browser.find_elements(By.CSS_SELECTOR, "#zoomed span")
     assert len(spans) == 40 and spans[5].text == "<script>alert(1)</script>" and spans[6].text == "今天"
     assert len(browser.find_elements(By.CSS_SELECTOR, "#top li")) == 10
+    sink = browser.find_elements(By.CSS_SELECTOR, "table.grid")[1].find_elements(By.CSS_SELECTOR, "td")
+    assert all(td.text.endswith("%") for td in sink) and any(td.text not in ("0.00%", "<0.01%") for td in sink)
     cell = browser.find_elements(By.CSS_SELECTOR, "table.grid td")[13]  # layer 1, head 1 of the first table
     cell.click()
     assert browser.find_element(By.ID, "which").get_attribute("value") == "1:1"
@@ -290,6 +292,15 @@ def test_long_page_fits_its_budget_opens_and_zooms_to_tokens(browser, tmp_path):
 
 def _visible(browser, element_id):
     return browser.execute_script(f"return !document.getElementById('{element_id}').closest('[hidden]')")
+
+
+EDGE_INK = """
+const c = arguments[0], ctx = c.getContext('2d');
+const ink = (d) => {
+  let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] + d[i+1] + d[i+2] < 600) n++; return n;
+};
+return [ink(ctx.getImageData(c.width - 2, 0, 2, c.height).data), ink(ctx.getImageData(0, 0, c.width, 2).data)];
+"""
 
 
 def test_recommendation_page_opens_on_the_titles_and_what_each_drew_on(browser, tmp_path, capsys):
@@ -314,7 +325,16 @@ def test_recommendation_page_opens_on_the_titles_and_what_each_drew_on(browser, 
         names = [r.find_element(By.CSS_SELECTOR, ".name").text for r in rows]
         assert all(n and n not in top for n in names)  # past movies, never the recommendation itself
         widths = [r.find_element(By.CSS_SELECTOR, ".bar").size["width"] for r in rows]
-        assert widths == sorted(widths, reverse=True) and widths[0] > 100  # bars, largest first
+        assert widths == sorted(widths, reverse=True) and widths[0] > 0  # bars, largest first
+    # one scale for all titles: a bar's width is its value times the same factor everywhere
+    bars = [
+        (float(r.find_element(By.CSS_SELECTOR, ".value").text), r.find_element(By.CSS_SELECTOR, ".bar").size["width"])
+        for r in browser.find_elements(By.CSS_SELECTOR, "#ov-list .bar-row")
+    ]
+    top_value, top_width = max(bars)
+    assert top_width > 100
+    for value, width in bars:  # the values are printed with 2 digits: their rounding, and a pixel
+        assert abs(width - top_width * value / top_value) <= 1.5 + top_width * 0.006 / top_value, (value, width, bars)
     assert "Top 5 for user 1" in browser.find_element(By.ID, "ov-heading").text
     # the other views make room for whole movie titles (they were clipped)
     fits = """
@@ -328,6 +348,9 @@ def test_recommendation_page_opens_on_the_titles_and_what_each_drew_on(browser, 
     assert browser.execute_script(fits, "head-canvas", "14px")
     browser.find_element(By.CSS_SELECTOR, 'nav button[data-view="heatmap"]').click()
     assert browser.execute_script("return document.getElementById('hm-canvas').height") > 200  # rotated titles
+    # the rotated titles of the last (most recent, most attended) columns run past the matrix's right
+    # edge: the canvas holds them whole, so its right and top edges carry no ink
+    assert browser.execute_script(EDGE_INK, browser.find_element(By.ID, "hm-canvas")) == [0, 0]
     assert severe_logs(browser) == []
 
 

@@ -115,6 +115,52 @@ def test_caption_overlay_keeps_the_digit_visible(tmp_path):
         assert ax.collections, "an outline of where the word looked"
 
 
+def test_caption_outline_is_a_closed_box_along_pixel_edges(tmp_path):
+    """The patches above half the peak get a box (it was two vertical lines: a contour through pixel
+    centres, open at the image's top and bottom edges)."""
+    import numpy as np
+
+    from attnkit.viz.regions import region_figure
+
+    image = np.zeros((8, 24))
+    attention = torch.zeros(1, 12)
+    attention[0, 0] = attention[0, 1] = 0.5  # the first column of patches (2 x 6 grid: column by column)
+    fig = region_figure(image, ["seven"], attention, (2, 6), tmp_path / "c.png")
+    (lines,) = fig.axes[0].collections
+    ends = {}
+    for (x0, y0), (x1, y1) in lines.get_segments():
+        for point in ((x0, y0), (x1, y1)):
+            ends[point] = ends.get(point, 0) + 1
+    assert all(n == 2 for n in ends.values()), ends  # every end meets another segment: a closed loop
+    xs, ys = {x for x, _ in ends}, {y for _, y in ends}
+    assert (min(xs), max(xs), min(ys), max(ys)) == (-0.5, 3.5, -0.5, 7.5)  # the 4-pixel-wide, full-height patch column
+
+
+def test_long_figures_draw_the_needle_they_describe(tmp_path, monkeypatch):
+    """The marked needle is a labelled line on the key-mass figure and on every row panel."""
+    from matplotlib.figure import Figure
+
+    from attnkit.inspect import AttentionStats
+    from attnkit.viz.long import long_figures
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    heads, length, needle = 2, 300, 123
+    one = torch.ones(1, heads, length)
+    stats = AttentionStats(
+        lse=0 * one, entropy=one, max_weight=one / 2, argmax=torch.zeros(1, heads, length, dtype=torch.long),
+        sink_mass=one / 4, mean_distance=one, received=one,
+    )  # fmt: skip
+    rows = [torch.softmax(torch.randn(1, heads, 1, length), -1)]
+    long_figures(tmp_path, [stats, stats], [f"t{i}" for i in range(length)], [length - 1], rows * 2,
+                 title="t", marks={"needle": needle})  # fmt: skip
+    heads_fig, keymass, row_fig = drawn
+    for fig in (keymass, row_fig):
+        for ax in fig.axes:
+            assert any(list(line.get_xdata()) == [needle, needle] for line in ax.get_lines()), ax.get_title()
+        assert any("needle" in t.get_text() for ax in fig.axes for t in ax.texts)
+
+
 def test_the_demo_index_names_the_page_to_open(tmp_path):
     import subprocess
     import sys

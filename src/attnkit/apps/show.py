@@ -150,8 +150,48 @@ def _run_checkpoint(path, text, rows_text=None) -> dict:
     return {**run, "special": tuple(tokenizer.all_special_tokens), "title": text[:200]}
 
 
-def _rows(text, length: int) -> list[int]:
-    """--rows "a,b,-1" as query rows in [0, length)."""
+def _layers_and_heads(model: str | None) -> tuple[int, int]:
+    """The model's layers and heads, read from its config (nothing loaded or run)."""
+    if model == "recall":
+        from attnkit.models.recall import RecallLM
+
+        c = RecallLM.packaged_config()
+        return c.num_layers, c.num_heads
+    if model is None:
+        return MINILM_LAYERS, MINILM_HEADS
+    from attnkit._validate import AttnkitValueError
+
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        raise AttnkitValueError(
+            f"--model must be 'recall' or a folder with a config.json (a saved checkpoint), but got {model!r}."
+        )
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    return getattr(config, "num_hidden_layers", 1), getattr(config, "num_attention_heads", 1)
+
+
+#: all-MiniLM-L6-v2's layers and heads (attnkit.models.MiniLM)
+MINILM_LAYERS, MINILM_HEADS = 6, 12
+
+
+def _check_before_running(args: Any) -> None:
+    """--layer and --head against the model's config, --rows' form: before the model loads (seconds)."""
+    from attnkit._validate import AttnkitValueError
+
+    if args.layer is None and args.head is None and args.rows is None:
+        return
+    layers, heads = _layers_and_heads(args.model)
+    for name, value, limit in (("--layer", args.layer, layers), ("--head", args.head, heads)):
+        if value is not None and not 0 <= value < limit:
+            raise AttnkitValueError(f"{name} must be in 0..{limit - 1} (this model has {limit}), but got {value}.")
+    if args.rows is not None:
+        _rows(args.rows, None)
+
+
+def _rows(text, length: int | None) -> list[int]:
+    """--rows "a,b,-1" as query rows in [0, length) (``length`` None: only the form is checked)."""
     from attnkit._validate import AttnkitValueError
 
     try:
@@ -160,6 +200,10 @@ def _rows(text, length: int) -> list[int]:
         raise AttnkitValueError(
             f"--rows must be comma-separated token positions, e.g. 0,-1, but got {text!r}."
         ) from None
+    if not rows:
+        raise AttnkitValueError("--rows names no position: give comma-separated token positions, e.g. 0,-1.")
+    if length is None:
+        return rows
     bad = [r for r in rows if not -length <= r < length]
     if bad or not rows:
         raise AttnkitValueError(f"--rows {text!r}: positions must be in {-length}..{length - 1} for {length} tokens.")
@@ -185,6 +229,7 @@ def run(args: Any, out: Path, text: str | None) -> int:
     from attnkit.inspect.summary import summarize
     from attnkit.viz import attention_grid, save_html, visualize_attention
 
+    _check_before_running(args)  # a bad --layer, --head or --rows fails before any model is loaded
     if args.model == "recall":
         run = _run_recall(text, args)
     elif args.model is None:
@@ -195,9 +240,6 @@ def run(args: Any, out: Path, text: str | None) -> int:
         return _write_long(out, run)
     weights, tokens, special = run["weights"], run["tokens"], run["special"]
     layers, heads = weights.shape[:2]  # (layers, heads, L, L)
-    for name, value, limit in (("--layer", args.layer, layers), ("--head", args.head, heads)):
-        if value is not None and not 0 <= value < limit:
-            raise SystemExit(f"attnkit show: {name} must be in 0..{limit - 1}, but got {value}.")
 
     title = run.get("title") or text
     written = [

@@ -102,6 +102,13 @@ class Kernel:
         is never served stale. None (the default): nothing."""
         return None
 
+    def unavailable(self) -> str | None:
+        """Why this kernel cannot run in this process at all, in words that say what would make it
+        run (a library to install, a compiler), or None: it can, or that is not known yet (nothing is
+        loaded to answer). ``attnkit.explain`` adds it to the printed line of a call this kernel's
+        device would have run elsewhere. None (the default)."""
+        return None
+
     def runs_on(self, device_type: str) -> bool:
         """Whether it runs on this device type at all (the registry skips it cheaply otherwise)."""
         return self.devices is None or device_type in self.devices

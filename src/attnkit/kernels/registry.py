@@ -284,8 +284,20 @@ class Plan:
         if not isinstance(self._reason, str):
             why = self._reason[1] if isinstance(self._reason[1], str) else self._reason[1]()  # a Reason
             mods = self._call.describe_mods() if self._call is not None else ""
-            self._reason = f"{self.kernel}: {mods + '; ' if mods else ''}{why}"
+            self._reason = f"{self.kernel}: {mods + '; ' if mods else ''}{why}{self._off()}"
         return self._reason
+
+    def _off(self) -> str:
+        """Each kernel of this call's device that cannot run in this process at all, and why."""
+        if self._call is None:
+            return ""
+        device = self._call.q.device.type
+        off = [
+            f" ({k.name} is off: {why})"
+            for k in KERNELS.values()
+            if k is not self.chosen and k.runs_on(device) and (why := k.unavailable())
+        ]
+        return "".join(off)
 
     @property
     def prepared(self) -> PreparedMask | None:

@@ -35,6 +35,16 @@ class ShippedWeights(nn.Module):
             return cls.load(file)
 
     @classmethod
+    def packaged_config(cls) -> Any:
+        """The config of the shipped weights, read from their metadata (no weights loaded)."""
+        from safetensors import safe_open
+
+        path = resources.files("attnkit.models") / "weights" / cls.WEIGHTS
+        with resources.as_file(path) as file, safe_open(str(file), "pt") as f:
+            metadata = f.metadata() or {}
+        return cls.config_class(**json.loads(metadata.get("config", "{}")))
+
+    @classmethod
     def load(cls: type[M], path: PathLike) -> M:
         """Load weights written by :meth:`save` (a ``.safetensors`` file with its config)."""
         from safetensors import safe_open

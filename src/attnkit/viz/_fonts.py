@@ -91,3 +91,31 @@ def glyph_subset(text: str) -> bytes | None:
     buffer = io.BytesIO()
     font.save(buffer)
     return buffer.getvalue()
+
+
+@functools.cache
+def _covered() -> frozenset[int]:
+    """The code points some family of :func:`font_families` draws."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    points: set[int] = set()
+    for family in font_families():
+        path = font_manager.findfont(family, fallback_to_default=False) if _has(family) else None
+        if path is not None:
+            points.update(FT2Font(path).get_charmap())
+    return frozenset(points)
+
+
+#: Drawn for a character no label font has (an emoji): DejaVu Sans's replacement character.
+MISSING = "\ufffd"
+
+
+def drawable(text: str) -> str:
+    """``text`` with every character the label fonts cannot draw (emoji, rare scripts) replaced by
+    U+FFFD, so that figures show a visible mark instead of an empty box and matplotlib prints no
+    "Glyph missing" warning (the pages, which embed fonts and fall back to the browser's, keep them)."""
+    covered = _covered()
+    if not covered or all(ord(c) in covered or c in "\n\t " for c in text):
+        return text
+    return "".join(c if ord(c) in covered or c in "\n\t " else MISSING for c in text)

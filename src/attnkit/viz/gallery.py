@@ -65,12 +65,13 @@ SECTIONS = [
         "attnkit show --model recall --length 16384",
         {
             "long.html": "open the long view: per-head statistics, the mass each token receives, zoom to tokens",
-            "long_heads.png": "per layer and head: mean entropy (bits), weight on the first token, mean distance "
-            "looked back. Low entropy and long distance mark the heads that find the needle.",
-            "long_keymass.png": "how much attention each token receives, summed over queries: the spikes are the "
-            "stated key-value pair and the first token.",
-            "long_rows.png": "the question token's weights over all 16k tokens, per layer: a sharp peak on the "
-            "stated pair is the model recalling it.",
+            "long_heads.png": "per layer and head: mean entropy (bits), mass on the first token, mean distance "
+            "looked back (means over all queries).",
+            "long_keymass.png": "how much attention each token receives, summed over the queries (the causal mask "
+            "lets more queries see early tokens, so the curve falls); the dashed line marks the needle, the "
+            "key-value pair the question asks for.",
+            "long_rows.png": "the question token's weights over all 16k tokens, per layer and head: the peak on "
+            "the dashed line (the needle) is the model recalling the pair.",
         },
     ),
     (

@@ -36,7 +36,7 @@ def attention_grid(
         )
     layers, heads, lq, lk = array.shape
     Figure = new_figure()
-    from attnkit.viz._fonts import font_families
+    from attnkit.viz._fonts import drawable, font_families
 
     families = list(font_families())
     key_tokens = tokens if key_tokens is None else key_tokens
@@ -60,10 +60,12 @@ def attention_grid(
     if label and tokens is not None and key_tokens is not None:
         for head in range(heads):
             ax = axes[-1][head]
-            ax.set_xticks(range(lk), [str(t) for t in key_tokens], rotation=90, fontsize=6, fontfamily=families)
+            ax.set_xticks(
+                range(lk), [drawable(str(t)) for t in key_tokens], rotation=90, fontsize=6, fontfamily=families
+            )
         for layer in range(layers):
-            axes[layer][0].set_yticks(range(lq), [str(t) for t in tokens], fontsize=6, fontfamily=families)
+            axes[layer][0].set_yticks(range(lq), [drawable(str(t)) for t in tokens], fontsize=6, fontfamily=families)
     if title:
-        fig.suptitle(title, fontfamily=families)
+        fig.suptitle(drawable(title), fontfamily=families)
     save(fig, save_path)
     return fig

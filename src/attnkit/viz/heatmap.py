@@ -38,13 +38,17 @@ def new_figure() -> type[Figure]:
     return Figure
 
 
-def save(fig: Figure, save_path: PathLike | None) -> None:
-    """Write ``fig`` to ``save_path`` (format from the extension), creating the folder."""
+def save(fig: Figure, save_path: PathLike | None, tight: bool = False) -> None:
+    """Write ``fig`` to ``save_path`` (format from the extension), creating the folder; ``tight``:
+    cropped to what is drawn (no empty frame around a strip of few rows)."""
     if save_path is None:
         return
     path = Path(save_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    if tight:
+        fig.savefig(path, dpi=150, bbox_inches="tight", pad_inches=0.15)
+    else:
+        fig.savefig(path, dpi=150)
 
 
 def _index(value, name: str, size: int, shape) -> int:
@@ -118,7 +122,7 @@ def visualize_attention(
         machines without a display.
     """
     Figure = new_figure()
-    from attnkit.viz._fonts import font_families
+    from attnkit.viz._fonts import drawable, font_families
 
     shape = tuple(getattr(weights, "shape", ()))
     matrix, picked = _as_matrix(weights, sample, head)
@@ -153,6 +157,8 @@ def visualize_attention(
     fig = Figure(figsize=size, layout="constrained")
     ax = fig.add_subplot()
     families = list(font_families())
+    tokens, key_tokens = [drawable(t) for t in tokens], [drawable(t) for t in key_tokens]
+    title = drawable(title) if title else title
     image = ax.imshow(matrix, cmap=cmap, vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
     ax.set_xticks(
         range(lk),
@@ -181,6 +187,7 @@ def visualize_attention(
                     fontsize=8,
                     color="black" if value > threshold else "white",
                 )
-    fig.colorbar(image, ax=ax, label="attention weight")
-    save(fig, save_path)
+    # the colour bar as tall as the cells (a wide strip of few rows gets a short bar, not a tall frame)
+    fig.colorbar(image, ax=ax, label="attention weight", shrink=min(1.0, max(0.35, 2.5 * lq / lk)), aspect=12)
+    save(fig, save_path, tight=True)
     return fig

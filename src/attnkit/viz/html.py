@@ -190,8 +190,9 @@ def bars_overview(
     digits: int = 2,
 ) -> dict:
     """An overview for :func:`attention_html`: a numbered list of ``(title, [(label, value), ...])``,
-    each value drawn as a bar (scaled to the item's largest), e.g. recommended movies, each
-    with the history it drew on. ``captions`` (one per item) are shown under the titles."""
+    each value drawn as a bar on one scale for all items (the largest value of any item fills
+    its track, so that items compare), e.g. recommended movies, each with the history it drew
+    on. ``captions`` (one per item) are shown under the titles."""
     import math
 
     if captions is not None and len(captions) != len(items):
@@ -207,7 +208,15 @@ def bars_overview(
         if captions is not None:
             row["caption"] = str(captions[n])
         rows.append(row)
-    return {"kind": "bars", "heading": str(heading), "note": str(note), "items": rows, "digits": int(digits)}
+    scale = max((float(v) for _, bars in items for _, v in bars), default=0.0)
+    return {
+        "kind": "bars",
+        "heading": str(heading),
+        "note": str(note),
+        "items": rows,
+        "digits": int(digits),
+        "scale": max(scale, 1e-12),
+    }
 
 
 def waveform_overview(

@@ -216,8 +216,11 @@ def long_figures(
                 w = as_array(row_weights[layer][0, :, ri])  # (heads, Lk)
                 for head, line in enumerate(binned(w)):
                     ax.plot(centres, line, lw=0.8, label=f"head {head}")
-                for pos in marks.values():
+                for label, pos in marks.items():
                     ax.axvline(pos, color="red", lw=0.6, ls="--")
+                    if layer == 0:
+                        ax.annotate(f" {label} ({pos:,})", (pos, 0.97), xycoords=("data", "axes fraction"),
+                                    fontsize=7, color="red", va="top")  # fmt: skip
                 ax.set_ylim(0, 1)
                 ax.set_ylabel(f"layer {layer}\nweight", fontsize=8)
                 ax.tick_params(labelsize=7)

@@ -60,9 +60,9 @@ def region_figure(
     *,
     title: str | None = None,
 ) -> Figure:
-    """One panel per word: the image in grey, the word's attention as a light orange tint
-    (the digit stays readable under it) and an outline where the weight is at least half its
-    peak. Returns the Figure."""
+    """One panel per word: the image in grey (smoothed, so that 8-pixel digits read as strokes),
+    the word's attention as a light orange tint (the digit stays readable under it) and a box
+    around the patches whose weight is at least half the peak. Returns the Figure."""
     import numpy as np
 
     Figure = new_figure()
@@ -71,7 +71,7 @@ def region_figure(
     fig = Figure(figsize=(max(3.0, image.shape[1] / 8 * 1.1 + 1), 1.0 + 1.35 * max(n, 1)), layout="constrained")
     axes = fig.subplots(max(n, 1), 1, squeeze=False)[:, 0]
     for ax, word, row in zip(axes, words, attention):
-        ax.imshow(image, cmap="gray_r", vmin=0, vmax=16)
+        ax.imshow(image, cmap="gray_r", vmin=0, vmax=16, interpolation="bicubic")
         heat = patch_map(row, grid, (image.shape[0], image.shape[1]))
         overlay = np.zeros((*heat.shape, 4))
         top = max(float(heat.max()), 1e-9)
@@ -79,13 +79,36 @@ def region_figure(
         overlay[..., 3] = 0.35 * heat / top
         ax.imshow(overlay)
         if float(heat.max()) > float(heat.min()):  # the outline of where the word looked
-            ax.contour(heat, levels=[0.5 * top], colors=["#e04a00"], linewidths=2.0)
+            ax.add_collection(_outline(heat >= 0.5 * top))
+        ax.set_xlim(-0.5, image.shape[1] - 0.5)
+        ax.set_ylim(image.shape[0] - 0.5, -0.5)
         ax.set_xticks([]), ax.set_yticks([])
         ax.set_title(word, loc="left", fontsize=12)
     if title:
         fig.suptitle(title)
     save(fig, save_path)
     return fig
+
+
+def _outline(inside: np.ndarray):
+    """The border of the pixels marked ``inside`` (rows, cols), along pixel edges: a closed box
+    around a patch (a contour through pixel centres would cut it open at the image's edge)."""
+    from matplotlib.collections import LineCollection
+
+    rows, cols = inside.shape
+    padded = np.pad(inside, 1)
+    segments = []
+    for r, c in zip(*np.nonzero(inside)):
+        top, left, bottom, right = r - 0.5, c - 0.5, r + 0.5, c + 0.5
+        if not padded[r, c + 1]:  # the pixel above is outside
+            segments.append([(left, top), (right, top)])
+        if not padded[r + 2, c + 1]:
+            segments.append([(left, bottom), (right, bottom)])
+        if not padded[r + 1, c]:
+            segments.append([(left, top), (left, bottom)])
+        if not padded[r + 1, c + 2]:
+            segments.append([(right, top), (right, bottom)])
+    return LineCollection(segments, colors="#e04a00", linewidths=2.5, capstyle="projecting")
 
 
 def region_html(

@@ -1,17 +1,22 @@
 """Building and loading attnkit's native CPU engine (``csrc/``): PyTorch operators in C++.
 
-The source ships with attnkit and is compiled once per machine, at its first use, with the C++
-compiler found on the machine (``$CXX``, else ``g++`` or ``c++``) against the PyTorch that is
-running, with the include and library paths and ABI flag of :mod:`torch.utils.cpp_extension`:
-``-O3 -march=native``, OpenMP through PyTorch's own runtime (it shares PyTorch's threads and
-follows ``torch.set_num_threads``). The library registers three operators,
+A wheel of attnkit carries the engine built for the PyTorch it was built against, once per
+x86-64 level, and the build for the running CPU is loaded at the first call that uses the engine
+(:mod:`attnkit.kernels.native.prebuilt`; no compiler needed). Otherwise (a source checkout,
+another PyTorch or architecture) the source is compiled once per machine, at the first call
+that would use the engine (never at import; progress on stderr), with the C++ compiler found on
+the machine (``$CXX``, else ``g++`` or ``c++``) against the PyTorch that is running, with the
+include and library paths and ABI flag of :mod:`torch.utils.cpp_extension`: ``-O3
+-march=native``, OpenMP through PyTorch's own runtime (it shares PyTorch's threads and follows
+``torch.set_num_threads``). :func:`build_name` says which build runs. The library registers three operators,
 ``torch.ops.attnkit.native_forward``, ``native_backward`` and ``native_stats`` (the statistics of
 :func:`attnkit.inspect.attention_stats`), whose fake (meta) and autograd implementations are
 registered here: the forward is differentiable, runs
 under ``torch.inference_mode()`` and is traced by ``torch.compile`` as one op
 (``torch.library.opcheck`` passes on it).
 
-Builds are kept in ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``) under a key of the source,
+Builds are kept in ``$ATTNKIT_CACHE`` (default ``~/.cache/attnkit``), private to the user
+(:mod:`attnkit.kernels.native.store`: a cache others can write to is refused), under a key of the source,
 the compiler, PyTorch, the CPU and the flags, each beside a manifest of its size, SHA-256 and
 interface version. A library is loaded only when it matches its manifest: a truncated, empty,
 replaced or older build is rebuilt once (under the build lock), and where that fails too the
@@ -20,8 +25,9 @@ warning says what was found. ``ATTNKIT_NATIVE_ARCH`` replaces ``native`` in ``-m
 ``ATTNKIT_NATIVE_SANITIZE=address,undefined`` builds with those sanitizers (for tests run with
 the sanitizer's runtime preloaded).
 
-Where there is no compiler, the build fails, or ``ATTNKIT_NATIVE=0`` is set, :func:`status`
-says why and the kernel registry runs the other CPU kernels (``attnkit.explain`` shows which).
+Where there is neither a build for this CPU nor a compiler, the build fails, or
+``ATTNKIT_NATIVE=0`` is set, :func:`status` says why (one warning, with what to install, where
+it was wanted) and the kernel registry runs the other CPU kernels (``attnkit.explain`` says so).
 Softmax statistics and sums are float32; bfloat16/float16 inputs are read one tile at a time.
 bfloat16's products take the CPU's matrix units where it has them: on AMX-BF16 machines the
 forward's Q K^T and P V (and the backward's recomputed scores) are PyTorch's batch-reduce GEMM on
@@ -42,37 +48,43 @@ Equivalent PyTorch code (forward)::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    pass
+from attnkit.kernels.native import prebuilt, store
+from attnkit.kernels.native.store import cache_dir
 
 __all__ = [
     "ENABLED",
     "SOURCES",
     "VERSION",
+    "NO_COMPILER",
+    "UntrustedCache",
     "available",
     "build",
+    "build_name",
     "cache_dir",
     "check_library",
+    "commands",
     "constants",
+    "describe",
     "info",
     "library_path",
     "loaded_state",
     "status",
+    "tried",
 ]
 
 #: The engine's C++ sources: one translation unit (``ops.cpp``) and its stage headers.
@@ -122,6 +134,11 @@ def _arch() -> str:
     return os.environ.get("ATTNKIT_NATIVE_ARCH", "native")
 
 
+def _arch_flags() -> list[str]:
+    x86 = platform.machine() in ("x86_64", "AMD64", "i686")
+    return [f"-march={_arch()}"] if x86 else [f"-mcpu={_arch()}"]
+
+
 def _sanitize() -> list[str]:
     wanted = os.environ.get("ATTNKIT_NATIVE_SANITIZE", "")
     if not wanted:
@@ -129,19 +146,18 @@ def _sanitize() -> list[str]:
     return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
 
 
-def _commands(compiler: str, out: Path, obj: Path) -> list[list[str]]:
-    """The compile and link commands (torch.utils.cpp_extension's paths and ABI flag)."""
+def commands(compiler: str, out: Path, obj: Path, arch: list[str] | None = None) -> list[list[str]]:
+    """The compile and link commands (torch.utils.cpp_extension's paths and ABI flag); ``arch``:
+    the instruction-set flags (default ``-march=$ATTNKIT_NATIVE_ARCH``, ``native``)."""
     from torch.utils import cpp_extension
 
-    x86 = platform.machine() in ("x86_64", "AMD64", "i686")
-    arch = [f"-march={_arch()}"] if x86 else [f"-mcpu={_arch()}"]
     openmp = _openmp()
     sanitize = _sanitize()
     compile_ = [
         compiler,
         "-c",
         "-O3",
-        *arch,
+        *(_arch_flags() if arch is None else arch),
         "-std=c++20",
         "-fPIC",
         "-ffp-contract=fast",  # a * b + c as one fused multiply-add
@@ -166,14 +182,6 @@ def _commands(compiler: str, out: Path, obj: Path) -> list[list[str]]:
     return [compile_, link]
 
 
-def cache_dir() -> Path:
-    """Where built libraries are kept: ``$ATTNKIT_CACHE``, else ``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``."""
-    root = os.environ.get("ATTNKIT_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnkit"
-
-
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256()
@@ -187,56 +195,57 @@ def _library_path(compiler: str) -> Path:
     return cache_dir() / f"native-{key.hexdigest()[:20]}" / "libattnkit_native.so"
 
 
-def _manifest(library: Path) -> Path:
-    return library.with_suffix(".json")
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def check_library(library: Path) -> str | None:
     """Why the cached ``library`` cannot be loaded (None: it can): it must exist and match its
     manifest (interface version, size, SHA-256), so a truncated, empty, replaced or older build is
     found before it is mapped into the process."""
-    if not library.exists():
-        return "not built yet"
-    try:
-        manifest = json.loads(_manifest(library).read_text())
-        interface, size, digest = manifest["interface"], manifest["size"], manifest["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{library} has no readable manifest ({_manifest(library).name})"
-    if interface != VERSION:
-        return f"{library} was built for interface {interface}; this attnkit speaks {VERSION}"
-    found = library.stat().st_size
-    if found != size:
-        return f"{library} holds {found} bytes; its build wrote {size} (truncated or replaced)"
-    if _digest(library) != digest:
-        return f"{library} changed since it was built (its SHA-256 differs from its manifest's)"
-    return None
+    return store.check_library(library, VERSION)
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """One process builds while the others wait (several ranks of a ring may start at once)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, the atomic rename still keeps the file whole
-        yield
-        return
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+class UntrustedCache(RuntimeError):
+    """The build cache is not private to this user (:func:`attnkit.kernels.native.store.distrust`)."""
+
+
+def _trust(target: Path) -> None:
+    """Refuse a cache that others could have written to, before anything in it is read or loaded."""
+    root = cache_dir()
+    why = store.distrust(root, target.parent, target, store.manifest_of(target), target.parent / "build.lock")
+    if why is not None:
+        raise UntrustedCache(store.refusal(why, root))
+
+
+def _say(text: str) -> None:
+    """Progress of a build at first use, on stderr (it takes tens of seconds, once per machine)."""
+    print(f"attnkit: {text}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], started: float) -> subprocess.CompletedProcess:
+    """One compiler command, saying every 15 seconds that it is still running."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - started > 900:
+                    proc.kill()
+                    raise RuntimeError(
+                        f"building attnkit's native engine took over 15 minutes: {' '.join(cmd)}"
+                    ) from None
+                _say(f"  ... still compiling ({time.monotonic() - started:.0f} s)")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _compile(compiler: str, target: Path) -> None:
+    started = time.monotonic()
+    _say(
+        f"compiling the native CPU engine for this machine with {compiler} (once; tens of seconds; "
+        f"kept in {target.parent})"
+    )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "native.o", Path(tmp) / target.name
-        for cmd in _commands(compiler, lib, obj):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        for cmd in commands(compiler, lib, obj):
+            done = _run(cmd, started)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip()[-2000:]
                 raise RuntimeError(f"building attnkit's native engine failed:\n$ {' '.join(cmd)}\n{tail}")
@@ -245,28 +254,34 @@ def _compile(compiler: str, target: Path) -> None:
         manifest = {
             "interface": VERSION,
             "size": lib.stat().st_size,
-            "sha256": _digest(lib),
+            "sha256": store.digest(lib),
             "torch": torch.__version__,
         }
-        _manifest(lib).write_text(json.dumps(manifest))
-        os.replace(_manifest(lib), _manifest(target))  # the manifest first: a reader of the new
-        os.replace(lib, target)  # library finds it; a reader in between sees a mismatch and waits on the lock
+        store.manifest_of(lib).write_text(json.dumps(manifest))
+        store.private_file(store.manifest_of(lib))
+        store.private_file(lib, executable=True)
+        os.replace(store.manifest_of(lib), store.manifest_of(target))  # the manifest first: a reader of the
+        os.replace(lib, target)  # new library finds it; a reader in between sees a mismatch and waits on the lock
+    _say(f"native engine built in {time.monotonic() - started:.0f} s")
 
 
 def build(force: bool = False) -> Path:
     """Compile the engine for this machine (once: a cached build that matches its manifest is
-    reused; a damaged one is rebuilt) and return its path.
+    reused; a damaged one is rebuilt) and return its path. The cache must be private to this user
+    (:class:`UntrustedCache` otherwise: nothing in it is read).
 
     Raises ``RuntimeError`` with the compiler's message when it cannot be built.
     """
     compiler = _compiler()
     if compiler is None:
-        raise RuntimeError("no C++ compiler found ($CXX, g++ or c++); install one, e.g. apt-get install g++")
+        raise RuntimeError(NO_COMPILER)
     target = _library_path(compiler)
+    _trust(target)
     if not force and check_library(target) is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / "build.lock"):
+    store.private_dir(target.parent, cache_dir())
+    _trust(target)
+    with store.file_lock(target.parent / "build.lock"):
         found = check_library(target)
         if found is None and not force:  # another process built it meanwhile
             return target
@@ -282,14 +297,17 @@ def build(force: bool = False) -> Path:
     return target
 
 
+NO_COMPILER = "no C++ compiler found ($CXX, g++ or c++): install one, e.g. apt-get install g++"
+
+
 # --- loading ----------------------------------------------------------------------------------
 
 
 class _Loaded:
-    """The operators once loaded, and what the build computes with; or why there are none."""
+    """The operators once loaded, what the build computes with and which build it is; or why there are none."""
 
-    def __init__(self, ok: bool, why: str, info: str = ""):
-        self.ok, self.why, self.info = ok, why, info
+    def __init__(self, ok: bool, why: str, info: str = "", build: str = ""):
+        self.ok, self.why, self.info, self.build = ok, why, info, build
 
 
 _loaded: _Loaded | None = None
@@ -304,7 +322,7 @@ def library_path() -> Path:
     """Where :func:`build` keeps the library for this machine, compiler, PyTorch and flags."""
     compiler = _compiler()
     if compiler is None:
-        raise RuntimeError("no C++ compiler found ($CXX, g++ or c++); install one, e.g. apt-get install g++")
+        raise RuntimeError(NO_COMPILER)
     return _library_path(compiler)
 
 
@@ -313,6 +331,12 @@ def loaded_state() -> tuple[bool, str] | None:
     if not ENABLED:
         return False, "native engine turned off by ATTNKIT_NATIVE=0"
     return None if _loaded is None else (_loaded.ok, _loaded.why)
+
+
+def tried() -> bool:
+    """Whether this process has loaded the engine or found why it cannot (part of the registry's
+    state: a choice made before the first load is made again after it)."""
+    return _loaded is not None
 
 
 def refusal_while_tracing() -> str:
@@ -360,31 +384,60 @@ def _require_loaded() -> None:
         raise RuntimeError(f"attnkit's native engine cannot run here: {why}")
 
 
+def _warn(text: str) -> None:
+    warnings.warn(f"attnkit's native CPU engine is off; the PyTorch kernels run instead.\n{text}", RuntimeWarning, 4)
+
+
+def _load_prebuilt(choice: prebuilt.Choice) -> _Loaded | None:
+    assert choice.library is not None
+    try:
+        return _Loaded(True, "the native C++ engine", _load_library(choice.library), choice.why)
+    except (OSError, RuntimeError) as err:
+        _warn(f"{choice.why} did not load ({err}); compiling one for this machine where a compiler exists")
+        return None
+
+
+def _load_built(after: str) -> _Loaded:
+    try:
+        path = build()
+        arch = " ".join(_arch_flags())
+        return _Loaded(True, "the native C++ engine", _load_library(path), f"built on this machine ({arch})")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        text = str(err)
+        if text == NO_COMPILER and after:
+            text = (
+                f"no C++ compiler found ($CXX, g++ or c++), and {after}: install a compiler (e.g. "
+                f"apt-get install g++) or a wheel of attnkit built for torch {prebuilt.torch_key()['torch']}"
+            )
+        _warn(text)
+        return _Loaded(False, f"native engine unavailable: {text}".split("\n")[0])
+
+
 def _load() -> _Loaded:
+    """The engine for this process: the wheel's build for this CPU where there is one, else one
+    compiled here (at the first call that would use it, never at import)."""
     global _loaded
     if _loaded is not None:
         return _loaded
     with _lock:
         if _loaded is not None:
             return _loaded
-        try:
-            path = build()
-            _loaded = _Loaded(True, "the native C++ engine", _load_library(path))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            _loaded = _Loaded(False, f"native engine unavailable: {err}".split("\n")[0])
-            if _compiler() is not None:  # a compiler that fails is worth a word; no compiler is a known case
-                warnings.warn(
-                    "attnkit's native CPU engine could not be built or loaded; the other CPU kernels run "
-                    f"instead.\n{err}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+        explicit = "ATTNKIT_NATIVE_ARCH" in os.environ or _sanitize()  # a build asked for by name
+        choice = None if explicit else prebuilt.choose(VERSION)
+        found = None
+        if choice is not None and choice.refused:
+            _warn(choice.why)
+            found = _Loaded(False, f"native engine unavailable: {choice.why}")
+        elif choice is not None and choice.library is not None:
+            found = _load_prebuilt(choice)
+        _loaded = found or _load_built("" if choice is None else choice.why)
     return _loaded
 
 
 def status() -> tuple[bool, str]:
-    """``(available, why)``: whether the engine can run here, and in words why not (it is built
-    on the first call, which takes some seconds once per machine)."""
+    """``(available, why)``: whether the engine can run here, and in words why not (the wheel's
+    build for this CPU is loaded on the first call that uses it; without one, it is compiled then,
+    once per machine, which takes tens of seconds)."""
     if not ENABLED:
         return False, "native engine turned off by ATTNKIT_NATIVE=0"
     loaded = _load()
@@ -401,6 +454,19 @@ def info() -> str:
     (oneDNN brgemm)"`` or ``"...; bfloat16: AVX512-BF16 dot products"`` ('' where the engine is not
     available)."""
     return _load().info if available() else ""
+
+
+def build_name() -> str:
+    """Which build runs: ``"the wheel's x86-64-v4-bf16 build (chosen for this CPU; torch 2.13.0)"``
+    or ``"built on this machine (-march=native)"`` ('' where the engine is not available)."""
+    return _load().build if available() else ""
+
+
+def describe(half: bool) -> str:
+    """The build and its vector width in a few words, for ``attnkit.explain``: bfloat16's products
+    named only for ``half`` inputs."""
+    what = info() if half else info().split("; bfloat16")[0]
+    return f"{what}, {build_name()}"
 
 
 # --- the operators' fake and autograd implementations -------------------------------------------

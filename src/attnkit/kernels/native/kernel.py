@@ -201,6 +201,23 @@ def _kept_in_words(call: Call) -> str:
     return f"{call.prepared_at(BLOCK_SIZE).kept:.0%} of blocks kept"
 
 
+def _worth_loading(call: Call) -> bool:
+    """Whether :meth:`NativeKernel.prefers` could take this call, asked without the engine (its
+    sizes are read from the library): where not, nothing is loaded or compiled for it."""
+    s = call.shapes
+    if s.lq < MIN_ROWS:
+        return (
+            s.rank == 4
+            and not call.mods
+            and call.dropout_p == 0.0
+            and not isinstance(call.mask, PreparedMask)
+            and call.limits is not None
+        )
+    if call.mods or call.return_lse or sparsity.rows_of(call) >= MIN_QUERIES:
+        return True
+    return call.mask is not None and bool(sparsity.sparse_pays(call, sparsity.LIMITS, squares=True)[0])
+
+
 def _band(call: Call) -> torch.Tensor | None:
     """The call's bias as a band of ``kv - q`` (differentiable in the bias's tensors), or None."""
     return call.bias_band
@@ -225,10 +242,23 @@ class NativeKernel(Kernel):
     max_rank = 4
 
     def state(self) -> object:
-        return native_build.ENABLED  # ATTNKIT_NATIVE=0, or the attribute set in this process
+        # ATTNKIT_NATIVE=0 (or the attribute set in this process), and whether the engine was loaded
+        # yet: a choice made before the first load (which declined to load it) is made again after
+        return native_build.ENABLED, native_build.tried()
+
+    def unavailable(self) -> str | None:
+        found = native_build.loaded_state()
+        if not native_build.ENABLED or found is None or found[0]:  # off by the user's choice, or not tried
+            return None
+        return found[1].removeprefix("native engine unavailable: ")
 
     def _reasons(self, call: Call) -> list[str]:
         reasons = sparsity.compile_refusals(call)
+        if not native_build.tried() and native_build.ENABLED and not call.compiling and not _worth_loading(call):
+            # the engine is loaded (or compiled) at the first call that would take it, not for one that
+            # would not: an 8-token call runs on SDPA without waiting for a build
+            reasons.append("not loaded yet: this call would not take it (it loads at the first call that would)")
+            return reasons
         if call.compiling:  # built and loaded at trace time where it was not yet (an eager step of tracing)
             why = native_build.refusal_while_tracing()
             if why:
@@ -253,7 +283,7 @@ class NativeKernel(Kernel):
                     True,
                     lambda: (
                         f"{s.lq} queries whose keys end at each sequence's limit: the row path reads only "
-                        f"those keys, no mask; {native_build.info()}"
+                        f"those keys, no mask; {native_build.describe(call.half)}"
                     ),
                 )
             return (
@@ -265,7 +295,7 @@ class NativeKernel(Kernel):
             )
         if call.compiling:
             return True, "under torch.compile: torch.ops.attnkit.native_forward over the PreparedMask's tensors"
-        how = native_build.info()
+        how = native_build.describe(call.half)
         if call.mods or call.return_lse:
             mods = sparsity.modifications_in_words(call, True) or "return_lse=True"
             return True, lambda: f"{_kept_in_words(call)}, {mods}; {how}"

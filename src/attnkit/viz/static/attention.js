@@ -169,7 +169,15 @@
     const top = labels ? Math.ceil(widest(data.keyTokens) * Math.sin(Math.PI / 3)) + 14 : 10;
     $("hm-xlabel").style.marginLeft = (left + 24) + "px";
     $("hm-ylabel").style.marginTop = top + "px";
-    hm.width = left + NK * cell + 10; hm.height = top + NQ * cell + 10;
+    // each column label runs up and to the right of its column (60 degrees): the last ones need room
+    // past the matrix's right edge (the most recent, often most attended, columns)
+    let right = left + NK * cell + 10;
+    if (labels) {
+      for (let j = 0; j < NK; j++) {
+        right = Math.max(right, Math.ceil(left + j * cell + cell / 2 + probe.measureText(data.keyTokens[j]).width * Math.cos(Math.PI / 3)) + 8);
+      }
+    }
+    hm.width = right; hm.height = top + NQ * cell + 10;
     const ctx = hm.getContext("2d");
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, hm.width, hm.height);
     const m = document.createElement("canvas");
@@ -211,7 +219,8 @@
         const li = document.createElement("li");
         const name = document.createElement("div"); name.className = "item"; name.textContent = item.title; li.appendChild(name);
         if (item.caption) { const c = document.createElement("div"); c.className = "why"; c.textContent = item.caption; li.appendChild(c); }
-        const top = Math.max(1e-12, ...item.bars.map((b) => b[1]));
+        // one scale for every item (bars_overview's), so that the items compare
+        const top = ov.scale || Math.max(1e-12, ...item.bars.map((b) => b[1]));
         for (const [label, v] of item.bars) {
           const row = document.createElement("div"); row.className = "bar-row";
           const n = document.createElement("span"); n.className = "name"; n.textContent = label; n.title = label;
