@@ -331,6 +331,7 @@ def test_importing_attnkit_starts_no_subprocess_and_reads_no_engine_source():
     script = textwrap.dedent(
         """
         import builtins, pathlib, subprocess, sys
+        import torch  # PyTorch's own import may spawn (its CUDA build runs ldconfig): not attnkit's
         spawned, read = [], []
         real_popen, real_open, real_read = subprocess.Popen.__init__, builtins.open, pathlib.Path.read_bytes
         def popen(self, *a, **kw):

@@ -15,8 +15,9 @@ tensors ``b: (Bs, 1, 1, 1)``, ``h: (1, Hs, 1, 1)``, ``q_idx: (1, 1, n, 1)``,
 ``kv_idx: (1, 1, 1, S)`` (query and key indices, 0-based), and returns scores of the same
 shape. A function written for one (score, b, h, q, kv) at a time (FlexAttention's style,
 meant for ``torch.vmap``) is detected and run under ``torch.vmap`` instead. Gradients flow
-through it to q, k and v; to give tensors the function closes over a gradient too, pass
-them: ``ScoreMod(fn, *params)``.
+through it to q, k and v, and to the tensors it captures that require a gradient (a learnable
+bias in its closure, a module's parameters, a global: :func:`captured_tensors` finds them, as
+FlexAttention lifts captured buffers); ``ScoreMod(fn, *params)`` names them explicitly.
 
 >>> import torch, attnkit
 >>> q = k = v = torch.randn(1, 2, 6, 8)
@@ -27,6 +28,9 @@ torch.Size([1, 2, 6, 8])
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 import weakref
 from collections.abc import Callable
 
@@ -34,7 +38,7 @@ import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
 
-__all__ = ["ScoreMod", "ScoreModLike", "as_score_mod"]
+__all__ = ["ScoreMod", "ScoreModLike", "as_score_mod", "captured_tensors"]
 
 
 class ScoreMod:
@@ -130,7 +134,79 @@ ScoreModLike = ScoreMod | Callable[..., torch.Tensor] | None
 
 
 def as_score_mod(value: Callable[..., torch.Tensor] | ScoreMod | None) -> ScoreMod | None:
-    """``score_mod=`` as a :class:`ScoreMod` (None stays None)."""
+    """``score_mod=`` as a :class:`ScoreMod` (None stays None); a bare function's captured tensors
+    that require a gradient become its params (:func:`captured_tensors`)."""
     if value is None or isinstance(value, ScoreMod):
         return value
-    return ScoreMod(value)
+    return ScoreMod(value, *captured_tensors(value))
+
+
+def captured_tensors(fn: Callable, *, requires_grad: bool = True) -> list[torch.Tensor]:
+    """The tensors ``fn`` can read without being passed them: its closure's cells, its defaults,
+    the globals its code names (nested functions' too), a bound method's object, a
+    ``functools.partial``'s arguments, an ``nn.Module``'s parameters and buffers, and, a few
+    levels deep, the lists, tuples, dicts and plain objects among those. With ``requires_grad``
+    (the default) only those that require a gradient: what a score_mod's gradient must reach.
+
+    >>> import torch
+    >>> bias = torch.zeros(4, requires_grad=True)
+    >>> captured_tensors(lambda score, b, h, q, kv: score + bias[h]) == [bias]
+    True
+    """
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj, depth: int) -> None:
+        if (
+            depth > 6
+            or id(obj) in seen
+            or isinstance(obj, (str, bytes, int, float, bool, type(None), types.ModuleType))
+        ):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad or not requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for t in (*obj.parameters(), *obj.buffers()):
+                visit(t, depth + 1)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for x in list(obj)[:1000]:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in list(obj.values())[:1000]:
+                visit(x, depth + 1)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif inspect.ismethod(obj):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+            visit(obj.__defaults__, depth + 1)
+            visit(obj.__kwdefaults__, depth + 1)
+            for name in _names(obj.__code__):
+                if name in obj.__globals__:
+                    visit(obj.__globals__[name], depth + 1)
+        elif isinstance(obj, ScoreMod):
+            visit(obj.fn, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):  # a callable object, a config
+            visit(vars(obj), depth + 1)
+
+    visit(fn, 0)
+    return list(found.values())
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a code object and the code nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names

@@ -36,6 +36,7 @@ causal(align='bottom_right') & sliding_window(left=1, right=0, align='bottom_rig
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ __all__ = [
     "padding",
     "dense",
     "from_fn",
+    "from_block_mask",
     "cached",
     "as_mask",
     "EMPTY",
@@ -204,3 +206,23 @@ def from_fn(
     0 0 1 1
     """
     return FromFn(fn, batch_size, num_heads, q_offset, kv_offset)
+
+
+def from_block_mask(block_mask: Any) -> Mask:
+    """FlexAttention's ``BlockMask`` (made by ``torch.nn.attention.flex_attention.create_block_mask``,
+    ``BlockMask.from_kv_blocks`` or :func:`attnkit.flex.create_block_mask`) as a mask: its block map
+    is kept as it is (full blocks are full, unlisted blocks empty) and its ``mask_mod`` is asked only
+    for the pairs of its partial blocks, as FlexAttention does. Any ``BLOCK_SIZE``.
+
+    >>> import torch
+    >>> from torch.nn.attention.flex_attention import create_block_mask
+    >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 4, 4, device="cpu", BLOCK_SIZE=2)
+    >>> print(from_block_mask(bm).picture(4, 4))
+    1 0 0 0
+    1 1 0 0
+    1 1 1 0
+    1 1 1 1
+    """
+    from attnkit.masks._flex import FromBlockMask
+
+    return FromBlockMask(block_mask)

@@ -381,6 +381,14 @@ class Mask:
         codes = as4d(codes)
         return codes.expand(*codes.shape[:2], blocks.nq, blocks.nk)
 
+    def to_block_mask(self, q_len: int, kv_len: int, BLOCK_SIZE: int | tuple[int, int] = 128, device: Device = None):  # noqa: N803
+        """This mask as FlexAttention's ``BlockMask``: its block map at ``BLOCK_SIZE`` and a
+        ``mask_mod`` that evaluates it, so torch's ``flex_attention`` runs it too
+        (:func:`attnkit.masks._flex.to_block_mask`; ``masks.from_block_mask`` reads one back)."""
+        from attnkit.masks._flex import to_block_mask
+
+        return to_block_mask(self, q_len, kv_len, BLOCK_SIZE, device)
+
     def picture(self, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:
         """The mask as rows of ``1`` (may attend) and ``0`` (hidden), one row per query."""
         m = self.materialize(q_len, kv_len)

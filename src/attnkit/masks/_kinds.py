@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import weakref
 
 import torch
 
@@ -308,6 +309,67 @@ class Padding(Mask):
         return f"padding(lengths={short(self.lengths.tolist())}{extra})"
 
 
+#: How each from_fn predicate evaluates: "broadcast" (index tensors of shapes (B,1,1,1), (1,H,1,1),
+#: (1,1,tq,1), (1,1,1,tk)) or "vmap" (one pair at a time, FlexAttention's style, under torch.vmap).
+_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _evaluate(fn, b, h, qi, ki):
+    """``fn`` on broadcasting index tensors, or, for a predicate written for one pair (it fails on
+    tensors, or returns the wrong shape), under torch.vmap over every (b, h, q, kv)."""
+    style = _STYLE.get(fn) if _weakable(fn) else None
+    if style != "vmap":
+        try:
+            out = fn(b, h, qi, ki)
+        except Exception:  # noqa: BLE001 - a predicate of one pair fails on tensors in many ways
+            if style == "broadcast":
+                raise
+        else:
+            shape = torch.broadcast_shapes(b.shape, h.shape, qi.shape, ki.shape)
+            fits = isinstance(out, torch.Tensor) and out.dim() <= 4
+            try:
+                fits = fits and torch.broadcast_shapes(out.shape, shape) == shape
+            except RuntimeError:
+                fits = False
+            if fits or style == "broadcast":
+                _remember(fn, "broadcast")
+                return out
+    qn, kn = qi.shape[2], ki.shape[3]
+    f = torch.vmap(fn, in_dims=(None, None, None, 0))  # keys
+    f = torch.vmap(f, in_dims=(None, None, 0, None))  # queries
+    f = torch.vmap(f, in_dims=(None, 0, None, None))  # heads
+    f = torch.vmap(f, in_dims=(0, None, None, None))  # sequences
+    per_b = qi.shape[0] > 1 or ki.shape[0] > 1  # offsets per sequence: one evaluation per sequence
+    if per_b:
+        rows = [
+            f(
+                b.reshape(-1)[i : i + 1],
+                h.reshape(-1),
+                qi[min(i, qi.shape[0] - 1)].reshape(qn),
+                ki[min(i, ki.shape[0] - 1)].reshape(kn),
+            )
+            for i in range(b.shape[0])
+        ]
+        out = torch.cat(rows)
+    else:
+        out = f(b.reshape(-1), h.reshape(-1), qi.reshape(qn), ki.reshape(kn))
+    _remember(fn, "vmap")
+    return out
+
+
+def _weakable(fn) -> bool:
+    try:
+        weakref.ref(fn)
+        return True
+    except TypeError:
+        return False
+
+
+def _remember(fn, style: str) -> None:
+    if _weakable(fn):
+        _STYLE[fn] = style
+
+
 class FromFn(Mask):
     def __init__(self, fn, batch_size, num_heads, q_offset, kv_offset):
         if not callable(fn):
@@ -355,7 +417,7 @@ class FromFn(Mask):
         h = torch.arange(self.num_heads or 1, device=dev).view(1, -1, 1, 1)
         qi = q_idx.reshape(1, 1, -1, 1) + per_seq(self.q_offset, dev)
         ki = kv_idx.reshape(1, 1, 1, -1) + per_seq(self.kv_offset, dev)
-        out = self.fn(b, h, qi, ki)
+        out = _evaluate(self.fn, b, h, qi, ki)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             what = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
             raise AttnkitTypeError(
