@@ -27,7 +27,6 @@ on every call.
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import weakref
 from collections.abc import Hashable
@@ -37,7 +36,7 @@ import torch
 
 from attnkit import _cache
 from attnkit import masks as _masks
-from attnkit._indexing import as4d
+from attnkit._bits import partial_bits
 from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 
@@ -441,7 +440,7 @@ def _assemble(mask, q_len, kv_len, block_size, codes, limit, facts: MaskFacts, b
     limits = None if limit is None else tuple(int(n) for n in limit.cpu().reshape(-1).tolist())
     masked = bool((codes == _masks.PARTIAL).any())
     if bits_and_ids is None:
-        bits, tile_ids = _partial_tiles_packed(mask, q_len, kv_len, block_size, codes, kv_indices)
+        bits, tile_ids = partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices)
     else:
         bits, tile_ids = bits_and_ids
     if "torch._dynamo" in sys.modules:  # torch.compile in use: another layout's number of
@@ -481,51 +480,6 @@ def rebuilt(
     """A PreparedMask from the tensors of one (the plan compiled code carries as arguments)."""
     facts = MaskFacts(band, limit_only)
     return _assemble(None, q_len, kv_len, tuple(block_size), codes, kv_limit, facts, (bits, tile_ids))
-
-
-def _partial_tiles_packed(mask, q_len, kv_len, block_size, codes, kv_indices):
-    """``(bits, tile_ids)`` at preparation (see :class:`PreparedMask`)."""
-    bq, _ = block_size
-    int8, listed = _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices)
-    t, bk = int8.shape[0], int8.shape[2]
-    rows8 = math.ceil(bq / 8) * 8
-    keys = int8.transpose(1, 2)  # (T, bk, bq)
-    if rows8 != bq:  # queries padded to whole bytes with zeros
-        keys = torch.nn.functional.pad(keys, (0, rows8 - bq))
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=int8.device)
-    keys = keys.reshape(t, bk, rows8 // 8, 8).to(torch.uint8)  # (T, bk, bq/8, 8)
-    packed = (keys * weights).sum(-1, dtype=torch.uint8).contiguous()  # distinct powers of two: no carry
-    return packed, listed
-
-
-def _partial_tiles_of(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bits (T, bq, bk) int8, tile_ids)`` of the partial blocks (one host sync: which blocks are
-    partial). The mask is evaluated once per row block, over the key blocks partial in some
-    sequence or head; at least one tile (all zeros where there is no partial block)."""
-    device = codes.device
-    bq, bk = block_size
-    bm, hm, nq, nk = codes.shape
-    ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
-    tiles: list[torch.Tensor] = []
-    by_row: dict = {}
-    for b, h, i, j in (codes == _masks.PARTIAL).nonzero().tolist():
-        by_row.setdefault(i, {}).setdefault(j, []).append((b, h))
-    last_q, last_k = max(q_len - 1, 0), max(kv_len - 1, 0)
-    for i, blocks in by_row.items():
-        assert mask is not None, "partial blocks come from a mask"
-        columns = sorted(blocks)
-        q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
-        kv_idx = (torch.tensor(columns)[:, None] * bk + torch.arange(bk)[None, :]).reshape(1, -1)  # (1, n * bk)
-        inside = (q_idx < q_len) & (kv_idx < kv_len)
-        e = as4d(mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k), q_len, kv_len)).cpu()
-        e = e.expand(*e.shape[:2], bq, kv_idx.shape[1]) & inside  # (Bm or 1, Hm or 1, bq, n * bk)
-        for n, j in enumerate(columns):
-            for b, h in blocks[j]:
-                ids[b, h, i, j] = len(tiles)
-                tiles.append(e[min(b, e.shape[0] - 1), min(h, e.shape[1] - 1), :, n * bk : (n + 1) * bk])
-    bits = torch.stack(tiles).to(torch.int8) if tiles else torch.zeros(1, bq, bk, dtype=torch.int8)
-    listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
-    return bits.to(device).contiguous(), listed.to(device).contiguous()
 
 
 # --- the implicit cache ---------------------------------------------------------------

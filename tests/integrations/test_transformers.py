@@ -343,6 +343,23 @@ def test_unknown_mask_functions_keep_their_block_structure():
             raise TypeError("one pair at a time")
         return q >= kv
 
+    # a predicate written for one pair runs under torch.vmap: it keeps attnkit's mask too
+    scalar = hf.mask_function(1, 5, 5, mask_function=scalar_only, device="cpu", use_vmap=True)
+    assert scalar.device.type == "meta"
+    assert torch.equal(scalar.attnkit_mask.materialize()[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_mask_functions_attnkit_cannot_evaluate_get_transformers_dense_mask(monkeypatch):
+    """Where attnkit cannot evaluate a mask function, transformers' own dense mask runs it (exact)."""
+
+    def refuse(fn, *args):
+        raise TypeError("not evaluable on index tensors")
+
+    monkeypatch.setattr(hf, "_as_from_fn", refuse)
+
+    def scalar_only(b, h, q, kv):
+        return q >= kv
+
     dense = hf.mask_function(1, 5, 5, mask_function=scalar_only, device="cpu", use_vmap=True)
     assert dense.device.type == "cpu" and dense.dtype == torch.bool  # transformers' dense mask, exact
     assert torch.equal(dense[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())

@@ -4,12 +4,11 @@ kinds share. The constructors users call are in :mod:`attnkit.masks`."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable
 
 import torch
 
-from attnkit._indexing import as4d, check_align, check_offset, fmt, own, per_seq, shifted, span
+from attnkit._indexing import as4d, own, span
 from attnkit._types import Device, IntLike
 from attnkit._validate import (
     AttnkitTypeError,
@@ -26,31 +25,15 @@ __all__ = [
     "Combine",
     "Dense",
     "Mask",
-    "Positional",
     "as_mask",
     "batch_of",
     "block_minmax",
-    "indexed_positions",
-    "rows_of",
     "value_of",
     "values_of",
 ]
 
 #: Block-map codes: no pair of the block may attend / some may / all may.
 EMPTY, PARTIAL, FULL = 0, 1, 2
-
-
-def rows_of(t: torch.Tensor) -> torch.Tensor:
-    """Positions ``(..., L)`` with per-sequence leading dims as ``(B or 1, L)``."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def indexed_positions(q_offset, kv_offset, q_len: int, kv_len: int, device):
-    """``(q_idx + q_offset, kv_idx + kv_offset)`` as ``(B or 1, L)``: masks whose indices are positions."""
-    q = torch.arange(q_len, device=device)[None, :] + per_seq(q_offset, device, 2)
-    k = torch.arange(kv_len, device=device)[None, :] + per_seq(kv_offset, device, 2)
-    return q, k
-
 
 #: Tensors of at most this many elements (on the CPU) are part of a mask's value key.
 KEY_ELEMENTS = 1 << 16
@@ -84,80 +67,6 @@ def batch_of(*values) -> int | None:
     if len(sizes) > 1:
         raise AttnkitValueError(f"per-sequence arguments have different batch sizes {sorted(sizes)}.")
     return sizes.pop() if sizes else None
-
-
-class Positional:
-    """Offsets and alignment shared by the masks defined by positions."""
-
-    align: str = "bottom_right"
-    q_offset = 0
-    kv_offset = 0
-
-    def _set_positions(self, align, q_offset, kv_offset):
-        self.align = check_align(align)
-        self.q_offset = check_offset(q_offset, "q_offset")
-        self.kv_offset = check_offset(kv_offset, "kv_offset")
-
-    def _q_pos(self, q_idx, q_len, kv_len):
-        """Key-axis position of each query index (``kv_len`` may be a per-sequence tensor)."""
-        p = q_idx + per_seq(self.q_offset, q_idx.device)
-        return p + (kv_len - q_len) if self.align == "bottom_right" else p
-
-    def _k_pos(self, kv_idx):
-        return kv_idx + per_seq(self.kv_offset, kv_idx.device)
-
-    def positions(self, q_len, kv_len, device=None):
-        if device is None:
-            device = self._device()
-        q_pos = self._q_pos(torch.arange(q_len, device=device)[None, :], q_len, kv_len)  # (B or 1, Lq)
-        k_pos = self._k_pos(torch.arange(kv_len, device=device)[None, :])  # (B or 1, Lk)
-        return rows_of(q_pos), rows_of(k_pos)
-
-    def _position_repr(self) -> str:
-        extra = f"align={self.align!r}"
-        if not (isinstance(self.q_offset, int) and self.q_offset == 0):
-            extra += f", q_offset={fmt(self.q_offset)}"
-        if not (isinstance(self.kv_offset, int) and self.kv_offset == 0):
-            extra += f", kv_offset={fmt(self.kv_offset)}"
-        return extra
-
-    def _index_shift(self, q_len, kv_len) -> int | None:
-        """``p(i) - k(j) - (i - j)``: the key index query i sits at, minus i (None: per-sequence offsets)."""
-        if self._position_key() is None:
-            return None
-        return self.q_offset - self.kv_offset + (kv_len - q_len if self.align == "bottom_right" else 0)
-
-    def _position_key(self):
-        """Alignment and int offsets (None with per-sequence offsets: see :meth:`_position_value`)."""
-        if isinstance(self.q_offset, torch.Tensor) or isinstance(self.kv_offset, torch.Tensor):
-            return None
-        return (self.align, self.q_offset, self.kv_offset)
-
-    def _position_value(self):
-        """Alignment and offsets, tensors by value where small (None where they cannot be keyed)."""
-        offsets = values_of(self.q_offset, self.kv_offset)
-        return None if offsets is None else (self.align, *offsets)
-
-    def _position_tensors(self):
-        return tuple(x for x in (self.q_offset, self.kv_offset) if isinstance(x, torch.Tensor))
-
-    def tensors(self):
-        return self._position_tensors()
-
-    def _part(self, q_start, kv_start, q_len, kv_len, q_count, kv_count):
-        # In the part, positions are the global ones: keys move by kv_start, queries by
-        # q_start (plus the bottom-right shift of the whole problem), aligned top-left.
-        other = copy.copy(self)
-        shift = q_start + (kv_len - q_len if self.align == "bottom_right" else 0)
-        other.align = "top_left"
-        other.q_offset = shifted(self.q_offset, shift)
-        other.kv_offset = shifted(self.kv_offset, kv_start)
-        return other
-
-    def _block_positions(self, b):
-        """Query positions of each block's first and last row, key positions of its first and last key."""
-        p_lo, p_hi = self._q_pos(b.q_lo, b.q_len, b.kv_len), self._q_pos(b.q_hi, b.q_len, b.kv_len)
-        return p_lo, p_hi, self._k_pos(b.k_lo), self._k_pos(b.k_hi)
 
 
 class Blocks:
@@ -231,6 +140,13 @@ class Mask:
     def block_codes(self, blocks: Blocks) -> torch.Tensor:
         """Codes ``(..., nq, nk)`` for the block ranges; see :meth:`block_map`."""
         raise NotImplementedError
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """Allowed pairs of T tiles at once, each of its own sequence and head: broadcasting 3-d
+        index tensors ``b``, ``h`` ``(T, 1, 1)`` and ``q_idx``, ``kv_idx`` (e.g. ``(T, 1, tq)`` and
+        ``(T, tk, 1)``: key-major tiles) give a bool of their broadcast shape, or None where the
+        kind has no such form (:meth:`elements` is used)."""
+        return None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors the mask holds (its own copies)."""
@@ -484,6 +400,11 @@ class Dense(Mask):
         cols = kv_idx if t.shape[-1] != 1 else torch.zeros_like(kv_idx)
         return t[:, :, rows, cols]  # (B, H, tq, tk)
 
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        t = self.tensor.to(q_idx.device)
+        at = [x.clamp(max=n - 1) for x, n in zip((b, h, q_idx, kv_idx), t.shape)]  # size-1 axes broadcast
+        return t[at[0], at[1], at[2], at[3]]
+
     def block_codes(self, b):
         t = self.tensor.to(b.device)  # (B, H, Lq or 1, Lk or 1)
         pad_q = 0 if t.shape[-2] == 1 else -t.shape[-2] % b.bq
@@ -572,6 +493,13 @@ class Combine(Mask):
         a = as4d(self.left.elements(q_idx, kv_idx, q_len, kv_len))
         b = as4d(self.right.elements(q_idx, kv_idx, q_len, kv_len))
         return a & b if self.op == "&" else a | b
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        left = self.left.tiles(b, h, q_idx, kv_idx, q_len, kv_len)
+        right = None if left is None else self.right.tiles(b, h, q_idx, kv_idx, q_len, kv_len)
+        if left is None or right is None:
+            return None
+        return left & right if self.op == "&" else left | right
 
     def block_codes(self, b):
         left, right = as4d(self.left.block_codes(b)), as4d(self.right.block_codes(b))

@@ -22,14 +22,13 @@ from attnkit._validate import (
 )
 from attnkit.masks._base import (
     Mask,
-    Positional,
     as_mask,
     batch_of,
     block_minmax,
-    indexed_positions,
     value_of,
     values_of,
 )
+from attnkit.masks._positions import Positional, at_sequence, indexed_positions
 
 __all__ = ["Cached", "Causal", "Document", "FromFn", "Padding", "PrefixLM", "SlidingWindow"]
 
@@ -49,6 +48,10 @@ class Causal(Positional, Mask):
 
     def elements(self, q_idx, kv_idx, q_len, kv_len):
         return as4d(self._k_pos(kv_idx) <= self._q_pos(q_idx, q_len, kv_len))
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        p, j = self._tile_positions(b, q_idx, kv_idx, q_len, kv_len)
+        return j <= p
 
     def block_codes(self, b):
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
@@ -72,6 +75,10 @@ class SlidingWindow(Positional, Mask):
     def elements(self, q_idx, kv_idx, q_len, kv_len):
         p, j = self._q_pos(q_idx, q_len, kv_len), self._k_pos(kv_idx)
         return as4d((j >= p - self.left) & (j <= p + self.right))
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        p, j = self._tile_positions(b, q_idx, kv_idx, q_len, kv_len)
+        return (j >= p - self.left) & (j <= p + self.right)
 
     def block_codes(self, b):
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
@@ -113,6 +120,10 @@ class PrefixLM(Positional, Mask):
         j = self._k_pos(kv_idx)
         causal = j <= self._q_pos(q_idx, q_len, kv_len)
         return as4d((j < per_seq(self.prefix_len, kv_idx.device)) | causal)
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        p, j = self._tile_positions(b, q_idx, kv_idx, q_len, kv_len)
+        return (j < at_sequence(self.prefix_len, b)) | (j <= p)
 
     def block_codes(self, b):
         prefix = per_seq(self.prefix_len, b.device)
@@ -192,6 +203,13 @@ class Document(Mask):
         qi = self._ids_at(self.q_offset, q_idx[:, 0])  # (B, tq)
         ki = self._ids_at(self.kv_offset, kv_idx[0])  # (B, tk)
         return (qi[:, :, None] == ki[:, None, :])[:, None]  # (B, 1, tq, tk)
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        ids = self.ids.to(q_idx.device)
+        row, last = b.clamp(max=ids.shape[0] - 1), ids.shape[-1] - 1
+        qi = ids[row, (q_idx + at_sequence(self.q_offset, b)).clamp(0, last)]
+        ki = ids[row, (kv_idx + at_sequence(self.kv_offset, b)).clamp(0, last)]
+        return qi == ki
 
     def block_codes(self, b):
         dev = b.device
@@ -298,6 +316,10 @@ class Padding(Mask):
     def elements(self, q_idx, kv_idx, q_len, kv_len):
         lengths = self.lengths.to(kv_idx.device)[:, None, None, None]  # (B, 1, 1, 1)
         return kv_idx + per_seq(self.kv_offset, kv_idx.device) < lengths  # (B, 1, 1, tk)
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        keys = kv_idx + at_sequence(self.kv_offset, b) < at_sequence(self.lengths, b)
+        return keys.expand(torch.broadcast_shapes(keys.shape, q_idx.shape))
 
     def block_codes(self, b):
         lengths = self.lengths.to(b.device)[:, None, None, None]  # (B, 1, 1, 1)
@@ -432,6 +454,19 @@ class FromFn(Mask):
                 f"a from_fn mask function returned shape {tuple(out.shape)}, which does not broadcast "
                 f"to (B, H, tq, tk) = {shape}. Combine the index tensors b, h, q_idx, kv_idx by broadcasting."
             ) from None
+
+    def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        if _STYLE.get(self.fn) != "broadcast" if _weakable(self.fn) else True:
+            return None  # a predicate of one pair, or not known yet: per row of blocks (elements)
+        qi, ki = q_idx + at_sequence(self.q_offset, b), kv_idx + at_sequence(self.kv_offset, b)
+        out = self.fn(b, h, qi, ki)
+        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        try:
+            fits = isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() <= 3
+            fits = fits and torch.broadcast_shapes(out.shape, shape) == shape
+        except RuntimeError:
+            fits = False
+        return out.expand(shape) if fits else None
 
     def block_codes(self, b):
         rows = []

@@ -1,0 +1,95 @@
+"""The element bits of a plan's partial blocks: what :func:`attnkit.prepare` evaluates of a mask.
+
+A block map says which ``bq x bk`` blocks are partial; each partial block's pairs are evaluated
+once, here, and kept packed key-major (eight queries a byte: :class:`attnkit.PreparedMask`'s
+``bits``). Masks with a tile form (:meth:`attnkit.masks.Mask.tiles`: the structured kinds, their
+``&``/``|``, dense masks and broadcasting ``from_fn`` predicates) are evaluated on every partial
+tile at once, each tile at its own sequence and head, in chunks of :data:`TILES_AT_ONCE`; any
+other mask one row of blocks at a time over that row's partial key blocks. Packing is
+``numpy.packbits``. The cost is O(partial tiles x bq x bk), never O(Lq x Lk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnkit import masks as _masks
+from attnkit._indexing import as4d
+
+__all__ = ["TILES_AT_ONCE", "partial_bits"]
+
+#: Partial tiles evaluated together by a mask's tile form (O(TILES_AT_ONCE x bq x bk) memory).
+TILES_AT_ONCE = 1024
+
+
+def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bits (T, bk, ceil(bq / 8)) uint8, tile_ids)`` of the partial blocks of ``codes`` (one host
+    sync: which blocks are partial); at least one tile (all zeros where there is none)."""
+    device = codes.device
+    bq, bk = block_size
+    bm, hm, nq, nk = codes.shape
+    where = (codes == _masks.PARTIAL).nonzero().cpu()  # (T, 4): b, h, i, j
+    ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
+    keys_major: torch.Tensor | None = None
+    if where.shape[0] == 0:
+        keys_major = torch.zeros(1, bk, bq, dtype=torch.bool)
+    else:
+        assert mask is not None, "partial blocks come from a mask"
+        keys_major = _by_tiles(mask, q_len, kv_len, block_size, where)
+        if keys_major is None:
+            where, tiles = _by_rows(mask, q_len, kv_len, block_size, where, nq, nk)
+            keys_major = tiles.transpose(1, 2).contiguous()
+        ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
+    # key-major, eight queries a byte (bit r % 8 of byte r // 8 is query r; queries padded with zeros)
+    packed = np.packbits(keys_major.numpy(), axis=-1, bitorder="little")
+    listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
+    return torch.from_numpy(packed).to(device).contiguous(), listed.to(device).contiguous()
+
+
+def _by_tiles(mask, q_len, kv_len, block_size, where) -> torch.Tensor | None:
+    """Every partial tile from the mask's tile form, key-major ``(T, bk, bq)`` bool (queries along
+    the last axis, as they are packed), or None where the mask has no tile form."""
+    bq, bk = block_size
+    rows, keys = torch.arange(bq, dtype=torch.int32), torch.arange(bk, dtype=torch.int32)
+    ragged = q_len % bq != 0 or kv_len % bk != 0  # the last blocks hold rows or keys past the lengths
+    out = []
+    for start in range(0, where.shape[0], TILES_AT_ONCE):
+        part = where[start : start + TILES_AT_ONCE].to(torch.int32)
+        b, h = part[:, 0].view(-1, 1, 1), part[:, 1].view(-1, 1, 1)
+        q_idx = part[:, 2].view(-1, 1, 1) * bq + rows.view(1, 1, -1)  # (n, 1, bq): queries along the last axis
+        kv_idx = part[:, 3].view(-1, 1, 1) * bk + keys.view(1, -1, 1)  # (n, bk, 1)
+        inside = (q_idx < q_len) & (kv_idx < kv_len) if ragged else None
+        if ragged:
+            q_idx, kv_idx = q_idx.clamp(max=max(q_len - 1, 0)), kv_idx.clamp(max=max(kv_len - 1, 0))
+        e = mask.tiles(b, h, q_idx, kv_idx, q_len, kv_len)
+        if e is None:
+            return None
+        e = e.cpu().expand(part.shape[0], bk, bq)
+        out.append(e & inside if inside is not None else e)
+    return out[0].contiguous() if len(out) == 1 else torch.cat(out)
+
+
+def _by_rows(mask, q_len, kv_len, block_size, where, nq, nk) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(where, tiles)``: the mask evaluated one row of blocks at a time, over the key blocks
+    partial there in some sequence or head; tiles in the order of the returned ``where``."""
+    bq, bk = block_size
+    where = where[torch.argsort(where[:, 2], stable=True)]  # by row of blocks
+    starts = torch.searchsorted(where[:, 2].contiguous(), torch.arange(nq + 1)).tolist()
+    last_q, last_k = max(q_len - 1, 0), max(kv_len - 1, 0)
+    tiles = []
+    for i in range(nq):
+        part = where[starts[i] : starts[i + 1]]
+        if part.shape[0] == 0:
+            continue
+        cols = torch.unique(part[:, 3])
+        position = torch.full((nk,), -1, dtype=torch.long)
+        position[cols] = torch.arange(len(cols))
+        q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
+        kv_idx = (cols[:, None] * bk + torch.arange(bk)[None, :]).reshape(1, -1)
+        inside = (q_idx < q_len) & (kv_idx < kv_len)
+        e = as4d(mask.elements(q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k), q_len, kv_len)).cpu() & inside
+        e = e.reshape(e.shape[0], e.shape[1], bq, len(cols), bk)
+        b_sel, h_sel = part[:, 0].clamp(max=e.shape[0] - 1), part[:, 1].clamp(max=e.shape[1] - 1)
+        tiles.append(e[b_sel, h_sel, :, position[part[:, 3]], :])  # (n, bq, bk)
+    return where, torch.cat(tiles)
