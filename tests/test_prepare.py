@@ -1,4 +1,6 @@
-"""TODO"""
+"""attnkit.prepare: the block lists and partial bits of every mask kind equal the mask's formula,
+prepared masks run every kernel as the masks they came from, and each form of evaluation
+(query ranges, tiles, rows of blocks) is taken where it applies."""
 
 from __future__ import annotations
 
@@ -152,3 +154,72 @@ def test_prepared_facts():
     pad = attnkit.prepare(masks.padding([100, 300]), 4, 300)
     assert pad.limit_only and pad.band is None and pad.kv_limit.tolist() == [100, 300]
     assert attnkit.prepare(masks.document(torch.arange(300) // 30), 300, 300).band is None
+
+
+def _structured_cases(lq, lk):
+    g = torch.Generator().manual_seed(lq * 7 + lk)
+    cases = {
+        "causal": masks.causal(),
+        "causal top-left": masks.causal(align="top_left"),
+        "window": masks.sliding_window(20, 3),
+        "prefix per sequence": masks.prefix_lm(torch.tensor([5, 90])),
+        "padding": masks.padding(torch.tensor([lk // 2, lk])),
+        "padding & causal": masks.padding(torch.tensor([lk // 3, max(lk - 1, 0)])) & masks.causal(),
+        "window, offsets & prefix": masks.sliding_window(40, 0, q_offset=torch.tensor([3, 9])) & masks.prefix_lm(17),
+    }
+    if lq == lk:
+        ids = torch.sort(torch.randint(0, 5, (2, lq), generator=g)).values
+        cases["documents & causal"] = masks.document(ids) & masks.causal()
+        cases["documents, descending ids"] = masks.document(ids.flip(-1))
+        cases["documents & window"] = masks.document(ids[0]) & masks.sliding_window(9, 9)
+    return cases
+
+
+@pytest.mark.parametrize("lq, lk", [(300, 300), (257, 700), (700, 257), (1, 500), (1000, 1000)])
+@pytest.mark.parametrize("block_size", [(128, 64), (13, 7), (8, 16)])
+def test_partial_bits_follow_from_the_parameters(lq, lk, block_size, monkeypatch):
+    """Structured masks and their "&" pack their partial tiles from per-key query ranges (no pair
+    evaluated): the plan equals the mask's formula at every element, at any block size and
+    ragged edge, and the range form is the one taken."""
+    from attnkit import _bits
+
+    taken = []
+    by_ranges = _bits._by_ranges
+    monkeypatch.setattr(_bits, "_by_ranges", lambda *a: taken.append(r := by_ranges(*a)) or r)
+    for name, mask in _structured_cases(lq, lk).items():
+        taken.clear()
+        prepared = attnkit.prepare(mask, lq, lk, block_size=block_size)
+        got, want = torch.broadcast_tensors(prepared.materialize(), mask.materialize(lq, lk))
+        assert torch.equal(got, want), f"{name} at {lq}x{lk}, blocks {block_size}"
+        assert not prepared.masked or (taken and taken[0] is not None), f"{name}: not packed from ranges"
+
+
+def test_each_mask_is_evaluated_in_the_form_it_has(monkeypatch):
+    """Ranges for structured "&", tiles for "|" and unsorted document ids, rows of blocks for
+    predicates written for one pair; each equal to the formula."""
+    from attnkit import _bits
+
+    seen = []
+    for name in ("_by_ranges", "_by_tiles", "_by_rows"):
+        real = getattr(_bits, name)
+        monkeypatch.setattr(
+            _bits, name, lambda *a, _real=real, _name=name: (r := _real(*a)) is not None and seen.append(_name) or r
+        )
+
+    def one_pair(b, h, q, kv):
+        if q.dim() != 0:
+            raise TypeError("one pair at a time")
+        return (q - kv).abs() <= 3
+
+    shuffled = torch.tensor([0] * 40 + [1] * 60 + [0] * 50 + [2] * 50)
+    cases = {
+        "_by_ranges": masks.document(torch.arange(200) // 70) & masks.causal(),
+        "_by_tiles": masks.sliding_window(3, 3) | masks.causal(),
+        "_by_tiles ": masks.document(shuffled),
+        "_by_rows": masks.from_fn(one_pair),
+    }
+    for form, mask in cases.items():
+        seen.clear()
+        prepared = attnkit.prepare(mask, 200, 200, block_size=(32, 16))
+        assert seen == [form.strip()], (form, seen)
+        assert torch.equal(*torch.broadcast_tensors(prepared.materialize(), mask.materialize(200, 200)))

@@ -1,12 +1,19 @@
 """The element bits of a plan's partial blocks: what :func:`attnkit.prepare` evaluates of a mask.
 
-A block map says which ``bq x bk`` blocks are partial; each partial block's pairs are evaluated
-once, here, and kept packed key-major (eight queries a byte: :class:`attnkit.PreparedMask`'s
-``bits``). Masks with a tile form (:meth:`attnkit.masks.Mask.tiles`: the structured kinds, their
-``&``/``|``, dense masks and broadcasting ``from_fn`` predicates) are evaluated on every partial
-tile at once, each tile at its own sequence and head, in chunks of :data:`TILES_AT_ONCE`; any
-other mask one row of blocks at a time over that row's partial key blocks. Packing is
-``numpy.packbits``. The cost is O(partial tiles x bq x bk), never O(Lq x Lk).
+A block map says which ``bq x bk`` blocks are partial; each partial block's pairs are kept packed
+key-major (eight queries a byte: :class:`attnkit.PreparedMask`'s ``bits``). Three forms, the
+first the mask has:
+
+- **query ranges** (:meth:`attnkit.masks.Mask.query_ranges`: causal, windows, prefix, padding,
+  sorted document ids and their ``&``): each key's allowed queries are one range, and its bytes
+  come from a table of packed prefixes, ``first[hi + 1] ^ first[lo]``; no pair is evaluated,
+  O(partial tiles x bk x bq / 8);
+- **tiles** (:meth:`attnkit.masks.Mask.tiles`: the structured kinds with ``|``, dense masks and
+  broadcasting ``from_fn`` predicates): every partial tile evaluated at once, each at its own
+  sequence and head, in chunks of :data:`TILES_AT_ONCE`, packed with ``numpy.packbits``;
+- **rows**: any other mask one row of blocks at a time over that row's partial key blocks.
+
+The cost is O(partial tiles x bq x bk) at most, never O(Lq x Lk).
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[to
         keys_major = torch.zeros(1, bk, bq, dtype=torch.bool)
     else:
         assert mask is not None, "partial blocks come from a mask"
+        packed_ranges = _by_ranges(mask, q_len, kv_len, block_size, where)
+        if packed_ranges is not None:
+            ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
+            listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
+            return packed_ranges.to(device).contiguous(), listed.to(device).contiguous()
         keys_major = _by_tiles(mask, q_len, kv_len, block_size, where)
         if keys_major is None:
             where, tiles = _by_rows(mask, q_len, kv_len, block_size, where, nq, nk)
@@ -45,6 +57,43 @@ def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[to
     packed = np.packbits(keys_major.numpy(), axis=-1, bitorder="little")
     listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
     return torch.from_numpy(packed).to(device).contiguous(), listed.to(device).contiguous()
+
+
+def _by_ranges(mask, q_len, kv_len, block_size, where) -> torch.Tensor | None:
+    """Every partial tile packed ``(T, bk, ceil(bq / 8))`` uint8 straight from the mask's query
+    ranges (:meth:`~attnkit.masks.Mask.query_ranges`), without evaluating a pair: a key whose
+    queries are ``[lo, hi]`` of its tile packs as ``first[hi + 1] ^ first[lo]``, ``first[n]`` the
+    packed row of the tile's first ``n`` queries. None where the mask has no range form."""
+    bq, bk = block_size
+    first = _first_queries(bq)
+    keys = torch.arange(bk, dtype=torch.int32)
+    out = []
+    for start in range(0, where.shape[0], 8 * TILES_AT_ONCE):
+        part = where[start : start + 8 * TILES_AT_ONCE].to(torch.int32)
+        b, h = part[:, 0:1], part[:, 1:2]
+        kv_idx = part[:, 3:4] * bk + keys  # (n, bk)
+        found = mask.query_ranges(b, h, kv_idx.clamp(max=max(kv_len - 1, 0)), q_len, kv_len)
+        if found is None:
+            return None
+        q0 = part[:, 2:3] * bq  # each tile's first query
+        end = (torch.clamp(found[1], max=q_len - 1) - q0 + 1).clamp(0, bq)  # tile-local, exclusive
+        end = torch.where(kv_idx < kv_len, end, 0) if kv_len % bk else end  # keys past Lk: no query
+        lo = torch.minimum((found[0] - q0).clamp(0, bq), end)
+        end, lo = end.expand(part.shape[0], bk).reshape(-1), lo.expand(part.shape[0], bk).reshape(-1)
+        packed = first.index_select(0, end.long()) ^ first.index_select(0, lo.long())
+        out.append(packed.view(part.shape[0], bk, -1))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+_FIRST: dict[int, torch.Tensor] = {}
+
+
+def _first_queries(bq: int) -> torch.Tensor:
+    """``(bq + 1, ceil(bq / 8))`` uint8: row ``n`` packs a tile column whose first ``n`` queries are set."""
+    if bq not in _FIRST:
+        rows = torch.arange(bq)[None, :] < torch.arange(bq + 1)[:, None]
+        _FIRST[bq] = torch.from_numpy(np.packbits(rows.numpy(), axis=-1, bitorder="little"))
+    return _FIRST[bq]
 
 
 def _by_tiles(mask, q_len, kv_len, block_size, where) -> torch.Tensor | None:

@@ -148,6 +148,14 @@ class Mask:
         kind has no such form (:meth:`elements` is used)."""
         return None
 
+    def query_ranges(self, b, h, kv_idx, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For each key of T tiles, the queries that may see it as one range: ``(lo, hi)``, query
+        indices (inclusive; ``lo > hi``: none) broadcasting to ``kv_idx``'s shape ``(T, tk)``, with
+        ``b``, ``h`` ``(T, 1)`` each tile's sequence and head. None where the kind's allowed
+        queries are not one range per key (:meth:`tiles` is used). Values may lie outside
+        ``[0, q_len)``: only the part inside counts. Within ``±RANGE_END`` (2**30)."""
+        return None
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors the mask holds (its own copies)."""
         return ()
@@ -500,6 +508,15 @@ class Combine(Mask):
         if left is None or right is None:
             return None
         return left & right if self.op == "&" else left | right
+
+    def query_ranges(self, b, h, kv_idx, q_len, kv_len):
+        if self.op != "&":
+            return None  # two ranges' union is not one range
+        left = self.left.query_ranges(b, h, kv_idx, q_len, kv_len)
+        right = None if left is None else self.right.query_ranges(b, h, kv_idx, q_len, kv_len)
+        if left is None or right is None:
+            return None
+        return torch.maximum(left[0], right[0]), torch.minimum(left[1], right[1])
 
     def block_codes(self, b):
         left, right = as4d(self.left.block_codes(b)), as4d(self.right.block_codes(b))

@@ -28,7 +28,7 @@ from attnkit.masks._base import (
     value_of,
     values_of,
 )
-from attnkit.masks._positions import Positional, at_sequence, indexed_positions
+from attnkit.masks._positions import RANGE_END, Positional, at_sequence, indexed_positions
 
 __all__ = ["Cached", "Causal", "Document", "FromFn", "Padding", "PrefixLM", "SlidingWindow"]
 
@@ -52,6 +52,10 @@ class Causal(Positional, Mask):
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         p, j = self._tile_positions(b, q_idx, kv_idx, q_len, kv_len)
         return j <= p
+
+    def query_ranges(self, b, h, kv_idx, q_len, kv_len):
+        shift, j = self._range_positions(b, kv_idx, q_len, kv_len)  # j <= i + shift
+        return j - shift, torch.full_like(j, RANGE_END)
 
     def block_codes(self, b):
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
@@ -79,6 +83,10 @@ class SlidingWindow(Positional, Mask):
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         p, j = self._tile_positions(b, q_idx, kv_idx, q_len, kv_len)
         return (j >= p - self.left) & (j <= p + self.right)
+
+    def query_ranges(self, b, h, kv_idx, q_len, kv_len):
+        shift, j = self._range_positions(b, kv_idx, q_len, kv_len)  # j - right <= i + shift <= j + left
+        return j - self.right - shift, j + self.left - shift
 
     def block_codes(self, b):
         p_lo, p_hi, k_lo, k_hi = self._block_positions(b)
@@ -124,6 +132,11 @@ class PrefixLM(Positional, Mask):
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         p, j = self._tile_positions(b, q_idx, kv_idx, q_len, kv_len)
         return (j < at_sequence(self.prefix_len, b)) | (j <= p)
+
+    def query_ranges(self, b, h, kv_idx, q_len, kv_len):
+        shift, j = self._range_positions(b, kv_idx, q_len, kv_len)  # in the prefix, or j <= i + shift
+        lo = torch.where(j < at_sequence(self.prefix_len, b), -RANGE_END, j - shift)
+        return lo, torch.full_like(lo, RANGE_END)
 
     def block_codes(self, b):
         prefix = per_seq(self.prefix_len, b.device)
@@ -203,6 +216,38 @@ class Document(Mask):
         qi = self._ids_at(self.q_offset, q_idx[:, 0])  # (B, tq)
         ki = self._ids_at(self.kv_offset, kv_idx[0])  # (B, tk)
         return (qi[:, :, None] == ki[:, None, :])[:, None]  # (B, 1, tq, tk)
+
+    def _runs(self):
+        """``(start, end)`` ``(B or 1, L)``: the first and last position of the run of equal ids
+        each position is in; None where some id may form more than one run (ids not sorted).
+        O(L), made again each time (nothing is stored on the mask)."""
+        ids = self.ids
+        steps = ids[:, 1:] - ids[:, :-1]
+        if ids.device.type != "cpu" or not (bool((steps >= 0).all()) or bool((steps <= 0).all())):
+            return None
+        pos = torch.arange(ids.shape[-1], dtype=torch.int32).expand_as(ids)
+        new = torch.ones_like(ids, dtype=torch.bool)
+        new[:, 1:] = steps != 0
+        start = torch.where(new, pos, 0).cummax(-1).values
+        last = torch.ones_like(new)
+        last[:, :-1] = new[:, 1:]
+        end = torch.where(last, pos, ids.shape[-1]).flip(-1).cummin(-1).values.flip(-1)
+        return start, end
+
+    def query_ranges(self, b, h, kv_idx, q_len, kv_len):
+        runs = self._runs()
+        if runs is None or kv_idx.device.type != "cpu":
+            return None
+        start, end = runs  # queries of key j: those whose position lies in j's run (positions clamped)
+        last = start.shape[-1] - 1
+        at = (kv_idx + at_sequence(self.kv_offset, b)).clamp(0, last)
+        if start.shape[0] > 1:  # one row of ids per sequence
+            at = b.clamp(max=start.shape[0] - 1) * start.shape[-1] + at
+        first, final = start.reshape(-1)[at], end.reshape(-1)[at]
+        q_off = at_sequence(self.q_offset, b)
+        lo = torch.where(first == 0, -RANGE_END, first - q_off)
+        hi = torch.where(final == last, RANGE_END, final - q_off)
+        return lo, hi
 
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         ids = self.ids.to(q_idx.device)
@@ -320,6 +365,10 @@ class Padding(Mask):
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         keys = kv_idx + at_sequence(self.kv_offset, b) < at_sequence(self.lengths, b)
         return keys.expand(torch.broadcast_shapes(keys.shape, q_idx.shape))
+
+    def query_ranges(self, b, h, kv_idx, q_len, kv_len):
+        seen = kv_idx + at_sequence(self.kv_offset, b) < at_sequence(self.lengths, b)  # by every query, or none
+        return torch.where(seen, -RANGE_END, RANGE_END), torch.full_like(kv_idx, RANGE_END)
 
     def block_codes(self, b):
         lengths = self.lengths.to(b.device)[:, None, None, None]  # (B, 1, 1, 1)

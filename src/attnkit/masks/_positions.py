@@ -9,7 +9,10 @@ import torch
 from attnkit._indexing import check_align, check_offset, fmt, per_seq, shifted
 from attnkit.masks._base import values_of
 
-__all__ = ["Positional", "at_sequence", "indexed_positions", "rows_of"]
+__all__ = ["RANGE_END", "Positional", "at_sequence", "indexed_positions", "rows_of"]
+
+#: "No bound" in :meth:`attnkit.masks.Mask.query_ranges` (beyond every query index).
+RANGE_END = 2**30
 
 
 def rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -103,6 +106,11 @@ class Positional:
         """Key-axis positions of tiles' queries and keys (``b``: each tile's sequence)."""
         p = q_idx + at_sequence(self.q_offset, b) + (kv_len - q_len if self.align == "bottom_right" else 0)
         return p, kv_idx + at_sequence(self.kv_offset, b)
+
+    def _range_positions(self, b, kv_idx, q_len, kv_len):
+        """``(shift, j)``: query i sits at key position ``i + shift`` (per tile), keys at ``j``."""
+        shift = at_sequence(self.q_offset, b) + (kv_len - q_len if self.align == "bottom_right" else 0)
+        return shift, kv_idx + at_sequence(self.kv_offset, b)
 
     def _block_positions(self, b):
         """Query positions of each block's first and last row, key positions of its first and last key."""
