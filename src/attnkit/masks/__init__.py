@@ -42,7 +42,8 @@ import torch
 
 from attnkit._types import IntLike, Offset
 from attnkit.masks._base import EMPTY, FULL, PARTIAL, Dense, Mask, as_mask
-from attnkit.masks._kinds import Cached, Causal, Document, FromFn, Padding, PrefixLM, SlidingWindow
+from attnkit.masks._from_fn import FromFn
+from attnkit.masks._kinds import Cached, Causal, Document, Padding, PrefixLM, SlidingWindow
 
 __all__ = [
     "Mask",

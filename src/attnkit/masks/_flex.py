@@ -107,7 +107,7 @@ class FromBlockMask(Mask):
             return out | partial
         if not bool(partial.any()):  # only full and empty blocks here: mask_mod is not asked
             return out
-        from attnkit.masks._kinds import FromFn
+        from attnkit.masks._from_fn import FromFn
 
         asked = FromFn(self.mask_mod, self.batch_size, self.num_heads, 0, 0)
         q, kv = q_idx.reshape(-1), kv_idx.reshape(-1)
