@@ -2,6 +2,7 @@
 exact statistics of the weights at any length."""
 
 from attnkit.inspect.capture import Capture, capture
+from attnkit.inspect.kv import kv_scores
 from attnkit.inspect.stats import AttentionStats, attention_stats
 
-__all__ = ["AttentionStats", "Capture", "attention_stats", "capture"]
+__all__ = ["AttentionStats", "Capture", "attention_stats", "capture", "kv_scores"]
