@@ -16,7 +16,7 @@ from attnkit.nn import MultiHeadAttention
 #: whole (256 MB of float32); ``mode="stats"`` and ``rows=`` have no such limit.
 FULL_WEIGHTS_BUDGET = 2**26
 
-MODES = ("weights", "stats")
+MODES = ("weights", "stats", "heads")
 
 
 class Capture:
@@ -27,6 +27,8 @@ class Capture:
     ``mode="stats"``: ``stats[i]`` is an :class:`~attnkit.inspect.AttentionStats`
     (entropy, sink mass, mean distance, key mass received, top-k keys; O(L) memory at
     any length), and ``weights[i]`` the chosen rows' weights when ``rows=`` is given.
+    ``mode="heads"``: ``outputs[i]`` is the layer's per-head output ``(B, H, Lq, head_dim)``
+    before its output projection (detached): what :func:`attnkit.inspect.intervene` patches in.
     The model keeps its own kernel and its outputs do not change: everything is
     recomputed from the layer's projected queries and keys with the same mask.
 
@@ -50,7 +52,7 @@ class Capture:
         sink_tokens: int = 1,
     ):
         if mode not in MODES:
-            raise AttnkitValueError(f"mode must be 'weights' or 'stats', but got {mode!r}.")
+            raise AttnkitValueError(f"mode must be 'weights', 'stats' or 'heads', but got {mode!r}.")
         self.mode, self.rows, self.heads, self.topk, self.sink_tokens = mode, rows, heads, topk, sink_tokens
         if not isinstance(model, nn.Module):
             raise AttnkitTypeError(f"capture expects a torch.nn.Module, but got {type(model).__name__}.")
@@ -70,6 +72,7 @@ class Capture:
         self._thread: int | None = None  # the thread that opened the block: only its calls are recorded
         self.weights: list[torch.Tensor] = []
         self.stats: list = []
+        self.outputs: list[torch.Tensor] = []
         self.names: list[str] = []
         self._handles: list = []
 
@@ -117,19 +120,40 @@ class Capture:
             return
         self._record(name, q, k, v, mask, {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale")})
 
+    def _heads_hook(self, name: str | None):
+        def hook(module, out):
+            if threading.get_ident() != self._thread:
+                return None
+            found = name if name is not None else self._hf_names.get(id(module))
+            if found is not None:  # (None: another model's attention)
+                self.outputs.append(out.detach())
+                self.names.append(found)
+            return None
+
+        return hook
+
     def __enter__(self) -> Capture:
         self._thread = threading.get_ident()
         if self._hf_names is not None:
-            from attnkit.integrations.transformers import check_model, register_attention_hook
+            from attnkit.integrations.transformers import (
+                check_model,
+                register_attention_hook,
+                register_head_output_hook,
+            )
 
             check_model(self._model)  # a model that bypasses the interface would record nothing
-
-            self._handles.append(register_attention_hook(self._hf_hook))
+            if self.mode == "heads":
+                self._handles.append(register_head_output_hook(self._heads_hook(None)))
+            else:
+                self._handles.append(register_attention_hook(self._hf_hook))
             return self
         for name, layer in self.layers:
-            self._handles.append(
-                layer.register_attention_hook(self._hook(name or type(layer).__name__), with_kwargs=True)
-            )
+            if self.mode == "heads":
+                self._handles.append(layer.register_head_output_hook(self._heads_hook(name or type(layer).__name__)))
+            else:
+                self._handles.append(
+                    layer.register_attention_hook(self._hook(name or type(layer).__name__), with_kwargs=True)
+                )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -178,6 +202,8 @@ def capture(
     - ``mode="weights"`` (default): full weights, for inputs that fit
       (:data:`FULL_WEIGHTS_BUDGET`); longer inputs raise an error pointing here.
     - ``mode="stats"``: :func:`attnkit.inspect.attention_stats` per layer, any length.
+    - ``mode="heads"``: each layer's per-head outputs before its output projection
+      (``cap.outputs``), for :func:`attnkit.inspect.intervene`'s ``patch=``.
     - ``rows=`` / ``heads=``: also (or only) the weights of these query rows and heads,
       e.g. ``rows=[-1]`` for the last token, exact, in memory proportional to them.
     - ``topk`` / ``sink_tokens``: passed to ``attention_stats``.

@@ -58,6 +58,7 @@ __all__ = [
     "mask_function",
     "register",
     "register_attention_hook",
+    "register_head_output_hook",
     "translate",
     "unregister",
     "uses_attention_interface",
@@ -300,10 +301,25 @@ def attention_forward(
         out, weights = attention_with_weights(query, key, value, mask, **mods)
     else:
         out, weights = attention(query, key, value, mask, **mods), None
+    if _head_output_hooks:
+        from attnkit.nn.attention import run_head_output_hooks
+
+        out = run_head_output_hooks(tuple(_head_output_hooks.values()), module, out)
     return out.transpose(1, 2).contiguous(), weights  # (B, Hq, Lq, D) -> (B, Lq, Hq, D)
 
 
 _attention_hooks: collections.OrderedDict = collections.OrderedDict()
+_head_output_hooks: collections.OrderedDict = collections.OrderedDict()
+
+
+def register_head_output_hook(hook: Callable[..., torch.Tensor | None]) -> RemovableHandle:
+    """Call ``hook(module, out)`` after every attention this integration runs, with the heads'
+    outputs ``out: (B, Hq, Lq, D)`` before the model's output projection; a tensor it returns
+    (same shape) replaces them. :func:`attnkit.inspect.intervene` uses it. Returns a handle whose
+    ``remove()`` unregisters the hook."""
+    handle = RemovableHandle(_head_output_hooks)
+    _head_output_hooks[handle.id] = hook
+    return handle
 
 
 def register_attention_hook(hook: Callable[..., None]) -> RemovableHandle:

@@ -31,6 +31,21 @@ def _split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
 
 
+def run_head_output_hooks(hooks, module, out: torch.Tensor) -> torch.Tensor:
+    """``out`` through each ``hook(module, out)``: a returned tensor of ``out``'s shape replaces it."""
+    for hook in hooks:
+        new = hook(module, out)
+        if new is not None:
+            if not isinstance(new, torch.Tensor) or new.shape != out.shape:
+                got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                raise AttnkitValueError(
+                    f"a head output hook returned {got}; it must return None or a tensor of the heads' "
+                    f"shape {tuple(out.shape)}."
+                )
+            out = new
+    return out
+
+
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise AttnkitTypeError(f"{name} must be an int, but got {x!r}.")
@@ -130,6 +145,29 @@ class MultiHeadAttention(nn.Module):
             )
         self.rotary = rotary
         self._attention_hooks: OrderedDict = OrderedDict()
+        self._head_output_hooks: OrderedDict = OrderedDict()
+
+    def register_head_output_hook(self, hook: Callable[..., torch.Tensor | None]) -> RemovableHandle:
+        """Call ``hook(module, out)`` on every forward with the heads' outputs ``out: (B, num_heads,
+        Lq, head_dim)``, before the output projection; a tensor it returns (same shape) replaces
+        them (``None``: unchanged). :func:`attnkit.inspect.intervene` and ``capture(mode="heads")``
+        use it. Returns a handle whose ``remove()`` unregisters it.
+
+        >>> import torch, attnkit
+        >>> mha = attnkit.MultiHeadAttention(16, 4)
+        >>> keep = torch.tensor([0.0, 1, 1, 1]).view(4, 1, 1)  # head 0 off
+        >>> handle = mha.register_head_output_hook(lambda module, out: out * keep)
+        >>> y, _ = mha(torch.randn(2, 5, 16))
+        >>> handle.remove()
+        """
+        if not callable(hook):
+            raise AttnkitTypeError(f"hook must be callable as hook(module, out), but got {type(hook).__name__}.")
+        handle = RemovableHandle(self._head_output_hooks)
+        self._head_output_hooks[handle.id] = hook
+        return handle
+
+    def _run_head_output_hooks(self, out: torch.Tensor) -> torch.Tensor:
+        return run_head_output_hooks(tuple(self._head_output_hooks.values()), self, out)
 
     def register_attention_hook(self, hook: Callable[..., None], *, with_kwargs: bool = False) -> RemovableHandle:
         """Call ``hook(module, q, k, v, mask)`` on every forward, just before attention.
@@ -361,6 +399,8 @@ class MultiHeadAttention(nn.Module):
             out, weights = functional.attention_with_weights(q, k, v, mask, **mods)
         else:
             out, weights = functional.attention(q, k, v, mask, **mods), None
+        if self._head_output_hooks:
+            out = self._run_head_output_hooks(out)
         out = self.out_proj(self.merge_heads(out))  # (B, H, Lq, hd) -> (B, Lq, d_model)
         if unbatched:
             out = out[0]
