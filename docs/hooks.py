@@ -283,7 +283,23 @@ def captioner(name: str) -> str:
     )
 
 
+def masks(name: str) -> str:
+    """Making a mask new per call: ms, and its share of one forward / forward+backward."""
+    d = _load(name)
+    rows = []
+    for r in d["rows"]:
+        share = f"{r['share_of_forward']:.1%}" if "share_of_forward" in r else "-"
+        share2 = f"{r['share_of_fwd_bwd']:.1%}" if "share_of_fwd_bwd" in r else "-"
+        rows.append([r["L"], r["B"], r["kind"], round(r["prepare_ms"], 2), share, share2, r.get("first_call_s", "")])
+    m = d.get("machine", {})
+    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}.*\n\n"
+    return head + _table(
+        ["L", "B", "mask (made new each call)", "make ms", "of a forward", "of fwd+bwd", "first call s"], rows
+    )
+
+
 TABLES = {
+    "masks": masks,
     "cpu": cpu,
     "cpu_4096": cpu,
     "cpu_4096_amx": cpu,

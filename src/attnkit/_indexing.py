@@ -74,3 +74,17 @@ def span(index, length: int, name: str) -> tuple[int, int]:
 def shifted(x, by: int):
     """An offset (int or per-sequence tensor) moved by ``by``."""
     return x + by if by else x
+
+
+def broadcast(*shapes) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` for plain int shapes, without its symbolic-shape machinery (tens of
+    microseconds a call, on the mask evaluation's hot loop); RuntimeError where they do not broadcast."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, n in enumerate(shape, ndim - len(shape)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast")
+                out[i] = n
+    return tuple(out)

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from attnkit import _cache
-from attnkit._indexing import as4d, check_offset, per_seq, shifted
+from attnkit._indexing import as4d, broadcast, check_offset, per_seq, shifted
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -38,10 +38,10 @@ def _evaluate(fn, b, h, qi, ki):
             if style == "broadcast":
                 raise
         else:
-            shape = torch.broadcast_shapes(b.shape, h.shape, qi.shape, ki.shape)
+            shape = broadcast(b.shape, h.shape, qi.shape, ki.shape)
             fits = isinstance(out, torch.Tensor) and out.dim() <= 4
             try:
-                fits = fits and torch.broadcast_shapes(out.shape, shape) == shape
+                fits = fits and broadcast(out.shape, shape) == shape
             except RuntimeError:
                 fits = False
             if fits or style == "broadcast":
@@ -139,7 +139,7 @@ class FromFn(Mask):
         out = as4d(out)
         shape = (b.shape[0], h.shape[0], q_idx.shape[0], kv_idx.shape[1])
         try:
-            return out.expand(torch.broadcast_shapes(out.shape, (out.shape[0], out.shape[1], *shape[2:])))
+            return out.expand(broadcast(out.shape, (out.shape[0], out.shape[1], *shape[2:])))
         except RuntimeError:
             raise AttnkitValueError(
                 f"a from_fn mask function returned shape {tuple(out.shape)}, which does not broadcast "
@@ -151,10 +151,10 @@ class FromFn(Mask):
             return None  # a predicate of one pair, or not known yet: per row of blocks (elements)
         qi, ki = q_idx + at_sequence(self.q_offset, b), kv_idx + at_sequence(self.kv_offset, b)
         out = self.fn(b, h, qi, ki)
-        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        shape = broadcast(b.shape, h.shape, q_idx.shape, kv_idx.shape)
         try:
             fits = isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() <= 3
-            fits = fits and torch.broadcast_shapes(out.shape, shape) == shape
+            fits = fits and broadcast(out.shape, shape) == shape
         except RuntimeError:
             fits = False
         return out.expand(shape) if fits else None
@@ -164,7 +164,7 @@ class FromFn(Mask):
         k_len = b.keys
         pad = -k_len % b.bk
         kv_idx = torch.arange(k_len, device=b.device)[None, :]
-        for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory
+        for i in range(b.nq):  # one row of blocks at a time: O(bq x Lk) memory, in cache
             q_idx = torch.arange(i * b.bq, min((i + 1) * b.bq, b.q_len), device=b.device)[:, None]
             e = self.elements(q_idx, kv_idx, b.q_len, b.kv_len).view(torch.uint8)  # (B, H, tq, Lk)
             # over the rows first (one pass each over the tile), then over each block's keys

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from attnkit._indexing import as4d, check_offset, fmt, own, per_seq, shifted
+from attnkit._indexing import as4d, broadcast, check_offset, fmt, own, per_seq, shifted
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -363,7 +363,7 @@ class Padding(Mask):
 
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         keys = kv_idx + at_sequence(self.kv_offset, b) < at_sequence(self.lengths, b)
-        return keys.expand(torch.broadcast_shapes(keys.shape, q_idx.shape))
+        return keys.expand(broadcast(keys.shape, q_idx.shape))
 
     def query_ranges(self, b, h, kv_idx, q_len, kv_len):
         seen = kv_idx + at_sequence(self.kv_offset, b) < at_sequence(self.lengths, b)  # by every query, or none
