@@ -4,6 +4,7 @@ exact statistics of the weights at any length."""
 from attnkit.inspect.capture import Capture, capture
 from attnkit.inspect.intervene import HeadEffects, Intervention, head_effects, intervene
 from attnkit.inspect.kv import kv_scores
+from attnkit.inspect.rollout import rollout
 from attnkit.inspect.stats import AttentionStats, attention_stats
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "head_effects",
     "intervene",
     "kv_scores",
+    "rollout",
 ]

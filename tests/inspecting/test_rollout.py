@@ -1,0 +1,277 @@
+"""rollout (both methods) against a float64 dense computation from eager weights, written here:
+rollout from the captured weights of each layer, Chefer's rule from the gradients of eager
+attention probabilities (an attnkit model written out by hand, and transformers' eager
+implementation with output_attentions), with padding, GQA, windows and softcap."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _oracle import assert_oracle
+from torch import nn
+
+import attnkit
+from attnkit import masks
+from attnkit.inspect import capture, rollout
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoModel,
+    AutoModelForCausalLM,
+    BertConfig,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+)
+
+import attnkit.integrations.transformers  # noqa: E402,F401  (registers attn_implementation="attnkit")
+
+H, D, V = 4, 32, 50
+
+
+class Tiny(nn.Module):
+    """Two attnkit layers with residuals over a causal & padding mask, and a vocabulary head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(attnkit.MultiHeadAttention(D, H) for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids, lengths):
+        x = self.embed(ids)
+        mask = masks.causal() & masks.padding(lengths)
+        for block in self.blocks:
+            x = x + block(x, mask=mask)[0]
+        return self.head(x)
+
+    def by_hand(self, ids, lengths):
+        """The same forward with the weights as explicit softmax tensors: (logits, [A per layer])."""
+        x = self.embed(ids)
+        length = ids.shape[1]
+        allowed = masks.causal().materialize(length, length) & (torch.arange(length) < lengths.view(-1, 1, 1, 1))
+        weights = []
+        for block in self.blocks:
+            q, k, v = block.project(x, x, x)
+            s = (q @ k.transpose(-2, -1)) / block.head_dim**0.5
+            a = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+            a.retain_grad()
+            weights.append(a)
+            x = x + block.out_proj(block.merge_heads(a @ v))
+        return self.head(x), weights
+
+
+def dense_rollout(weights, rows, residual=0.5, heads=None):
+    b, length = weights[0].shape[0], weights[0].shape[-1]
+    r = torch.zeros(b, len(rows), length, dtype=weights[0].dtype)
+    r[:, torch.arange(len(rows)), torch.tensor(rows) % length] = 1
+    for layer in reversed(range(len(weights))):
+        if heads is None:
+            a = weights[layer]
+        else:
+            a = weights[layer][:, heads[layer] if isinstance(heads[layer], list) else [heads[layer]]]
+        r = residual * r + (1 - residual) * r @ a.mean(1)
+    return r
+
+
+def dense_grad(weights, rows):
+    """Chefer's rule: r <- r + r @ mean_h((dA * A)^+), one backward (already run) per row."""
+    b, length = weights[0][0][0].shape[0], weights[0][0][0].shape[-1]
+    out = []
+    for j, (per_layer, grads) in enumerate(weights):
+        r = torch.zeros(b, 1, length, dtype=per_layer[0].dtype)
+        r[:, 0, rows[j] % length] = 1
+        for a, da in zip(reversed(per_layer), reversed(grads)):
+            r = r + r @ (da * a).clamp_min(0).mean(1)
+        out.append(r)
+    return torch.cat(out, dim=1)
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    model = Tiny().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)
+    return model
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, V, (2, 13), generator=g), torch.tensor([13, 9])
+
+
+@pytest.mark.parametrize("heads", [None, [[0, 2], 3]])
+def test_rollout_equals_the_dense_formula_from_captured_weights(heads):
+    model, (ids, lengths) = _tiny(), _inputs()
+    rows = [8] if heads else [-1, 5]
+    residual = 0.5 if heads is None else 0.3
+    got = rollout(model, ids, lengths, rows=rows, heads=heads or "mean", residual=residual)
+    expected = []
+    for m in (copy.deepcopy(model).double(), model):
+        with torch.no_grad(), capture(m) as cap:
+            m(ids, lengths)
+        expected.append(dense_rollout(cap.weights, rows, residual=residual, heads=heads))
+    assert_oracle(got, expected[0], expected[1], what=f"rollout heads={heads}")
+    torch.testing.assert_close(got.sum(-1), torch.ones_like(got.sum(-1)))  # rollout keeps each row's mass
+
+
+def test_grad_method_equals_chefer_from_eager_probabilities():
+    model, (ids, lengths) = _tiny(3), _inputs()
+    rows = [8, 4]
+    got = rollout(model, ids, lengths, rows=rows, method="grad")
+    expected = []
+    for m in (copy.deepcopy(model).double(), copy.deepcopy(model)):
+        per_row = []
+        for row in rows:
+            logits, weights = m.by_hand(ids, lengths)
+            logits[:, row].max(-1).values.sum().backward()
+            per_row.append(([a.detach() for a in weights], [a.grad for a in weights]))
+        expected.append(dense_grad(per_row, rows))
+    assert_oracle(got, expected[0], expected[1], what="grad")
+    assert got.shape == (2, 2, 13) and (got[1, :, 9:] == 0).all()  # padding keys get nothing
+
+
+HF = {
+    "bert (encoder, padding)": (
+        AutoModel,
+        lambda: BertConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=61,
+            max_position_embeddings=64,
+        ),
+    ),
+    "llama (GQA)": (
+        AutoModelForCausalLM,
+        lambda: LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=61,
+            pad_token_id=0,
+        ),
+    ),
+    "mistral (sliding window, GQA)": (
+        AutoModelForCausalLM,
+        lambda: MistralConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=5,
+            vocab_size=61,
+            pad_token_id=0,
+        ),
+    ),
+    "gemma2 (softcap)": (
+        AutoModelForCausalLM,
+        lambda: Gemma2Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=5,
+            attn_logit_softcapping=5.0,
+            query_pre_attn_scalar=8,
+            vocab_size=61,
+            pad_token_id=0,
+        ),
+    ),
+}
+
+
+PROBE = torch.randn(32, generator=torch.Generator().manual_seed(5))
+
+
+def _target(output):
+    found = getattr(output, "logits", None)
+    if found is None:  # an encoder: a fixed direction of the chosen rows' (layer-normed) hidden states
+        hidden = output.last_hidden_state[:, [6, 2]]
+        return hidden @ PROBE.to(hidden.dtype)
+    return found[:, [6, 2]].max(-1).values
+
+
+@pytest.mark.parametrize("method", ["rollout", "grad"])
+@pytest.mark.parametrize("name", list(HF))
+def test_transformers_models_equal_eager(name, method):
+    auto, make = HF[name]
+    torch.manual_seed(0)
+    eager = auto.from_config(make(), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in eager.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    ours = auto.from_config(make(), attn_implementation="attnkit").eval()
+    ours.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 61, (2, 10), generator=g)
+    attention_mask = torch.ones(2, 10, dtype=torch.long)
+    attention_mask[1, -2:] = 0  # padding on the right (eager's float64 NaN rows stay out of every real row)
+    rows = [6, 2]
+    got = rollout(ours, input_ids=ids, attention_mask=attention_mask, rows=rows, method=method, target=_target)
+    expected = []
+    for m in (copy.deepcopy(eager).double(), eager):
+        if method == "rollout":
+            with torch.no_grad():
+                weights = m(input_ids=ids, attention_mask=attention_mask, output_attentions=True).attentions
+            expected.append(dense_rollout([w.to(m.dtype) for w in weights], rows))
+        else:
+            per_row = []
+            for j in range(len(rows)):
+                out = m(input_ids=ids, attention_mask=attention_mask, output_attentions=True)
+                for a in out.attentions:
+                    a.retain_grad()
+                _target(out)[:, j].sum().backward()
+                per_row.append(([a.detach() for a in out.attentions], [a.grad for a in out.attentions]))
+            expected.append(dense_grad(per_row, rows))
+    assert_oracle(got, expected[0], expected[1], what=f"{name} {method}")
+
+
+def test_no_weight_matrix_at_length(monkeypatch):
+    """At L=2048 no tensor of L x L elements per head is made (the received reduction is a backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _tiny()
+    ids, lengths = torch.randint(0, V, (1, 2048)), torch.tensor([2048])
+    sizes = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    sizes.append(t.numel())
+            return out
+
+    with Sizes():
+        r = rollout(model, ids, lengths, rows=[-1])
+    assert r.shape == (1, 1, 2048) and max(sizes) < 2048 * 2048
+
+
+def test_bad_requests_name_the_values():
+    model, (ids, lengths) = _tiny(), _inputs()
+    with pytest.raises(ValueError, match="method must be"):
+        rollout(model, ids, lengths, rows=[0], method="lrp")
+    with pytest.raises(ValueError, match=r"rows \[40\] are out of range for an input of 13"):
+        rollout(model, ids, lengths, rows=[40])
+    with pytest.raises(ValueError, match="heads has 1 entries but the model ran 2"):
+        rollout(model, ids, lengths, rows=[0], heads=[0])
+    with pytest.raises(ValueError, match="residual must be"):
+        rollout(model, ids, lengths, rows=[0], residual=2)
+    with pytest.raises(TypeError, match="rows must be"):
+        rollout(model, ids, lengths, rows="last")
+    with pytest.raises(ValueError, match="target must return"):
+        rollout(model, ids, lengths, rows=[0, 1], method="grad", target=lambda out: out[:, 0, 0])
+    cross = attnkit.MultiHeadAttention(D, H)
+    with pytest.raises(ValueError, match="self-attention over the whole input"):
+        rollout(cross, torch.randn(1, 4, D), torch.randn(1, 6, D), rows=[0])
