@@ -150,8 +150,25 @@ def _received(layer: _Layer, r: torch.Tensor, heads: list[int] | None) -> torch.
     return got.sum(dim=1).transpose(1, 2).to(r.dtype)  # (B, R, Lk)
 
 
+def _rows_allowed(mask, lq: int, lk: int):
+    """``allowed(start, stop) -> (.., rows, Lk) bool``: the mask's pairs for a run of query rows, or
+    None where the mask cannot be read as pairs (none, or an additive float tensor)."""
+    from attnkit.masks import Mask
+    from attnkit.plan import PreparedMask, prepare
+
+    if isinstance(mask, Mask):
+        mask = prepare(mask, lq, lk)
+    if isinstance(mask, PreparedMask):
+        keys = torch.arange(lk, device=mask.device)
+        return lambda start, stop: mask.allowed_at(torch.arange(start, stop, device=mask.device), keys)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return lambda start, stop: mask[..., start:stop, :] if mask.shape[-2] == lq else mask
+    return None
+
+
 def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: list[int] | None) -> torch.Tensor:
-    """``r @ mean_h((dA * A)^+)`` with ``dA = dO V^T``, a chunk of query rows at a time."""
+    """``r @ mean_h((dA * A)^+)`` with ``dA = dO V^T``, a chunk of query rows at a time, each over
+    the keys its rows may see (the mask's reach: half the pairs for a causal mask)."""
     q, k, v = layer.q, layer.k, layer.v
     b, h, lq, _ = q.shape
     lk = k.shape[2]
@@ -159,12 +176,28 @@ def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: l
     chosen = list(range(h)) if heads is None else heads
     step = max(1, CHUNK_ELEMENTS // max(1, b * len(chosen) * lk))
     total = torch.zeros(b, r.shape[1], lk, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    allowed = _rows_allowed(layer.mask, lq, lk)
+    bias = layer.mods.get("attn_bias")
     for start in range(0, lq, step):
-        rows = list(range(start, min(lq, start + step)))
-        w = functional.attention_weights(q, k, v, layer.mask, rows=rows, heads=chosen, **layer.mods)  # (B, h', c, Lk)
-        d_w = d_out[:, chosen, start : start + len(rows)].to(w.dtype) @ v_all[:, chosen].transpose(-2, -1).to(w.dtype)
-        m = (d_w * w).clamp_min(0).mean(dim=1)  # (B, c, Lk)
-        total += (r[:, :, start : start + len(rows)].to(m.dtype) @ m).to(total.dtype)
+        stop = min(lq, start + step)
+        lo, hi, mask, mods = 0, lk, layer.mask, dict(layer.mods)
+        if allowed is not None and (bias is None or hasattr(bias, "part")):
+            pairs = allowed(start, stop)
+            seen = pairs.reshape(-1, lk).any(dim=0).nonzero()
+            if seen.numel() == 0:
+                continue  # no row of the chunk sees a key
+            lo, hi = int(seen[0]), int(seen[-1]) + 1
+            mask = pairs[..., lo:hi]
+            if bias is not None:
+                mods["attn_bias"] = bias.part(lq, lk, q=slice(start, stop), kv=slice(lo, hi))
+            w = functional.attention_weights(
+                q[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], mask, heads=chosen, **mods
+            )  # (B, h', c, hi - lo)
+        else:
+            w = functional.attention_weights(q, k, v, mask, rows=list(range(start, stop)), heads=chosen, **mods)
+        d_w = d_out[:, chosen, start:stop].to(w.dtype) @ v_all[:, chosen, lo:hi].transpose(-2, -1).to(w.dtype)
+        m = d_w.mul_(w).clamp_min_(0).mean(dim=1)  # (B, c, keys), in place on the chunk's own tensors
+        total[..., lo:hi] += (r[:, :, start:stop].to(m.dtype) @ m).to(total.dtype)
     return total.to(r.dtype)
 
 

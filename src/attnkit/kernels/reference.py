@@ -68,7 +68,8 @@ def _normalise(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     p = torch.exp(s - row_max)
     total = p.sum(dim=-1, keepdim=True)
     weights = p / torch.where(total == 0, 1.0, total)
-    lse = torch.logsumexp(s.masked_fill(hidden, 0.0), dim=-1).masked_fill(hidden[..., 0], float("-inf"))
+    # logsumexp from the same pass: max + log(sum exp(s - max)), as torch.logsumexp computes it
+    lse = (row_max + torch.log(total)).squeeze(-1).masked_fill(hidden[..., 0], float("-inf"))
     return weights, lse
 
 
