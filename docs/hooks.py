@@ -298,8 +298,32 @@ def masks(name: str) -> str:
     )
 
 
+def rollout(name: str) -> str:
+    d = _load(name)
+    rows = [
+        [
+            r["L"],
+            r["forward_s"],
+            r["rollout_s"],
+            f"{r['rollout_vs_forward']:.2f}x",
+            r["grad_s"],
+            f"{r['grad_vs_forward']:.2f}x",
+            r["rollout_kb_per_token"],
+            r["grad_kb_per_token"],
+        ]
+        for r in d["rows"]
+    ]
+    m = d.get("machine", {})
+    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads.*\n\n"
+    return head + _table(
+        ["L", "forward s", "rollout s", "vs forward", "grad s", "vs forward", "rollout KiB/token", "grad KiB/token"],
+        rows,
+    )
+
+
 TABLES = {
     "masks": masks,
+    "rollout": rollout,
     "cpu": cpu,
     "cpu_4096": cpu,
     "cpu_4096_amx": cpu,

@@ -54,6 +54,7 @@ class Capture:
         if mode not in MODES:
             raise AttnkitValueError(f"mode must be 'weights', 'stats' or 'heads', but got {mode!r}.")
         self.mode, self.rows, self.heads, self.topk, self.sink_tokens = mode, rows, heads, topk, sink_tokens
+        self.tokens: list[str] | None = None  # labels for the notebook view (set it: cap.tokens = [...])
         if not isinstance(model, nn.Module):
             raise AttnkitTypeError(f"capture expects a torch.nn.Module, but got {type(model).__name__}.")
         self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
@@ -160,6 +161,71 @@ class Capture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _row_list(self, length: int) -> list[int]:
+        if self.rows is None:
+            return []
+        if isinstance(self.rows, slice):
+            return list(range(length))[self.rows]
+        items = [self.rows] if isinstance(self.rows, int) else list(self.rows)
+        return [int(r) % length for r in items]
+
+    def _repr_html_(self) -> str:
+        """The capture as a view in a notebook cell: the weights page (``mode="weights"``), the
+        long-context page (``mode="stats"``), or a table of what was recorded (``mode="heads"``).
+        Tokens are ``tokens`` when set (``cap.tokens = [...]``), else positions."""
+        from attnkit.viz import notebook
+
+        tokens = getattr(self, "tokens", None)
+        if self.mode == "stats" and self.stats:
+            from attnkit.viz.long import long_html
+
+            length = self.stats[0].received.shape[-1]
+            labels = [str(t) for t in tokens] if tokens is not None else [str(i) for i in range(length)]
+            rows = self._row_list(self.stats[0].entropy.shape[-1])
+            try:
+                page = long_html(self.stats, labels, rows, self.weights if rows else [], names=self.names)
+            except AttnkitValueError as error:
+                return notebook.too_big("long-context", notebook.LONG_BUDGET + 1, notebook.LONG_BUDGET, str(error))
+            budget = notebook.LONG_BUDGET if length > 1024 else notebook.INLINE_BUDGET
+            size = len(page.encode("utf-8"))
+            if size > budget:
+                return notebook.too_big("statistics", size, budget, "Capture fewer rows (rows=) or a shorter input.")
+            return notebook.iframe(page, 720, "attnkit: attention statistics")
+        if self.mode == "weights" and self.weights and self.rows is None and self.heads is None:
+            from attnkit.viz.html import attention_html
+
+            shapes = {tuple(w.shape[1:]) for w in self.weights}
+            if len(shapes) == 1:
+                lq, lk = next(iter(shapes))[-2:]
+                named = [str(t) for t in tokens] if tokens is not None and len(tokens) == lq else None
+                try:
+                    page = attention_html(
+                        self.stack(0),
+                        named or [str(i) for i in range(lq)],
+                        key_tokens=None if lq == lk and named else [str(j) for j in range(lk)],
+                        layer_names=self.names,
+                    )
+                except AttnkitValueError as error:
+                    return notebook.too_big("weights", notebook.INLINE_BUDGET + 1, notebook.INLINE_BUDGET, str(error))
+                size = len(page.encode("utf-8"))
+                if size <= notebook.INLINE_BUDGET:
+                    return notebook.iframe(page, 640, "attnkit: attention weights")
+                return notebook.too_big(
+                    "weights", size, notebook.INLINE_BUDGET, "Use attnkit.capture(model, mode='stats') at this length."
+                )
+        recorded = self.outputs if self.mode == "heads" else self.weights
+        listed = "".join(
+            f"<tr><td>{i}</td><td>{name}</td><td>{tuple(t.shape)}</td></tr>"
+            for i, (name, t) in enumerate(zip(self.names, recorded))
+        )
+        what = {"heads": "head outputs (B, H, Lq, head_dim)", "weights": "weights", "stats": "statistics"}[self.mode]
+        if not listed:
+            return f"<div><b>attnkit capture</b> ({self.mode}): nothing recorded yet.</div>"
+        return (
+            f"<div><b>attnkit capture</b>: {what} of {len(self.names)} calls"
+            f"<table><tr><th>#</th><th>layer</th><th>shape</th></tr>{listed}</table></div>"
+        )
 
     def stack_stats(self, name: str, batch: int = 0) -> torch.Tensor:
         """One statistic of one sequence over the captured layers, e.g. ``"entropy"``:

@@ -83,6 +83,29 @@ class AttentionStats:
             for name in ("entropy", "max_weight", "sink_mass", "mean_distance")
         }
 
+    def _repr_html_(self) -> str:
+        """A table for a notebook cell: per head, the means over the batch and the rows that attend
+        (entropy in bits, largest weight, mass on the first keys, mean distance), shaded by entropy."""
+        import html as _html
+
+        summary = self.head_summary()
+        entropy = summary["entropy"] / math.log(2.0)
+        top = float(entropy.max()) if entropy.numel() else 1.0
+        cells = []
+        for h in range(entropy.shape[0]):
+            shade = 0.15 + 0.6 * float(entropy[h]) / (top or 1.0)
+            cells.append(
+                f"<tr><td>{h}</td><td style='background:rgba(70,110,190,{shade:.2f})'>{float(entropy[h]):.2f}</td>"
+                f"<td>{float(summary['max_weight'][h]):.3f}</td><td>{float(summary['sink_mass'][h]):.3f}</td>"
+                f"<td>{float(summary['mean_distance'][h]):.1f}</td></tr>"
+            )
+        shape = _html.escape(str(tuple(self.lse.shape)))
+        return (
+            f"<div class='attnkit-stats'><b>AttentionStats</b> (B, H, Lq) = {shape}, Lk = {self.received.shape[-1]}"
+            "<table><tr><th>head</th><th>entropy (bits)</th><th>max weight</th><th>first-token mass</th>"
+            f"<th>mean distance</th></tr>{''.join(cells)}</table></div>"
+        )
+
     def to(self, *args: Any, **kwargs: Any) -> AttentionStats:
         """Every tensor moved/cast with ``Tensor.to`` (``argmax`` and ``topk_keys`` keep int64)."""
         out: dict[str, Any] = {}
