@@ -56,7 +56,17 @@ def _check_heads(heads: Any, what: str) -> tuple[int, ...]:
 class Intervention:
     """The context manager :func:`intervene` returns; ``seen`` lists the layers it met, in call order."""
 
-    def __init__(self, model, ablate=None, scale=None, patch=None, mode="zero", *, heads=None, positions=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        ablate: dict | None = None,
+        scale: dict | None = None,
+        patch: Capture | None = None,
+        mode: str = "zero",
+        *,
+        heads: dict | None = None,
+        positions: Any = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise AttnkitTypeError(f"intervene expects a torch.nn.Module, but got {type(model).__name__}.")
         if mode not in MODES:
@@ -249,7 +259,7 @@ class HeadEffects:
             raise AttnkitValueError("the clean and corrupt runs give the same metric: nothing to normalise by.")
         return (self.values - self.corrupt) / span
 
-    def figure(self, title: str = "activation patching: metric with the head patched in"):
+    def figure(self, title: str = "activation patching: metric with the head patched in") -> Any:
         """A matplotlib heatmap, layers down and heads across (diverging around the corrupt metric)."""
         import matplotlib.pyplot as plt
 

@@ -22,6 +22,8 @@ mask, bias, softcap or sinks. The conventions are kvpress's (the formulas are in
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +47,7 @@ def kv_scores(
     window: int = 64,
     kernel_size: int = 5,
     scale: float | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """Scores ``(B, Hkv, Lk)`` of every key for KV-cache compression (higher: keep).
 

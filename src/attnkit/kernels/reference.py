@@ -69,7 +69,12 @@ def _normalise(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     total = p.sum(dim=-1, keepdim=True)
     weights = p / torch.where(total == 0, 1.0, total)
     # logsumexp from the same pass: max + log(sum exp(s - max)), as torch.logsumexp computes it
-    lse = (row_max + torch.log(total)).squeeze(-1).masked_fill(hidden[..., 0], float("-inf"))
+    # (a row with no finite score has total 0: log(1) keeps its gradient finite, then -inf)
+    lse = (
+        (row_max + torch.log(torch.where(total == 0, 1.0, total)))
+        .squeeze(-1)
+        .masked_fill(hidden[..., 0], float("-inf"))
+    )
     return weights, lse
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -31,7 +31,7 @@ def _split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
 
 
-def run_head_output_hooks(hooks, module, out: torch.Tensor) -> torch.Tensor:
+def run_head_output_hooks(hooks: Sequence[Callable[..., Any]], module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """``out`` through each ``hook(module, out)``: a returned tensor of ``out``'s shape replaces it."""
     for hook in hooks:
         new = hook(module, out)
