@@ -6,7 +6,7 @@ keeps the highest-scored keys. Eager implementations (NVIDIA kvpress's ``SnapKVP
 :func:`attnkit.inspect.attention_stats`' ``received`` (the mass each key receives, one more pass
 over the tiles the mask keeps), so no more than a tile of weights exists at once, whatever the
 mask, bias, softcap or sinks. The conventions are kvpress's (the formulas are in
-``docs/inspecting.md``, "Scoring keys for KV-cache compression"):
+``docs/attribution.md``, "Scoring keys for KV-cache compression"):
 
 - ``snapkv``: the last ``window`` queries' mean weight on each key before the window,
   ``avg_pool1d(kernel_size, padding=kernel_size // 2)`` along the keys, the mean over the query
