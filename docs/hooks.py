@@ -306,10 +306,10 @@ def rollout(name: str) -> str:
             r["forward_s"],
             r["rollout_s"],
             f"{r['rollout_vs_forward']:.2f}x",
-            r["grad_s"],
-            f"{r['grad_vs_forward']:.2f}x",
+            r["grad_s"] if r["grad_s"] == r["grad_s"] else "-",
+            f"{r['grad_vs_forward']:.2f}x" if r["grad_vs_forward"] == r["grad_vs_forward"] else "-",
             r["rollout_kb_per_token"],
-            r["grad_kb_per_token"],
+            r["grad_kb_per_token"] if r["grad_kb_per_token"] == r["grad_kb_per_token"] else "-",
         ]
         for r in d["rows"]
     ]
