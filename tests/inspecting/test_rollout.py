@@ -275,3 +275,35 @@ def test_bad_requests_name_the_values():
     cross = attnkit.MultiHeadAttention(D, H)
     with pytest.raises(ValueError, match="self-attention over the whole input"):
         rollout(cross, torch.randn(1, 4, D), torch.randn(1, 6, D), rows=[0])
+
+
+def test_grad_method_with_a_bias_and_softcap_equals_the_formula():
+    """One attnkit layer with ALiBi and softcap: Chefer's rule against autograd on its eager weights."""
+    from attnkit import bias
+
+    torch.manual_seed(6)
+    layer = attnkit.MultiHeadAttention(D, H, softcap=4.0).eval()
+    x = torch.randn(2, 11, D)
+    alibi = bias.alibi(bias.alibi_slopes(H))
+    probe = torch.randn(D)
+    rows = [10, 6]
+
+    def target(output):
+        return output[0][:, rows] @ probe
+
+    got = rollout(layer, x, rows=rows, method="grad", target=target, mask=masks.causal(), attn_bias=alibi)
+    expected = []
+    for dtype in (torch.float64, torch.float32):
+        m, xx = copy.deepcopy(layer).to(dtype), x.to(dtype)
+        per_row = []
+        for j in range(len(rows)):
+            q, k, v = m.project(xx, xx, xx)
+            s = torch.tanh((q @ k.transpose(-2, -1)) / m.head_dim**0.5 / 4.0) * 4.0
+            s = s + alibi.dense(2, H, 11, 11, "cpu").to(dtype)
+            a = torch.softmax(s.masked_fill(~masks.causal().materialize(11, 11), float("-inf")), dim=-1)
+            a.retain_grad()
+            out = m.out_proj(m.merge_heads(a @ v))
+            (out[:, rows] @ probe.to(dtype))[:, j].sum().backward()
+            per_row.append(([a.detach()], [a.grad]))
+        expected.append(dense_grad(per_row, rows))
+    assert_oracle(got, expected[0], expected[1], what="grad with alibi and softcap")

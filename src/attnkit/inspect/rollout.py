@@ -178,10 +178,35 @@ def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: l
     total = torch.zeros(b, r.shape[1], lk, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     allowed = _rows_allowed(layer.mask, lq, lk)
     bias = layer.mods.get("attn_bias")
+    direct = allowed is not None and layer.mods.get("sinks") is None and (bias is None or hasattr(bias, "part"))
+    if direct:  # the weights as exp(s - lse), the lse from the layer's own kernel: one pass less than a softmax
+        _, lse = functional.attention(q, k, v, layer.mask, return_lse=True, **layer.mods)
+        lse = lse[:, chosen].masked_fill(~torch.isfinite(lse[:, chosen]), float("inf"))  # no key: weights 0
+        k_all = k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k
+        scale = layer.mods.get("scale") or q.shape[-1] ** -0.5
+        softcap = layer.mods.get("softcap")
     for start in range(0, lq, step):
         stop = min(lq, start + step)
         lo, hi, mask, mods = 0, lk, layer.mask, dict(layer.mods)
-        if allowed is not None and (bias is None or hasattr(bias, "part")):
+        if direct:
+            pairs = allowed(start, stop)  # (Bm, Hm, c, Lk)
+            seen = pairs.reshape(-1, lk).any(dim=0).nonzero()
+            if seen.numel() == 0:
+                continue  # no row of the chunk sees a key
+            lo, hi = int(seen[0]), int(seen[-1]) + 1
+            pairs = pairs[..., lo:hi]
+            if pairs.shape[1] == h and len(chosen) != h:
+                pairs = pairs[:, chosen]
+            s = (q[:, chosen, start:stop] @ k_all[:, chosen, lo:hi].transpose(-2, -1)) * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            if bias is not None:
+                dense = bias.part(lq, lk, q=slice(start, stop), kv=slice(lo, hi)).dense(
+                    b, h, stop - start, hi - lo, q.device
+                )
+                s = s + (dense[:, chosen] if dense.shape[1] == h else dense).to(s.dtype)
+            w = torch.where(pairs, torch.exp(s - lse[:, :, start:stop, None]), 0.0)  # (B, h', c, hi - lo)
+        elif allowed is not None and (bias is None or hasattr(bias, "part")):
             pairs = allowed(start, stop)
             seen = pairs.reshape(-1, lk).any(dim=0).nonzero()
             if seen.numel() == 0:
