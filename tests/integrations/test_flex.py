@@ -256,7 +256,7 @@ def test_lse_and_max_scores():
     torch.testing.assert_close(lse, theirs.lse, atol=1e-5, rtol=1e-5)
     _, aux = flex.flex_attention(q, k, v, block_mask=bm, return_aux=flex_module.AuxRequest(lse=True, max_scores=True))
     s = (q @ k.transpose(-2, -1) / 4).masked_fill(
-        ~flex_module.create_mask(M.generate_sliding_window(40), 1, 2, L, L), -math.inf
+        ~flex_module.create_mask(M.generate_sliding_window(40), 1, 2, L, L, device="cpu"), -math.inf
     )
     torch.testing.assert_close(aux.max_scores, s.amax(-1), atol=1e-5, rtol=1e-5)  # torch has none on the CPU
     torch.testing.assert_close(aux.lse, lse)
