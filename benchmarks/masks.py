@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import machine  # benchmarks/machine.py
 import torch
+from core import median_ms  # benchmarks/core.py: interleaved medians
 
 import attnkit
 from attnkit import masks
@@ -39,19 +39,6 @@ from attnkit.flex import create_block_mask as attnkit_block_mask
 
 RESULTS = Path(__file__).parent / "results"
 H, D = 8, 64
-
-
-def median_ms(fns: dict, repeats: int) -> dict:
-    """Median time of each function in ms, the functions interleaved (one warm-up each)."""
-    for fn in fns.values():
-        fn()
-    times: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - start)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
 class Fresh:
