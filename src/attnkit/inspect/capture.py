@@ -19,6 +19,24 @@ FULL_WEIGHTS_BUDGET = 2**26
 MODES = ("weights", "stats", "heads")
 
 
+def attention_layers(model: nn.Module, what: str) -> list[MultiHeadAttention] | None:
+    """The :class:`attnkit.MultiHeadAttention` layers of ``model``, or None for a transformers model
+    run with ``attn_implementation="attnkit"`` (checked: its attention goes through the integration's
+    hooks); any other model is refused, naming ``what`` was asked of it."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if layers:
+        return layers
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "attnkit":
+        from attnkit.integrations.transformers import check_model
+
+        check_model(model)
+        return None
+    raise AttnkitValueError(
+        f"{type(model).__name__} has no attnkit.MultiHeadAttention layer to {what} (a transformers model must "
+        "be loaded with attn_implementation='attnkit' after `import attnkit.integrations.transformers`)."
+    )
+
+
 class Capture:
     """Attention recorded while the ``with`` block runs, in call order.
 

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
-from attnkit.inspect.capture import Capture, capture
-from attnkit.nn import MultiHeadAttention
+from attnkit.inspect.capture import Capture, attention_layers, capture
 
 __all__ = ["HeadEffects", "Intervention", "head_effects", "intervene"]
 
@@ -171,20 +170,13 @@ class Intervention:
         self._thread = threading.get_ident()
         if self.empty:
             return self  # nothing to change: no hook at all, outputs bit-identical
-        layers = [m for m in self.model.modules() if isinstance(m, MultiHeadAttention)]
-        if layers:
+        layers = attention_layers(self.model, "intervene on")
+        if layers is not None:
             self._handles = [m.register_head_output_hook(self._hook) for m in layers]
-        elif getattr(getattr(self.model, "config", None), "_attn_implementation", None) == "attnkit":
-            from attnkit.integrations.transformers import check_model, register_head_output_hook
-
-            check_model(self.model)
-            self._handles = [register_head_output_hook(self._hook)]
         else:
-            raise AttnkitValueError(
-                f"{type(self.model).__name__} has no attnkit.MultiHeadAttention layer to intervene on (a "
-                "transformers model must be loaded with attn_implementation='attnkit' after "
-                "`import attnkit.integrations.transformers`)."
-            )
+            from attnkit.integrations.transformers import register_head_output_hook
+
+            self._handles = [register_head_output_hook(self._hook)]
         return self
 
     def __exit__(self, kind, *exc) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from attnkit import functional
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
-from attnkit.nn import MultiHeadAttention
+from attnkit.inspect.capture import attention_layers
 
 __all__ = ["METHODS", "rollout"]
 
@@ -47,6 +47,7 @@ class _Layer:
     mask: Any
     mods: dict
     out: torch.Tensor | None = None  # the heads' outputs (grad method), in the graph
+    lse: torch.Tensor | None = None  # the call's row lse (grad method), made once for every chosen row
 
 
 class _Recorder:
@@ -77,8 +78,8 @@ class _Recorder:
         return None
 
     def __enter__(self) -> _Recorder:
-        layers = [m for m in self.model.modules() if isinstance(m, MultiHeadAttention)]
-        if layers:
+        layers = attention_layers(self.model, "roll out")
+        if layers is not None:
             for m in layers:
                 self._handles.append(
                     m.register_attention_hook(
@@ -87,22 +88,12 @@ class _Recorder:
                 )
                 if self.keep_outputs:
                     self._handles.append(m.register_head_output_hook(self._output))
-        elif getattr(getattr(self.model, "config", None), "_attn_implementation", None) == "attnkit":
-            from attnkit.integrations.transformers import (
-                check_model,
-                register_attention_hook,
-                register_head_output_hook,
-            )
+        else:
+            from attnkit.integrations.transformers import register_attention_hook, register_head_output_hook
 
-            check_model(self.model)
             self._handles.append(register_attention_hook(self._attention))
             if self.keep_outputs:
                 self._handles.append(register_head_output_hook(self._output))
-        else:
-            raise AttnkitValueError(
-                f"{type(self.model).__name__} has no attnkit.MultiHeadAttention layer (a transformers model must "
-                "be loaded with attn_implementation='attnkit' after `import attnkit.integrations.transformers`)."
-            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -180,8 +171,9 @@ def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: l
     bias = layer.mods.get("attn_bias")
     direct = allowed is not None and layer.mods.get("sinks") is None and (bias is None or hasattr(bias, "part"))
     if direct:  # the weights as exp(s - lse), the lse from the layer's own kernel: one pass less than a softmax
-        _, lse = functional.attention(q, k, v, layer.mask, return_lse=True, **layer.mods)
-        lse = lse[:, chosen].masked_fill(~torch.isfinite(lse[:, chosen]), float("inf"))  # no key: weights 0
+        if layer.lse is None:
+            _, layer.lse = functional.attention(q, k, v, layer.mask, return_lse=True, **layer.mods)
+        lse = layer.lse[:, chosen].masked_fill(~torch.isfinite(layer.lse[:, chosen]), float("inf"))  # no key: weights 0
         k_all = k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k
         scale = layer.mods.get("scale") or q.shape[-1] ** -0.5
         softcap = layer.mods.get("softcap")
