@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 from attnkit import masks
-from attnkit.models.recall import RecallLM, Task, accuracy, make_batch, train
+from attnkit.models.recall import RecallLM, Task, accuracy, compressed_recall, make_batch, train
 from attnkit.nn import RotaryEmbedding
 
 # --- rotary embeddings ----------------------------------------------------------------------------
@@ -104,6 +104,30 @@ def test_shipped_model_answers_at_1k(shipped):
 def test_shipped_model_answers_a_written_question(shipped):
     text = "the of k12 v40 and to in was " * 3 + "that for k5 v9 on as ? k12"
     assert shipped.answer(shipped.tokenize(text))[0][0] == "v40"
+
+
+def test_decoding_with_caches_equals_the_whole_text(shipped):
+    tokens, _ = make_batch(2, 200, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = shipped(tokens)
+        caches = shipped.new_caches(2, 200)
+        parts = [shipped(tokens[:, :150], caches=caches)]
+        parts += [shipped(tokens[:, t : t + 1], caches=caches, before=tokens[:, t - 1]) for t in range(150, 200)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="pass before="):
+        shipped(tokens[:, :1], caches=caches)
+    with pytest.raises(ValueError, match="one per layer"):
+        shipped(tokens, caches=caches[:1])
+
+
+def test_compressed_recall_full_cache_answers_as_the_model_does(shipped):
+    found = compressed_recall(shipped, 300, keep=(1.0, 0.5), n=12, seed=5, batch_size=6)
+    assert found["full"] == accuracy(shipped, 300, n=12, seed=5, batch_size=6)  # the same texts, read with caches
+    for method in ("snapkv", "tova", "observed", "random", "recent"):
+        assert found[method][1.0] == found["full"]  # keeping everything changes nothing
+        assert 0.0 <= found[method][0.5] <= 1.0
+    with pytest.raises(ValueError, match="methods must be among"):
+        compressed_recall(shipped, 300, methods=["h2o"], n=2)
 
 
 # --- the long view ---------------------------------------------------------------------------------

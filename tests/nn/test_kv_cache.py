@@ -1,4 +1,5 @@
-"""TODO"""
+"""KVCache: appends with counts, capacity, dtype, masks and biases aligned per sequence; decoding
+equals recomputing the prefix."""
 
 from __future__ import annotations
 

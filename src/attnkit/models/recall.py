@@ -29,9 +29,9 @@ from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models._weights import ShippedWeights
 from attnkit.models.training import Trainer, loop, warmup_times_cosine
-from attnkit.nn import MultiHeadAttention, RotaryEmbedding
+from attnkit.nn import KVCache, MultiHeadAttention, RotaryEmbedding
 
-__all__ = ["Config", "RecallLM", "Task", "accuracy", "make_batch", "train", "WEIGHTS"]
+__all__ = ["Config", "RecallLM", "Task", "accuracy", "compressed_recall", "make_batch", "train", "WEIGHTS"]
 
 WEIGHTS = "recall_lm.safetensors"
 
@@ -150,8 +150,8 @@ class _Block(nn.Module):
         self.norm2 = nn.LayerNorm(c.d_model)
         self.mlp = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
 
-    def forward(self, x, mask):
-        x = x + self.attn(self.norm1(x), mask=mask)[0]
+    def forward(self, x, mask, cache=None):
+        x = x + self.attn(self.norm1(x), mask=mask, cache=cache)[0]
         return x + self.mlp(self.norm2(x))
 
 
@@ -187,18 +187,53 @@ class RecallLM(ShippedWeights, nn.Module):
             raise AttnkitValueError(f"token ids must be in [0, {self.task.vocab_size}).")
         return tokens.long()
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final hidden states ``(B, L, d_model)``."""
+    def hidden(
+        self, tokens: torch.Tensor, *, caches: list[KVCache] | None = None, before: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final hidden states ``(B, L, d_model)``.
+
+        With ``caches`` (one :class:`~attnkit.nn.KVCache` per layer, :meth:`new_caches`) the text
+        goes on from what the caches hold: ``tokens`` are appended and attend over everything
+        stored. ``before: (B,)`` is the token each sequence's previous call ended with (the token
+        shift mixes it into the first new position); it is needed once the caches hold tokens.
+        """
         tokens = self._check(tokens)
         x = self.embed(tokens)
-        x = x + self.shift(F.pad(x[:, :-1], (0, 0, 1, 0)))  # each position also sees the token before it
+        previous = F.pad(x[:, :-1], (0, 0, 1, 0))  # the first position has no predecessor here...
+        if caches is not None:
+            if not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks):
+                raise AttnkitValueError(
+                    f"caches must be a list of {len(self.blocks)} KVCache, one per layer (model.new_caches()), but "
+                    f"got {short(caches)}."
+                )
+            if before is None and bool((caches[0].positions > 0).any()):
+                raise AttnkitValueError(
+                    "the caches hold earlier tokens: pass before=, the last token id of each sequence's previous "
+                    "call (the token shift mixes it into the first new position)."
+                )
+        if before is not None:  # ...unless the text goes on from a previous call
+            before = self._check(before.reshape(-1, 1))
+            if before.shape[0] != tokens.shape[0]:
+                raise AttnkitValueError(f"before must hold one token per sequence ({tokens.shape[0]}).")
+            previous = torch.cat([self.embed(before), x[:, :-1]], dim=1)
+        x = x + self.shift(previous)  # each position also sees the token before it
         mask = masks.causal()
-        for block in self.blocks:
-            x = block(x, mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask, None if caches is None else caches[i])
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hidden(tokens))
+    def forward(
+        self, tokens: torch.Tensor, *, caches: list[KVCache] | None = None, before: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.head(self.hidden(tokens, caches=caches, before=before))
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        """One empty :class:`~attnkit.nn.KVCache` per layer for :meth:`hidden`'s ``caches=``."""
+        c, ref = self.config, self.head.weight
+        return KVCache.for_layers(
+            len(self.blocks), batch_size, c.num_heads, max_len, c.d_model // c.num_heads,
+            device=ref.device, dtype=ref.dtype,
+        )  # fmt: skip
 
     @torch.no_grad()
     def answer(self, tokens: torch.Tensor) -> list[tuple[str, float]]:
@@ -266,6 +301,88 @@ def accuracy(
         logits = model.head(hidden[torch.arange(m), at])
         right += int((logits.argmax(-1) == targets[torch.arange(m), at]).sum())
     return right / n
+
+
+#: Baselines for :func:`compressed_recall` besides the methods of :func:`attnkit.inspect.kv_scores`:
+#: ``random`` keeps random entries, ``recent`` the latest ones (a window over the end of the text).
+BASELINES = ("random", "recent")
+
+
+@torch.no_grad()
+def compressed_recall(
+    model: RecallLM,
+    length: int,
+    *,
+    keep: Iterable[float] = (0.5, 0.25),
+    methods: Iterable[str] = ("snapkv", "tova", "observed", "random", "recent"),
+    n: int = 32,
+    seed: int = 1,
+    batch_size: int = 8,
+    pairs: int = 8,
+    window: int = 64,
+) -> dict:
+    """First-query accuracy with the text's KV cache compressed, against the full cache.
+
+    Each of ``n`` fresh texts of ``length`` tokens (:func:`make_batch`, one query) is read up to
+    the question into per-layer caches (the prefill); every layer's keys are scored on the way by
+    :func:`attnkit.inspect.kv_scores` (``window`` queries for SnapKV) or by a baseline
+    (:data:`BASELINES`), each cache is compressed to each share of ``keep``
+    (:meth:`KVCache.compress`), and the question ``? key`` is decoded over it. The question is
+    not seen when the keys are scored (question-agnostic compression, as kvpress measures it).
+
+    Returns ``{"full": accuracy, method: {keep: accuracy, ...}, ...}``.
+    """
+    from attnkit.inspect.kv import METHODS, kv_scores
+
+    methods, keep = tuple(methods), tuple(keep)
+    unknown = [m for m in methods if m not in METHODS + BASELINES]
+    if unknown:
+        raise AttnkitValueError(f"methods must be among {METHODS + BASELINES}, but got {short(unknown)}.")
+    g = torch.Generator().manual_seed(seed)  # the texts: the same as accuracy()'s for this seed
+    g_random = torch.Generator().manual_seed(seed + 1)  # the random baseline's scores
+    right: dict = {"full": 0, **{m: dict.fromkeys(keep, 0) for m in methods}}
+    model.eval()
+    for first in range(0, n, batch_size):
+        m = min(batch_size, n - first)
+        tokens, targets = make_batch(m, length, pairs=pairs, queries=1, task=model.task, generator=g)
+        at = int((targets[0] != -100).float().argmax())  # the key's position (the same in every text)
+        context, question, answer = tokens[:, : at - 1], tokens[:, at - 1 : at + 1], targets[:, at]
+        scores: list[dict[str, torch.Tensor]] = []
+
+        def score(module, q, k, v, mask, kwargs):
+            # the prefill fills empty caches with texts of one length: the call's mask is plain causal
+            mods = {name: kwargs[name] for name in ("attn_bias", "softcap", "sinks")}
+            found = {
+                name: kv_scores(q, k, v, masks.causal(), method=name, window=window, **mods)
+                for name in methods if name in METHODS
+            }  # fmt: skip
+            if "random" in methods:
+                found["random"] = torch.rand(k.shape[:3], generator=g_random)
+            if "recent" in methods:
+                found["recent"] = torch.arange(k.shape[2], dtype=torch.float32).expand(k.shape[:3])
+            scores.append(found)
+
+        caches = model.new_caches(m, at + 1)
+        layers = [block.attn for block in model.blocks if isinstance(block, _Block)]
+        handles = [attn.register_attention_hook(score, with_kwargs=True) for attn in layers]
+        try:
+            model.hidden(context, caches=caches)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+        def ask(compressed: list[KVCache]) -> int:
+            logits = model(question, caches=compressed, before=context[:, -1])[:, -1]
+            return int((logits.argmax(-1) == answer).sum())
+
+        right["full"] += ask([c.clone() for c in caches])
+        for name in methods:
+            for share in keep:
+                smaller = [c.clone() for c in caches]
+                for cache, found in zip(smaller, scores):
+                    cache.compress(share, found[name])
+                right[name][share] += ask(smaller)
+    return {name: (hits / n if name == "full" else {s: h / n for s, h in hits.items()}) for name, hits in right.items()}
 
 
 def _length_at(step: int, steps: int, lo: int, hi: int) -> int:

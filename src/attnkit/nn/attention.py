@@ -74,7 +74,7 @@ class MultiHeadAttention(nn.Module):
             extra key with value 0 in every softmax denominator (gpt-oss); starts at 0.
         rotary: a :class:`~attnkit.nn.RotaryEmbedding` applied to the projected queries
             and keys (RoPE) at ``positions`` (``forward(..., positions=)``; by default
-            ``0..L-1``, after the stored tokens of a ``cache``).
+            ``0..L-1``, after the tokens of a ``cache``: ``cache.positions``).
 
     Shapes: ``query: (B, Lq, d_model)``, ``key: (B, Lk, kdim)``, ``value: (B, Lk, vdim)``
     (or unbatched ``(L, E)``); returns ``(out, weights)`` with ``out: (B, Lq, d_model)``
@@ -376,8 +376,8 @@ class MultiHeadAttention(nn.Module):
                 assert cache is not None
                 new_k, new_v = self.project_kv(query)
                 if self.rotary is not None:
-                    if positions is None:  # after each sequence's stored tokens
-                        positions = cache.lengths.to(q.device)[:, None] + torch.arange(q.shape[-2], device=q.device)
+                    if positions is None:  # after each sequence's tokens so far (a compressed cache's dropped ones too)
+                        positions = cache.positions.to(q.device)[:, None] + torch.arange(q.shape[-2], device=q.device)
                     q, new_k = self._rotate(q, positions), self._rotate(new_k, positions)
                 cache.append(new_k, new_v, counts)
                 k, v = cache.stored()

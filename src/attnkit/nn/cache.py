@@ -60,6 +60,9 @@ class KVCache:
         self._values = torch.zeros(batch_size, num_kv_heads, max_len + 1, v_dim, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self._keys.device)
         self._start = self.lengths.clone()  # lengths before the latest append
+        # entries compress() dropped per sequence: a new token's position is lengths + dropped
+        self.dropped = torch.zeros_like(self.lengths)
+        self._compressed = False  # whether compress() dropped entries since the last reset (a host-side bool)
         self._bound = 0  # no sequence holds more than this many entries (a host-side int)
 
     def _fills(self) -> tuple[int, ...] | None:
@@ -98,7 +101,108 @@ class KVCache:
         """Forget every stored entry (the memory stays allocated)."""
         self.lengths.zero_()
         self._start.zero_()
+        self.dropped.zero_()
+        self._compressed = False
         self._bound = 0
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``(B,)`` the position of each sequence's next token: ``lengths`` plus the entries
+        :meth:`compress` dropped. :class:`~attnkit.nn.MultiHeadAttention` rotates new queries and
+        keys (RoPE) at these positions, so a compressed cache goes on at the text's true position."""
+        return self.lengths + self.dropped
+
+    @property
+    def compressed(self) -> bool:
+        """Whether :meth:`compress` dropped entries since the last :meth:`reset`."""
+        return self._compressed
+
+    def clone(self) -> KVCache:
+        """A copy with its own memory (compress one, keep the other)."""
+        new = object.__new__(KVCache)
+        new.__dict__.update(self.__dict__)
+        for name in ("_keys", "_values", "lengths", "_start", "dropped"):
+            setattr(new, name, getattr(self, name).clone())
+        return new
+
+    def compress(self, keep: int | float, scores: torch.Tensor) -> None:
+        """Keep the ``keep`` highest-scored entries of each sequence and KV head; drop the rest.
+
+        ``scores: (B, Hkv, n)`` scores the stored entries (``n`` at least the longest sequence;
+        entries past a sequence's length are ignored), e.g. :func:`attnkit.inspect.kv_scores` of
+        the prefill's queries and keys. ``keep``: an int (entries per sequence, at most its length)
+        or a float in (0, 1] (that share of each sequence's entries, rounded down, at least 1).
+        Every head of a sequence keeps the same number, in their original order, so decoding goes
+        on: new entries are appended after the kept ones, new tokens get their true positions
+        (:attr:`positions`) and a causal mask still sees every kept entry. Ties go to the earlier
+        entry. In place, like :meth:`append`; :meth:`clone` first to keep the full cache.
+
+        A compressed cache holds keys out of their positions, so afterwards it takes no mask other
+        than ``None`` or ``masks.causal()`` and no position bias (a ``ValueError`` says so).
+
+        >>> cache = KVCache(batch_size=1, num_kv_heads=2, max_len=8, head_dim=4)
+        >>> cache.append(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4))
+        >>> cache.compress(keep=0.5, scores=torch.arange(12.0).view(1, 2, 6))
+        >>> cache.lengths.tolist(), cache.positions.tolist()
+        ([3], [6])
+        """
+        b, h = self._keys.shape[:2]
+        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+            raise AttnkitTypeError(
+                f"scores must be a floating point tensor (B, Hkv, n) of the stored entries, but got {short(scores)}."
+            )
+        fills = self.lengths.tolist()  # a host read: compression is a step between calls, not the hot path
+        longest = max(fills, default=0)
+        if scores.dim() != 3 or scores.shape[:2] != (b, h) or not longest <= scores.shape[2] <= self.max_len:
+            raise AttnkitValueError(
+                f"scores must have shape ({b}, {h}, n) with {longest} <= n <= {self.max_len} (one score per stored "
+                f"entry of each sequence and KV head), but got {tuple(scores.shape)}."
+            )
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+            raise AttnkitTypeError(f"keep must be an int (entries) or a float in (0, 1] (a share), but got {keep!r}.")
+        if isinstance(keep, float):
+            if not 0.0 < keep <= 1.0:
+                raise AttnkitValueError(f"keep as a share must lie in (0, 1], but got keep={keep}.")
+            kept = [min(n, max(1, int(keep * n))) for n in fills]
+        else:
+            if keep < 0:
+                raise AttnkitValueError(f"keep must be >= 0 entries, but got keep={keep}.")
+            if keep > longest:
+                raise AttnkitValueError(
+                    f"keep={keep} entries, but the longest sequence holds {longest}: nothing to drop. Pass at most "
+                    f"{longest}, or a share such as keep=0.5."
+                )
+            kept = [min(n, keep) for n in fills]
+        if bool(torch.isnan(scores).any()):
+            raise AttnkitValueError("scores hold NaN: every stored entry needs a comparable score.")
+        most = max(kept, default=0)
+        self._compressed = self._compressed or kept != fills
+        if most == 0:
+            self.dropped = self.dropped + self.lengths
+            self.lengths = torch.zeros_like(self.lengths)
+            self._start, self._bound = self.lengths.clone(), 0
+            return
+        device = self.lengths.device
+        n = scores.shape[2]
+        slot = torch.arange(n, device=device)
+        lengths = self.lengths.to(device)
+        # rank by score, then by position (stable sort: ties go to the earlier entry); empty slots last
+        order = torch.sort(
+            scores.to(device, torch.float64).masked_fill(slot >= lengths[:, None, None], float("-inf")),
+            dim=-1, descending=True, stable=True,
+        ).indices[..., :most]  # fmt: skip
+        rank = torch.arange(most, device=device)
+        kept_t = torch.tensor(kept, device=device)
+        order = torch.where(rank < kept_t[:, None, None], order, n + rank)  # past a sequence's budget: sorted last
+        index = order.sort(dim=-1).values.clamp_max(n - 1)  # kept entries in their original order
+        keys = self._keys.gather(2, index[..., None].expand(-1, -1, -1, self._keys.shape[-1]))
+        values = self._values.gather(2, index[..., None].expand(-1, -1, -1, self._values.shape[-1]))
+        self._keys[:, :, :most] = keys
+        self._values[:, :, :most] = values
+        self.dropped = self.dropped + (self.lengths - kept_t.to(self.lengths.device))
+        self.lengths = kept_t.to(self.lengths.device)
+        self._start = self.lengths.clone()
+        self._bound = most
 
     def _check_counts(self, counts, b: int, t: int) -> torch.Tensor | None:
         if counts is None:
@@ -197,6 +301,12 @@ class KVCache:
 
     def mask(self, mask: masks.Mask | None = None) -> masks.Mask:
         """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`)."""
+        if mask is not None and self._compressed and not _slot_causal(mask):
+            raise AttnkitValueError(
+                f"this cache was compressed: its entries are no longer at their positions, so {mask!r} cannot be "
+                "aligned with them. A compressed cache takes mask=None or masks.causal() (new tokens see every "
+                "kept entry); reset() it, or keep an uncompressed clone() for other masks."
+            )
         return masks.cached(mask, self._start, self.lengths)
 
     def bias(self, attn_bias: BiasLike) -> BiasLike:
@@ -204,11 +314,31 @@ class KVCache:
         (see :func:`attnkit.bias.cached`). A float tensor is for the call's ``(Lq, Lk)`` as given."""
         if attn_bias is None or isinstance(attn_bias, torch.Tensor):
             return attn_bias
+        if self._compressed:
+            raise AttnkitValueError(
+                f"this cache was compressed: its entries are no longer at their positions, so the position bias "
+                f"{attn_bias!r} cannot be aligned with them. Use rotary embeddings (positions are kept), or an "
+                "uncompressed cache."
+            )
         return _bias.cached(attn_bias, self._start)
 
     def __repr__(self) -> str:
         b, h, n, d = self.keys.shape
+        dropped = f", dropped={short(self.dropped.tolist())}" if self._compressed else ""
         return (
             f"KVCache(batch_size={b}, num_kv_heads={h}, max_len={n}, head_dim={d}, "
-            f"lengths={short(self.lengths.tolist())})"
+            f"lengths={short(self.lengths.tolist())}{dropped})"
         )
+
+
+def _slot_causal(mask) -> bool:
+    """Whether ``mask`` is plain ``masks.causal()``: defined by the order of the entries alone, so it
+    holds over a compressed cache's slots as over positions."""
+    from attnkit.masks._kinds import Causal
+
+    return (
+        isinstance(mask, Causal)
+        and mask.align == "bottom_right"
+        and isinstance(mask.q_offset, int) and mask.q_offset == 0
+        and isinstance(mask.kv_offset, int) and mask.kv_offset == 0
+    )  # fmt: skip
