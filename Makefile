@@ -98,7 +98,7 @@ resolve: $(BIN)/python
 	@echo $(RESOLVE_TORCH) | tr ' ' '\n' | xargs -P 3 -I{} sh -c \
 		'PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install --dry-run --quiet --isolated --ignore-installed \
 			--disable-pip-version-check --index-url https://pypi.org/simple "torch=={}" \
-			".[viz,models,hf,test,gpu,docs,lint]" >build/resolve-{}.log 2>&1 \
+			".[viz,models,hf,widget,test,gpu,docs,lint]" >build/resolve-{}.log 2>&1 \
 		&& echo "  torch {}: resolves" || { echo "  torch {}: does not resolve"; grep -A8 ERROR build/resolve-{}.log; exit 255; }'
 
 # ruff (rules in pyproject.toml) and mypy over src/attnkit

@@ -118,6 +118,7 @@ BLOCK = "import sys\nfor m in {mods!r}:\n    sys.modules[m] = None\n"
         (["safetensors"], "import attnkit.models", "models"),
         (["tokenizers"], "from attnkit.models import MiniLM", "models"),
         (["transformers"], "import attnkit.integrations.transformers", "hf"),
+        (["anywidget"], "import torch, attnkit.viz\nattnkit.viz.widget(torch.rand(1, 1, 2, 2))", "widget"),
         (
             ["triton"],
             "import torch, attnkit\nq = torch.randn(1, 1, 8, 16)\nattnkit.attention(q, q, q, kernel='triton')",

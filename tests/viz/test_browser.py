@@ -72,6 +72,41 @@ for (let i = 0; i < d.length; i += 4) {
 return [hi - lo, sum];
 """
 
+STAND_IN = """<!doctype html><meta charset="utf-8"><style>{css}</style><body><div id="w"></div>
+<script type="module">
+const state = {state};
+const listeners = {{}};
+window.sets = [];
+const model = {{
+  get: (k) => state[k],
+  set: (k, v) => {{ state[k] = v; window.sets.push([k, v]); (listeners["change:" + k] || []).forEach((f) => f()); }},
+  save_changes() {{}},
+  on: (e, f) => {{ (listeners[e] = listeners[e] || []).push(f); }},
+  off: (e, f) => {{ listeners[e] = (listeners[e] || []).filter((g) => g !== f); }},
+}};
+window.push = (k, v) => {{ state[k] = v; (listeners["change:" + k] || []).forEach((f) => f()); }};
+const url = URL.createObjectURL(new Blob([{esm}], {{ type: "text/javascript" }}));
+import(url).then((m) => {{
+  m.default.render({{ model, el: document.getElementById("w") }});
+  document.body.dataset.ready = "1";
+}});
+</script>"""
+
+
+def open_widget(browser, path, state: dict, esm: str, css: str) -> None:
+    """The widget's front end (its ``_esm``) rendered in a page with a stand-in for the notebook's
+    model holding ``state`` (``data``, ``selected``, ``detail``); ``window.sets`` records what the
+    view sets, ``window.push(name, value)`` changes a value as the kernel would."""
+    import json
+
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = STAND_IN.format(css=css, state=json.dumps(state), esm=json.dumps(esm))
+    path.write_text(page, encoding="utf-8")
+    browser.get_log("browser")
+    browser.get(path.as_uri())
+    WebDriverWait(browser, 20).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+
 
 def test_model_view_renders_and_a_click_opens_the_head(browser, tmp_path):
     from selenium.webdriver.common.by import By

@@ -5,6 +5,7 @@ tables and profile, the weights page's heads, the head-effects table), within it
 from __future__ import annotations
 
 import html
+import json
 import re
 from pathlib import Path
 
@@ -19,7 +20,7 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("attnkit.models")
 
 import test_browser  # noqa: E402
-from test_browser import CANVAS_SPREAD, severe_logs  # noqa: E402
+from test_browser import CANVAS_SPREAD, open_widget, severe_logs  # noqa: E402
 
 browser = test_browser.browser  # the module's headless Chromium fixture
 
@@ -124,3 +125,43 @@ def test_the_tables_answer_their_question(executed, browser, tmp_path):
     assert clean > corrupt and max(values) > corrupt  # some head moves the corrupt run toward the clean one
     printed = "".join(o.get("text", "") for o in cells[5])
     assert "[CLS]" in printed and "changes [CLS] by" in printed
+
+
+def test_the_relevance_view_shades_the_most_relevant_token_darkest(executed, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    cells, _ = executed
+    printed = "".join(o.get("text", "") for o in cells[5])
+    first = re.findall(r"\[\('([^']+)', ([\d.]+)\)", printed)[0][0]  # rollout's most relevant token, printed
+    _enter(browser, _page(tmp_path, _html(cells[6])[0]))
+    try:
+        spans = browser.find_elements(By.CSS_SELECTOR, "p.text span")
+        shades = [re.search(r"rgba?\(214, 80, 40(?:, ([\d.]+))?\)", s.get_attribute("style")) for s in spans]
+        alphas = [float(m.group(1) or 1.0) for m in shades]  # the browser writes alpha 1 as rgb(...)
+        assert len(spans) >= 10  # every token of the sentence
+        assert spans[alphas.index(max(alphas))].text == first
+        assert not severe_logs(browser)
+    finally:
+        browser.switch_to.default_content()
+
+
+def test_the_widget_cell_holds_a_live_view_that_renders_from_the_saved_state(executed, browser, tmp_path):
+    """The saved notebook keeps the widget's state (nbclient stores it, as Jupyter does); its front
+    end, rendered from that state, draws every head and the picked head's profiles over 512 tokens."""
+    from selenium.webdriver.common.by import By
+
+    pytest.importorskip("anywidget")
+    cells, saved = executed
+    views = [o["data"] for o in cells[8] if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(views) == 1
+    model_id = views[0]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    stored = nbformat.read(saved, as_version=4).metadata["widgets"]["application/vnd.jupyter.widget-state+json"]
+    state = stored["state"][model_id]["state"]
+    assert state["selected"] == [0, 3] and state["detail"]["layer"] == 0 and state["detail"]["head"] == 3
+    assert len(state["detail"]["received"]) == 512 and state["detail"]["binSize"] == 1
+    assert len(json.dumps(state)) <= notebook.INLINE_BUDGET
+    open_widget(browser, tmp_path / "widget.html", state, state["_esm"], state["_css"])
+    assert len(browser.find_elements(By.CSS_SELECTOR, "td.ak-cell")) == 6 * 12
+    assert browser.find_element(By.CSS_SELECTOR, ".ak-title").text.endswith("head 3")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg.ak-profile polyline")) == 3
+    assert not severe_logs(browser)
