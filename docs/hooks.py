@@ -321,8 +321,24 @@ def rollout(name: str) -> str:
     )
 
 
+def kv_compress(name: str) -> str:
+    d = _load(name)
+    methods = ("snapkv", "tova", "observed", "random", "recent")
+    keep = list(d["rows"][0][methods[0]]) if d["rows"] else []
+    shares = " / ".join(f"{float(k):.0%}" for k in keep)
+    rows = [
+        [f"{r['L']:,}", r["texts"], f"{r['full']:.1%}"]
+        + [" / ".join(f"{r[m][k]:.1%}" for k in keep) for m in methods]
+        for r in d["rows"]
+    ]
+    m = d.get("machine", {})
+    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads; `{d.get('command', '')}`.*\n\n"
+    return head + _table(["text length", "texts", "full cache", *(f"{m} {shares}" for m in methods)], rows)
+
+
 TABLES = {
     "masks": masks,
+    "kv_compress": kv_compress,
     "rollout": rollout,
     "cpu": cpu,
     "cpu_4096": cpu,
