@@ -5,8 +5,9 @@
 The model: 4 attnkit layers (d_model 256, 8 heads of 32) with residuals, a causal mask and a
 vocabulary head, fp32, batch 1. For each length: the median time of one forward, of
 ``rollout(method="rollout")`` and of ``rollout(method="grad")`` for the last row, and the peak
-resident memory each adds (sampled by a thread), divided by the length. Targets: rollout within
-3x a forward, grad within 5x; memory per token flat from 8k to 32k (linear in L).
+bytes of the tensors each makes and holds at once (one more run under ``core.PeakTensors``,
+exact, not timed), divided by the length. Targets: rollout within 3x a forward, grad within 5x;
+memory per token flat from 8k to 32k (linear in L).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import machine  # benchmarks/machine.py
 import torch
-from core import PeakRSS  # benchmarks/core.py
+from core import PeakTensors  # benchmarks/core.py
 from torch import nn
 
 import attnkit
@@ -49,16 +50,16 @@ class Model(nn.Module):
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak resident MiB above the start) over ``repeats`` runs after one warm-up."""
+    """(median seconds over ``repeats`` runs after one warm-up, peak MiB of live tensors in one more run)."""
     fn()
-    times, peak = [], 0.0
+    times = []
     for _ in range(repeats):
-        with PeakRSS() as rss:
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        peak = max(peak, rss.rise_mb)
-    return statistics.median(times), peak
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    with PeakTensors() as peak:
+        fn()
+    return statistics.median(times), peak.peak_mb
 
 
 def main() -> None:

@@ -308,15 +308,16 @@ def rollout(name: str) -> str:
             f"{r['rollout_vs_forward']:.2f}x",
             r["grad_s"] if r["grad_s"] == r["grad_s"] else "-",
             f"{r['grad_vs_forward']:.2f}x" if r["grad_vs_forward"] == r["grad_vs_forward"] else "-",
+            r["forward_kb_per_token"],
             r["rollout_kb_per_token"],
             r["grad_kb_per_token"] if r["grad_kb_per_token"] == r["grad_kb_per_token"] else "-",
         ]
         for r in d["rows"]
     ]
     m = d.get("machine", {})
-    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads.*\n\n"
+    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads; memory: peak live tensors per token.*\n\n"
     return head + _table(
-        ["L", "forward s", "rollout s", "vs forward", "grad s", "vs forward", "rollout KiB/token", "grad KiB/token"],
+        ["L", "forward s", "rollout s", "vs forward", "grad s", "vs forward", "forward KiB", "rollout KiB", "grad KiB"],
         rows,
     )
 

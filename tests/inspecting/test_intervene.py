@@ -316,3 +316,51 @@ def test_bad_requests_name_the_values():
     with pytest.raises(ValueError, match="no attnkit.MultiHeadAttention"):
         with intervene(nn.Linear(2, 2), ablate={0: [0]}):
             pass
+
+
+@pytest.mark.parametrize("kind", ["zero", "scale"])
+def test_interventions_hold_while_decoding_with_a_kv_cache(kind):
+    """Zeroing or scaling a head is per position, so decoding token by token over KV caches with the
+    intervention gives the logits of the whole text changed by the hand-written hook."""
+    torch.manual_seed(1)
+    model = Tiny().eval()
+    ids = torch.randint(0, 50, (2, 10))
+    kwargs, by_hand = _changes(kind)
+
+    def decode(ids):
+        caches = attnkit.KVCache.for_layers(2, 2, H, 16, HD)
+        out = []
+        for t in range(ids.shape[1]):
+            x = model.embed(ids[:, t : t + 1])
+            for block, cache in zip(model.blocks, caches):
+                x = x + block(x, mask=masks.causal(), cache=cache)[0]
+            out.append(model.head(x))
+        return torch.cat(out, dim=1)
+
+    with torch.no_grad():
+        with intervene(model, **kwargs):
+            ours = decode(ids)
+        handles = _by_hand([b.out_proj for b in model.blocks], HD, by_hand)
+        want = model(ids)
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+def test_interventions_on_a_compiled_model():
+    """torch.compile traces the head output hooks present when it runs: the intervention holds inside
+    the block, and after it the compiled model gives the plain logits again (it recompiles)."""
+    torch.manual_seed(2)
+    model = Tiny().eval()
+    ids = torch.randint(0, 50, (2, 12))
+    compiled = torch.compile(model, backend="aot_eager")
+    kwargs, _ = _changes("zero")
+    with torch.no_grad():
+        plain = model(ids)
+        with intervene(model, **kwargs):
+            eager = model(ids)
+            inside = compiled(ids)
+        after = compiled(ids)
+    torch.testing.assert_close(inside, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, plain, rtol=1e-5, atol=1e-5)
+    assert (eager - plain).abs().max() > 1e-3

@@ -6,6 +6,7 @@ implementation with output_attentions), with padding, GQA, windows and softcap."
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -307,3 +308,105 @@ def test_grad_method_with_a_bias_and_softcap_equals_the_formula():
             per_row.append(([a.detach()], [a.grad]))
         expected.append(dense_grad(per_row, rows))
     assert_oracle(got, expected[0], expected[1], what="grad with alibi and softcap")
+
+
+class Masked(Tiny):
+    """Tiny under any mask object (documents, windows, padding), written out by hand the same way."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x, mask=self.mask)[0]
+        return self.head(x)
+
+    def by_hand(self, ids):
+        x = self.embed(ids)
+        allowed = masks.as_mask(self.mask).materialize(ids.shape[1], ids.shape[1])
+        weights = []
+        for block in self.blocks:
+            q, k, v = block.project(x, x, x)
+            s = (q @ k.transpose(-2, -1)) / block.head_dim**0.5
+            a = torch.nan_to_num(torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1))
+            a.retain_grad()
+            weights.append(a)
+            x = x + block.out_proj(block.merge_heads(a @ v))
+        return self.head(x), weights
+
+
+@pytest.mark.parametrize("kind", ["documents & causal", "sliding window", "causal & padding, a head per layer"])
+def test_grad_rule_over_many_row_blocks_equals_the_formula(monkeypatch, kind):
+    """L=300 in tiles of one row block and ~230 keys (the tile loops, the block codes' reach and the
+    element mask on partial columns only), masks with partial blocks away from the diagonal,
+    per-sequence key limits and chosen heads, against Chefer's rule on eager float64 probabilities."""
+    length = 300
+    ids = torch.randint(0, V, (2, length), generator=torch.Generator().manual_seed(4))
+    heads = None
+    if kind == "documents & causal":
+        doc = torch.cat([torch.zeros(70), torch.ones(140), torch.full((90,), 2)]).long()
+        mask = masks.document(torch.stack([doc, doc.roll(40)])) & masks.causal()
+    elif kind == "sliding window":
+        mask = masks.sliding_window(90)
+    else:
+        mask, heads = masks.causal() & masks.padding(torch.tensor([300, 170])), [[1, 3], [2]]
+    torch.manual_seed(8)
+    model = Masked(mask).eval()
+    monkeypatch.setattr(sys.modules["attnkit.inspect.rollout"], "CHUNK_ELEMENTS", 2 * H * length * 100)
+    rows = [299, 150]
+    got = rollout(model, ids, rows=rows, method="grad", heads=heads or "mean")
+    expected = []
+    for m in (copy.deepcopy(model).double(), copy.deepcopy(model)):
+        per_row = []
+        for row in rows:
+            logits, weights = m.by_hand(ids)
+            logits[:, row].max(-1).values.sum().backward()
+            if heads is not None:
+                grads = [a.grad[:, hs] for a, hs in zip(weights, heads)]
+                weights = [a[:, hs] for a, hs in zip(weights, heads)]
+            else:
+                grads = [a.grad for a in weights]
+            per_row.append(([a.detach() for a in weights], grads))
+        expected.append(dense_grad(per_row, rows))
+    assert_oracle(got, expected[0], expected[1], what=f"grad, {kind}")
+
+
+def test_lse_hooks_give_the_kernels_lse_and_leave_the_output_unchanged():
+    """MultiHeadAttention.register_lse_hook and the transformers integration's register_lse_hook: the
+    row log-sum-exp of the call (float64 formula), the same output as without the hook."""
+    from attnkit.integrations.transformers import register_lse_hook
+
+    torch.manual_seed(9)
+    layer = attnkit.MultiHeadAttention(D, H, num_kv_heads=2).eval()
+    x = torch.randn(2, 9, D)
+    mask = masks.causal() & masks.padding(torch.tensor([9, 6]))
+    seen = []
+    with torch.no_grad():
+        plain = layer(x, mask=mask)[0]
+        handle = layer.register_lse_hook(lambda module, lse: seen.append((module, lse)))
+        hooked = layer(x, mask=mask)[0]
+        handle.remove()
+        layer(x, mask=mask)
+    assert len(seen) == 1 and seen[0][0] is layer
+    torch.testing.assert_close(hooked, plain)
+    q, k, _ = (t.double() for t in layer.project(x, x, x))
+    k = k.repeat_interleave(2, dim=1)
+    s = (q @ k.transpose(-2, -1)) / layer.head_dim**0.5
+    want = torch.logsumexp(s.masked_fill(~mask.materialize(9, 9), float("-inf")), dim=-1)
+    torch.testing.assert_close(seen[0][1].double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="hook must be callable"):
+        layer.register_lse_hook("lse")
+
+    cls, config = HF["llama (GQA)"]
+    torch.manual_seed(0)
+    model = cls.from_config(config(), attn_implementation="attnkit").eval()
+    found = []
+    handle = register_lse_hook(lambda module, lse: found.append(lse.shape))
+    with torch.no_grad():
+        model(torch.randint(1, 61, (2, 7)))
+    handle.remove()
+    with torch.no_grad():
+        model(torch.randint(1, 61, (2, 7)))
+    assert found == [(2, 4, 7), (2, 4, 7)]  # one call per layer, while registered

@@ -299,6 +299,10 @@ def attention_forward(
         hook(module, query, key, value, mask, mods)
     if kwargs.get("output_attentions") or _capturing_attentions():
         out, weights = attention_with_weights(query, key, value, mask, **mods)
+    elif _lse_hooks:
+        (out, lse), weights = attention(query, key, value, mask, return_lse=True, **mods), None
+        for hook in tuple(_lse_hooks.values()):
+            hook(module, lse)
     else:
         out, weights = attention(query, key, value, mask, **mods), None
     if _head_output_hooks:
@@ -310,6 +314,17 @@ def attention_forward(
 
 _attention_hooks: collections.OrderedDict = collections.OrderedDict()
 _head_output_hooks: collections.OrderedDict = collections.OrderedDict()
+_lse_hooks: collections.OrderedDict = collections.OrderedDict()
+
+
+def register_lse_hook(hook: Callable[..., None]) -> RemovableHandle:
+    """Call ``hook(module, lse)`` after every attention this integration runs without weights, with
+    the row log-sum-exp ``lse: (B, Hq, Lq)`` the kernel computed (the call asks for it). The hook
+    must not change it. :func:`attnkit.inspect.rollout` uses it. Returns a handle whose
+    ``remove()`` unregisters the hook."""
+    handle = RemovableHandle(_lse_hooks)
+    _lse_hooks[handle.id] = hook
+    return handle
 
 
 def register_head_output_hook(hook: Callable[..., torch.Tensor | None]) -> RemovableHandle:

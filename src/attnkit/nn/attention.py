@@ -146,6 +146,7 @@ class MultiHeadAttention(nn.Module):
         self.rotary = rotary
         self._attention_hooks: OrderedDict = OrderedDict()
         self._head_output_hooks: OrderedDict = OrderedDict()
+        self._lse_hooks: OrderedDict = OrderedDict()
 
     def register_head_output_hook(self, hook: Callable[..., torch.Tensor | None]) -> RemovableHandle:
         """Call ``hook(module, out)`` on every forward with the heads' outputs ``out: (B, num_heads,
@@ -164,6 +165,20 @@ class MultiHeadAttention(nn.Module):
             raise AttnkitTypeError(f"hook must be callable as hook(module, out), but got {type(hook).__name__}.")
         handle = RemovableHandle(self._head_output_hooks)
         self._head_output_hooks[handle.id] = hook
+        return handle
+
+    def register_lse_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(module, lse)`` on every forward with the attention's row log-sum-exp ``lse:
+        (B, num_heads, Lq)`` (float32; ``-inf`` for a row that sees no key), as the kernel computed
+        it (the call asks for it: ``return_lse=True``); not with ``need_weights=True``. The hook
+        must not change it. :func:`attnkit.inspect.rollout` (``method="grad"``) uses it to rebuild
+        the weights without running attention again. Returns a handle whose ``remove()``
+        unregisters it.
+        """
+        if not callable(hook):
+            raise AttnkitTypeError(f"hook must be callable as hook(module, lse), but got {type(hook).__name__}.")
+        handle = RemovableHandle(self._lse_hooks)
+        self._lse_hooks[handle.id] = hook
         return handle
 
     def _run_head_output_hooks(self, out: torch.Tensor) -> torch.Tensor:
@@ -397,6 +412,10 @@ class MultiHeadAttention(nn.Module):
         self._run_attention_hooks(q, k, v, mask, mods)
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, **mods)
+        elif self._lse_hooks:
+            (out, lse), weights = functional.attention(q, k, v, mask, return_lse=True, **mods), None
+            for hook in tuple(self._lse_hooks.values()):
+                hook(self, lse)
         else:
             out, weights = functional.attention(q, k, v, mask, **mods), None
         if self._head_output_hooks:

@@ -35,7 +35,7 @@ DECADES = 6.0
 BITS = 1.0 / math.log(2.0)
 
 
-def _log_bytes(values: np.ndarray) -> tuple[np.ndarray, list[float]]:
+def log_bytes(values: np.ndarray) -> tuple[np.ndarray, list[float]]:
     """``(rows, n)`` non-negative values as uint8 on a log scale; returns the bytes and each
     row's ``log10`` maximum (0 stays 0; other values map to 1..255)."""
     values = np.nan_to_num(np.clip(values.astype(np.float64), 0.0, None))
@@ -73,12 +73,12 @@ def long_data(
         for name in ("entropy", "sink_mass", "mean_distance", "max_weight")
     }
     received = np.stack([as_array(s.received[0]) for s in stats]).reshape(layers * heads, lk)
-    received_bytes, received_hi = _log_bytes(received)
+    received_bytes, received_hi = log_bytes(received)
     rows = [int(r) % lq for r in rows]
     weights = np.stack([as_array(w[0]) for w in row_weights]) if rows else np.zeros((layers, heads, 0, lk))
     # (layers, heads, R, Lk) -> (R, layers, heads, Lk): one block per chosen row
     weights = weights.transpose(2, 0, 1, 3).reshape(len(rows) * layers * heads, lk)
-    weight_bytes, weight_hi = _log_bytes(weights)
+    weight_bytes, weight_hi = log_bytes(weights)
     return {
         "title": str(title),
         "tokens": tokens,

@@ -22,7 +22,7 @@ import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.viz.html import asset, cut_labels, font_face
-from attnkit.viz.long import DECADES, _log_bytes
+from attnkit.viz.long import DECADES, log_bytes
 
 __all__ = ["MAX_WEIGHTS", "widget"]
 
@@ -107,7 +107,7 @@ def _top(values: np.ndarray, labels: list[str]) -> list[dict]:
     return [{"position": int(j), "token": labels[j], "value": float(values[j])} for j in order if values[j] > 0]
 
 
-def _weights_source(weights: Sequence[torch.Tensor], tokens, names, batch: int):
+def _weights_source(weights: Sequence[torch.Tensor], tokens, batch: int):
     """``data`` and the per-head view of full weights ``(B, H, Lq, Lk)`` per layer."""
     lq, lk = weights[0].shape[-2:]
     if lq * lk > MAX_WEIGHTS:
@@ -126,7 +126,7 @@ def _weights_source(weights: Sequence[torch.Tensor], tokens, names, batch: int):
     }
 
     def view(layer: int, head: int) -> dict:
-        values, (hi,) = _log_bytes(mats[layer][head].reshape(1, -1).numpy())
+        values, (hi,) = log_bytes(mats[layer][head].reshape(1, -1).numpy())
         return {
             "kind": "weights", "layer": layer, "head": head, "rows": lq, "cols": lk, "hi": hi, "decades": DECADES,
             "bytes": base64.b64encode(values.tobytes()).decode("ascii"), "queryTokens": queries, "keyTokens": keys,
@@ -244,7 +244,7 @@ def widget(
             raise AttnkitValueError("every layer's weights must have the same (H, Lq, Lk) shape.")
         if batch >= weights[0].shape[0]:
             raise AttnkitValueError(f"batch={batch}, but the weights hold {weights[0].shape[0]} sequences.")
-        summary, length, view, keys = _weights_source(weights, tokens, names, batch)
+        summary, length, view, keys = _weights_source(weights, tokens, batch)
         heads = weights[0].shape[1]
     names = [str(n) for n in names] if names is not None else [f"layer {i}" for i in range(layers)]
     if len(names) != layers:
