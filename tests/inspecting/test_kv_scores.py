@@ -147,3 +147,8 @@ def test_bad_inputs_are_refused_with_their_values():
     prepared = attnkit.prepare(masks.causal(), 40, 40)
     with pytest.raises(TypeError, match="PreparedMask"):
         kv_scores(q, k, v, prepared, method="tova")
+    cached = masks.cached(masks.causal(), torch.tensor([0]), torch.tensor([40]))
+    with pytest.raises(ValueError, match=r"cannot be cut to those rows .* masks.causal\(\) for a prefill"):
+        kv_scores(q, k, v, cached, method="snapkv", window=8)
+    observed = kv_scores(q, k, v, cached, method="observed")  # every query: the mask as it is
+    torch.testing.assert_close(observed, kv_scores(q, k, v, masks.causal(), method="observed"))

@@ -108,7 +108,14 @@ def _received(q, k, v, mask, first_row, scale, kwargs) -> torch.Tensor:
         if isinstance(mask, torch.Tensor):
             mask = mask[..., first_row:, :] if mask.dim() >= 2 and mask.shape[-2] == lq else mask
         elif hasattr(mask, "part"):  # the rows' rectangle of the whole problem, as a mask of its own
-            mask = mask.part(lq, lk, q=slice(first_row, lq))
+            try:
+                mask = mask.part(lq, lk, q=slice(first_row, lq))
+            except AttnkitValueError as error:
+                raise AttnkitValueError(
+                    f"kv_scores scores the last {lq - first_row} queries of the call, but {mask!r} cannot be cut to "
+                    "those rows (a KV cache's mask, aligned per sequence): pass the mask of the problem itself, "
+                    "e.g. masks.causal() for a prefill into an empty cache, or use method='observed'."
+                ) from error
         else:
             raise AttnkitTypeError(
                 "kv_scores takes a mask object or a bool tensor (a PreparedMask holds one problem's plan: "
