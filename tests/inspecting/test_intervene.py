@@ -56,6 +56,16 @@ def _by_hand(projections, head_dim, change):
     return handles
 
 
+def _tiny_by_hand(model, by_hand, ids):
+    """``model(ids)`` with the change written by hand on its output projections (hooks removed after)."""
+    handles = _by_hand([b.out_proj for b in model.blocks], HD, by_hand)
+    try:
+        return model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _changes(kind):
     """(intervene keyword arguments, the same change written by hand on (B, L, H, hd))."""
     if kind == "zero":
@@ -98,10 +108,7 @@ def test_attnkit_model_equals_the_hook_written_by_hand(kind):
     with torch.no_grad():
         with intervene(model, **kwargs):
             ours = model(ids)
-        handles = _by_hand([b.out_proj for b in model.blocks], HD, by_hand)
-        want = model(ids)
-        for h in handles:
-            h.remove()
+        want = _tiny_by_hand(model, by_hand, ids)
         plain = model(ids)
     torch.testing.assert_close(ours, want, rtol=1e-6, atol=1e-6)
     assert (ours - plain).abs().max() > 1e-3  # the change mattered
@@ -340,10 +347,7 @@ def test_interventions_hold_while_decoding_with_a_kv_cache(kind):
     with torch.no_grad():
         with intervene(model, **kwargs):
             ours = decode(ids)
-        handles = _by_hand([b.out_proj for b in model.blocks], HD, by_hand)
-        want = model(ids)
-        for h in handles:
-            h.remove()
+        want = _tiny_by_hand(model, by_hand, ids)
     torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
 
 

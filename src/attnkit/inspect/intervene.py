@@ -171,12 +171,15 @@ class Intervention:
         if self.empty:
             return self  # nothing to change: no hook at all, outputs bit-identical
         layers = attention_layers(self.model, "intervene on")
+        # eager code between the kernels: torch.compile runs it as it is on every call (call order,
+        # the opening thread) instead of tracing one call's decisions into a graph
+        hook = torch.compiler.disable(self._hook)
         if layers is not None:
-            self._handles = [m.register_head_output_hook(self._hook) for m in layers]
+            self._handles = [m.register_head_output_hook(hook) for m in layers]
         else:
             from attnkit.integrations.transformers import register_head_output_hook
 
-            self._handles = [register_head_output_hook(self._hook)]
+            self._handles = [register_head_output_hook(hook)]
         return self
 
     def __exit__(self, kind, *exc) -> None:
