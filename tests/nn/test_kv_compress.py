@@ -142,3 +142,24 @@ def test_keep_zero_empties_the_cache_but_keeps_positions():
     got = attnkit.attention(q, k, v, cache.mask(masks.causal()))
     want, _ = naive_attention(q.double(), k[:, :, :1].double(), v[:, :, :1].double())
     torch.testing.assert_close(got.double(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capture_sees_the_compressed_cache_while_decoding(dtype):
+    """capture and a compressed cache of mixed fills together: each decoding step's weights cover the
+    kept entries and the new one of its own sequence, nothing past them, and sum to 1."""
+    torch.manual_seed(5)
+    mha = attnkit.MultiHeadAttention(32, 4, num_kv_heads=2, dtype=dtype).eval()
+    cache = KVCache(2, 2, 24, 8, dtype=dtype)
+    x = torch.randn(2, 10, 32, dtype=dtype)
+    with torch.no_grad():
+        mha(x, mask=masks.causal(), cache=cache, counts=torch.tensor([10, 7]))
+        cache.compress(0.5, torch.rand(2, 2, 10))
+        assert cache.lengths.tolist() == [5, 3] and cache.positions.tolist() == [10, 7]
+        with attnkit.capture(mha) as cap:
+            mha(torch.randn(2, 1, 32, dtype=dtype), mask=masks.causal(), cache=cache)
+    (w,) = cap.weights
+    assert w.shape[-2] == 1 and w.shape[-1] >= 6
+    torch.testing.assert_close(w.float().sum(-1), torch.ones(2, 4, 1), atol=1e-2, rtol=0)
+    assert (w[0, ..., 6:] == 0).all() and (w[1, ..., 4:] == 0).all()  # 5 + 1 and 3 + 1 entries
+    assert (w[0, ..., :6] > 0).all() and (w[1, ..., :4] > 0).all()
