@@ -328,8 +328,7 @@ def kv_compress(name: str) -> str:
     keep = list(d["rows"][0][methods[0]]) if d["rows"] else []
     shares = " / ".join(f"{float(k):.0%}" for k in keep)
     rows = [
-        [f"{r['L']:,}", r["texts"], f"{r['full']:.1%}"]
-        + [" / ".join(f"{r[m][k]:.1%}" for k in keep) for m in methods]
+        [f"{r['L']:,}", r["texts"], f"{r['full']:.1%}"] + [" / ".join(f"{r[m][k]:.1%}" for k in keep) for m in methods]
         for r in d["rows"]
     ]
     m = d.get("machine", {})
