@@ -160,15 +160,18 @@ def _received(layer: _Layer, r: torch.Tensor, heads: list[int] | None) -> torch.
     return got.sum(dim=1).transpose(1, 2).to(r.dtype)  # (B, R, Lk)
 
 
+def _weighted_span(r: torch.Tensor) -> slice | None:
+    """The run of query rows from the first to the last where ``r (B, R, Lq)`` is not 0 (None: nowhere)."""
+    weighted = (r.abs().sum(dim=(0, 1)) > 0).nonzero()
+    return None if weighted.numel() == 0 else slice(int(weighted[0]), int(weighted[-1]) + 1)
+
+
 def _weighted_rows(layer: _Layer, r: torch.Tensor, lq: int, lk: int) -> tuple[Any, dict, slice | None]:
     """``(mask, mods, rows)``: the run of query rows where ``r`` is not 0 (None: none is), with the
     call's mask and bias cut to those rows where they can be (mask and bias objects, tensors); else
     every row, as the call ran."""
-    weighted = (r.abs().sum(dim=(0, 1)) > 0).nonzero()
-    if weighted.numel() == 0:
-        return layer.mask, layer.mods, None
-    rows = slice(int(weighted[0]), int(weighted[-1]) + 1)
-    if rows == slice(0, lq):
+    rows = _weighted_span(r)
+    if rows is None or rows == slice(0, lq):
         return layer.mask, layer.mods, rows
     from attnkit.masks import Mask
 
@@ -192,13 +195,11 @@ def _weighted_rows(layer: _Layer, r: torch.Tensor, lq: int, lk: int) -> tuple[An
 
 
 def _rows_allowed(mask, lq: int, lk: int):
-    """``allowed(start, stop) -> (.., rows, Lk) bool``: the mask's pairs for a run of query rows, or
-    None where the mask cannot be read as pairs (none, or an additive float tensor)."""
-    from attnkit.masks import Mask
-    from attnkit.plan import PreparedMask, prepare
+    """``allowed(start, stop) -> (.., rows, Lk) bool``: the pairs of a prepared mask or a bool tensor for
+    a run of query rows, or None where the mask cannot be read as pairs (none, or an additive float
+    tensor)."""
+    from attnkit.plan import PreparedMask
 
-    if isinstance(mask, Mask):
-        mask = prepare(mask, lq, lk)
     if isinstance(mask, PreparedMask):
         keys = torch.arange(lk, device=mask.device)
         return lambda start, stop: mask.allowed_at(torch.arange(start, stop, device=mask.device), keys)
@@ -296,10 +297,10 @@ def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: l
         lse = layer.lse[:, pick].masked_fill(~torch.isfinite(layer.lse[:, pick]), float("inf"))  # no key: weights 0
         k_c = (k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k)[:, pick]
         scale = layer.mods.get("scale") or q.shape[-1] ** -0.5
-    weighted = (r.abs().sum(dim=(0, 1)) > 0).nonzero()  # rows with r = 0 add nothing (the last layer: one row)
-    if weighted.numel() == 0:
+    span = _weighted_span(r)  # rows with r = 0 add nothing (the last layer: the chosen row)
+    if span is None:
         return total.to(r.dtype)
-    first, last = int(weighted[0]), int(weighted[-1]) + 1
+    first, last = span.start, span.stop
     if direct:  # chunks of whole row blocks: their block codes say which keys they see and where the mask hides some
         bq = prepared.block_size[0]
         step, first = bq, first // bq * bq

@@ -48,6 +48,17 @@ def log_bytes(values: np.ndarray) -> tuple[np.ndarray, list[float]]:
     return out, [float(x) for x in hi]
 
 
+def bin_profile(values: np.ndarray, bins: int, how: str = "max") -> tuple[np.ndarray, int]:
+    """``values (n,)`` in at most ``bins`` points: runs of ``ceil(n / bins)`` tokens, each drawn as its
+    largest value (``how="max"``) or its mean (``"mean"``); returns the points and the run length."""
+    n = values.shape[0]
+    size = max(1, math.ceil(n / bins))
+    padded = np.full(math.ceil(n / size) * size, np.nan)
+    padded[:n] = values
+    parts = padded.reshape(-1, size)
+    return (np.nanmax(parts, axis=1) if how == "max" else np.nanmean(parts, axis=1)), size
+
+
 def long_data(
     stats: Sequence[AttentionStats],
     tokens: Sequence[str],

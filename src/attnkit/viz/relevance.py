@@ -11,7 +11,6 @@ with a few words of context are drawn, so 32k tokens stay small.
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from attnkit._types import PathLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.viz.html import cut_labels, font_face, printable
+from attnkit.viz.long import bin_profile
 
 __all__ = ["MAX_SHADED", "RelevanceView", "relevance"]
 
@@ -48,8 +48,7 @@ class RelevanceView:
                 )
             parts.append(f'<p class="text">{" ".join(spans)}</p>')
         else:
-            size = math.ceil(len(esc) / _BINS)
-            binned = torch.nn.functional.pad(r, (0, (-len(esc)) % size)).view(-1, size).amax(-1)
+            binned, size = bin_profile(r.numpy(), _BINS)
             peak = float(binned.max()) or 1.0
             points = " ".join(
                 f"{(i + 0.5) * 1000 / len(binned):.1f},{118 - 112 * max(0.0, float(v)) / peak:.1f}"

@@ -13,7 +13,6 @@ and profiles over more than ``bins`` tokens are binned (the largest value of eac
 from __future__ import annotations
 
 import base64
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.viz.html import asset, cut_labels, font_face
-from attnkit.viz.long import DECADES, log_bytes
+from attnkit.viz.long import BITS, DECADES, bin_profile, log_bytes
 
 __all__ = ["MAX_WEIGHTS", "widget"]
 
@@ -92,14 +91,9 @@ def _labels(tokens: Sequence[object] | None, length: int) -> list[str]:
 
 
 def _binned(values: np.ndarray, bins: int, how: str = "max") -> tuple[list[float], int]:
-    """``values (n,)`` in at most ``bins`` points (the largest or the mean of each run of tokens)."""
-    n = values.shape[0]
-    size = max(1, math.ceil(n / bins))
-    padded = np.full(math.ceil(n / size) * size, np.nan)
-    padded[:n] = values
-    parts = padded.reshape(-1, size)
-    out = np.nanmax(parts, axis=1) if how == "max" else np.nanmean(parts, axis=1)
-    return [float(f"{x:.4g}") for x in out], size
+    """:func:`~attnkit.viz.long.bin_profile` as JSON numbers (four significant digits)."""
+    points, size = bin_profile(values, bins, how)
+    return [float(f"{x:.4g}") for x in points], size
 
 
 def _top(values: np.ndarray, labels: list[str]) -> list[dict]:
@@ -118,7 +112,7 @@ def _weights_source(weights: Sequence[torch.Tensor], tokens, batch: int):
     keys = _labels(tokens, lk)
     queries = keys[-lq:] if lq <= lk else [str(i) for i in range(lq)]
     mats = [w[min(batch, w.shape[0] - 1)].detach().to("cpu", torch.float64) for w in weights]  # (H, Lq, Lk)
-    entropy = [(-(m * torch.log(m.clamp_min(1e-300))).sum(-1) / math.log(2.0)).mean(-1).tolist() for m in mats]
+    entropy = [(-(m * torch.log(m.clamp_min(1e-300))).sum(-1) * BITS).mean(-1).tolist() for m in mats]
     summary = {
         "entropy": entropy,
         "max_weight": [m.amax(-1).mean(-1).tolist() for m in mats],
@@ -143,7 +137,7 @@ def _stats_source(stats: Sequence, rows: Sequence[int], row_weights: Sequence[to
     for s in stats:
         found = s.head_summary()
         for name in summary:
-            scale = 1.0 / math.log(2.0) if name == "entropy" else 1.0
+            scale = BITS if name == "entropy" else 1.0
             summary[name].append([float(x) * scale for x in found[name]])
     rows = [int(r) % lq for r in rows]
 
