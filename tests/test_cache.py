@@ -9,6 +9,7 @@ the same tensors came back with their version unchanged), the test is its regres
 
 from __future__ import annotations
 
+import collections
 import gc
 import types
 
@@ -21,6 +22,7 @@ import attnkit
 from attnkit import _cache, masks
 from attnkit.kernels import fastpath
 from attnkit.kernels.native import build as native_build
+from attnkit.plan import PREPARATIONS
 
 
 def _want(q, k, v, mask, lq, lk):
@@ -83,7 +85,6 @@ def test_a_rebound_closure_cell_is_another_predicate():
 
 def test_equal_closures_share_one_preparation():
     """Two closures of one code over equal contents are one value: prepared once."""
-    from attnkit.plan import PREPARATIONS
 
     def make(n):
         limit = torch.tensor(n)
@@ -99,16 +100,34 @@ def test_equal_closures_share_one_preparation():
 
 
 def test_a_predicate_over_an_object_that_cannot_be_fingerprinted_is_never_kept():
-    class Window:
-        width = 8
-
-    state = Window()
-    mask = masks.from_fn(lambda b, h, i, j: (j <= i) & (i - j < state.width))
+    state = collections.deque([8])  # state a key cannot read (a C type with no attributes)
+    mask = masks.from_fn(lambda b, h, i, j: (j <= i) & (i - j < state[0]))
     assert mask.value_key() is None and not mask.cacheable()
     q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
     attnkit.attention(q, k, v, mask, kernel="tiled")
+    state[0] = 50
+    _close(attnkit.attention(q, k, v, mask, kernel="tiled"), _want(q, k, v, mask, 300, 300))
+
+
+def test_a_predicate_over_a_user_object_is_keyed_by_its_attributes():
+    """An instance of the user's class is keyed by its class and its attributes (it had no key before,
+    so its mask was prepared on every call): kept while they stay, prepared again when one changes."""
+
+    class Window:
+        def __init__(self):
+            self.width = 8
+
+    state = Window()
+    mask = masks.from_fn(lambda b, h, i, j: (j <= i) & (i - j < state.width))
+    assert mask.value_key() is not None
+    q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
+    start = PREPARATIONS["count"]
+    attnkit.attention(q, k, v, mask, kernel="tiled")
+    attnkit.attention(q, k, v, mask, kernel="tiled")
+    assert PREPARATIONS["count"] - start == 1
     state.width = 50
     _close(attnkit.attention(q, k, v, mask, kernel="tiled"), _want(q, k, v, mask, 300, 300))
+    assert PREPARATIONS["count"] - start == 2
 
 
 @pytest.mark.parametrize("edit", list(EDITS))
@@ -310,12 +329,6 @@ def _callables():
         with torch.no_grad():
             emb.weight.copy_((torch.arange(300) // 25).float()[:, None])
 
-    table = (torch.arange(300) // 50).numpy().copy()
-    lookup = np.vectorize(lambda i: table[i])
-
-    def bump_table():
-        table[:] = np.arange(300) // 25
-
     return {
         "a bound tensor method": (
             lambda q, kv, pick=ids.index_select: (
@@ -331,18 +344,14 @@ def _callables():
             lambda q, kv: holder.ids[q] == holder.ids[kv],
             lambda: holder.ids.copy_(torch.arange(300) // 25),
         ),
-        "np.vectorize": (
-            lambda q, kv: torch.from_numpy(lookup(q.numpy())) == torch.from_numpy(lookup(kv.numpy())),
-            bump_table,
-        ),
     }
 
 
 @pytest.mark.parametrize("name", list(_callables()))
 def test_callables_with_state_behind_their_identity_are_not_served_stale(name):
-    """Bound tensor methods, torch.nn modules and np.vectorize were keyed by identity (their tensor or
-    function never read): now a bound method is keyed by its tensor's bytes, and a module or
-    vectorized function has no fingerprint, so its mask is prepared again on each call."""
+    """Bound tensor methods and torch.nn modules were keyed by identity (their tensor never read): now a
+    bound method is keyed by its tensor's bytes, and a module has no fingerprint, so its mask is
+    prepared again on each call."""
     same_doc, change = _callables()[name]
     mask = masks.from_fn(lambda b, h, q, kv, f=same_doc: f(q, kv) & (kv <= q))
     q, k, v = (randn(1, 2, 300, 16) for _ in range(3))
@@ -352,6 +361,21 @@ def test_callables_with_state_behind_their_identity_are_not_served_stale(name):
     second = attnkit.attention(q, k, v, mask)
     _close(second, _want(q, k, v, mask, 300, 300))
     assert not torch.allclose(first, second)
+
+
+def test_a_predicate_through_numpy_is_refused_with_what_to_write_instead():
+    """A predicate that leaves torch (np.vectorize over .numpy()) cannot run one pair at a time under
+    torch.vmap, and broadcasting it is not proved elementwise: a clear error, not an answer that may
+    hold only for the tiles it was evaluated on (it was evaluated by broadcasting before)."""
+    table = (torch.arange(300) // 50).numpy().copy()
+    lookup = np.vectorize(lambda i: table[i])
+    mask = masks.from_fn(
+        lambda b, h, q, kv: (torch.from_numpy(lookup(q.numpy())) == torch.from_numpy(lookup(kv.numpy()))) & (kv <= q)
+    )
+    assert mask.value_key() is None  # a vectorized function has no fingerprint either
+    q = randn(1, 2, 300, 16)
+    with pytest.raises(ValueError, match=r"one pair at a time under torch.vmap .*numpy.*no host reads"):
+        attnkit.attention(q, q, q, mask)
 
 
 def test_zero_and_negative_zero_are_different_keys():

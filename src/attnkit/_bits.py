@@ -24,7 +24,7 @@ import torch
 from attnkit import masks as _masks
 from attnkit._indexing import as4d
 
-__all__ = ["TILES_AT_ONCE", "partial_bits"]
+__all__ = ["TILES_AT_ONCE", "pack_queries", "partial_bits", "tile_coordinates"]
 
 #: Partial tiles evaluated together by a mask's tile form (O(TILES_AT_ONCE x bq x bk) memory).
 TILES_AT_ONCE = 1024
@@ -142,3 +142,35 @@ def _by_rows(mask, q_len, kv_len, block_size, where, nq, nk) -> tuple[torch.Tens
         b_sel, h_sel = part[:, 0].clamp(max=e.shape[0] - 1), part[:, 1].clamp(max=e.shape[1] - 1)
         tiles.append(e[b_sel, h_sel, :, position[part[:, 3]], :])  # (n, bq, bk)
     return where, torch.cat(tiles)
+
+
+def pack_queries(keys_major: torch.Tensor) -> torch.Tensor:
+    """``(T, bk, bq)`` bool (queries along the last axis) packed eight queries a byte, ``(T, bk,
+    ceil(bq / 8))`` uint8 (bit ``r % 8`` of byte ``r // 8`` is query ``r``): what ``numpy.packbits(...,
+    bitorder="little")`` gives, in torch operations (it traces under torch.compile)."""
+    t, bk, bq = keys_major.shape
+    padded = torch.nn.functional.pad(keys_major.to(torch.uint8), (0, -bq % 8))  # (T, bk, 8 * nb)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=keys_major.device)
+    return (padded.view(t, bk, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def tile_coordinates(tile_ids: torch.Tensor, kv_indices: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``(tiles, 4)`` int64: the ``(b, h, i, j)`` block of each partial tile of a plan, from its
+    ``tile_ids`` and ``kv_indices`` ``(Bm, Hm, nq, nk)`` (listed order), in torch operations with
+    static shapes (it traces under torch.compile): each listed slot writes its block to its tile's
+    row, slots of full blocks to rows past the end that are dropped."""
+    bm, hm, nq, nk = tile_ids.shape
+    dev = tile_ids.device
+    coords = torch.stack(
+        [
+            torch.arange(bm, device=dev).view(-1, 1, 1, 1).expand(bm, hm, nq, nk),
+            torch.arange(hm, device=dev).view(1, -1, 1, 1).expand(bm, hm, nq, nk),
+            torch.arange(nq, device=dev).view(1, 1, -1, 1).expand(bm, hm, nq, nk),
+            kv_indices.long(),
+        ],
+        dim=-1,
+    ).reshape(-1, 4)
+    ids = tile_ids.reshape(-1).long()
+    spare = tiles + torch.arange(ids.shape[0], device=dev)  # one row each past the end: no index twice
+    out = torch.zeros(tiles + ids.shape[0], 4, dtype=torch.int64, device=dev)
+    return out.index_copy(0, torch.where(ids >= 0, ids, spare), coords)[:tiles]

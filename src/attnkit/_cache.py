@@ -23,9 +23,10 @@ padding lengths)                       scale's bits, autograd, inference mode, t
                                        every block kept (plain tensors, never changed)
 :func:`plan_store`                     per PreparedMask (held weakly): the groups, tiles and  64 MiB each
                                        layouts a kernel derives from it (``(what, ...)``)
-:data:`SCORE_MOD_STYLE`                a ``score_mod`` function (held weakly): whether it      weak
-                                       broadcasts or needs ``torch.vmap`` (how it evaluates,
-                                       not what it returns)
+:data:`PER_PAIR`                       a ``mask_mod``/``score_mod`` function (held weakly):    weak
+                                       it needs ``torch.vmap`` (broadcasting it failed or was
+                                       not proved elementwise: :mod:`attnkit._pointwise`); only
+                                       saves a second try (per pair is right for every function)
 =====================================  =====================================================  ==========
 
 ``masks.from_fn`` keys a predicate by :func:`fingerprint`: its code (nested functions and
@@ -58,11 +59,12 @@ import torch
 
 __all__ = [
     "PREPARED",
-    "SCORE_MOD_STYLE",
+    "PER_PAIR",
     "Bounded",
     "PlanStore",
     "clear",
     "fingerprint",
+    "global_reads",
     "plan_store",
 ]
 
@@ -111,8 +113,8 @@ class Bounded:
 
 #: Prepared masks made by :func:`attnkit.plan.prepared_for` (the implicit cache of attention calls).
 PREPARED = Bounded(16, "prepared masks")
-#: How each score_mod function evaluates: "broadcast" or "vmap".
-SCORE_MOD_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Predicates and score mods that need one pair at a time (attnkit._pointwise.broadcast_proved).
+PER_PAIR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class PlanStore:
@@ -190,16 +192,24 @@ def _library(obj: object) -> bool:
     return isinstance(name, str) and name.split(".")[0] in _LIBRARIES
 
 
+#: Objects whose key is being made on this thread (a class whose method reads the class itself).
+_MAKING = threading.local()
+#: At most this many attributes of one user class or instance are keyed (more: no fingerprint).
+FINGERPRINT_ATTRIBUTES = 64
+
+
 def _value_of(x: object, depth: int) -> Hashable:
-    if x is None or isinstance(x, (bool, int, str, bytes)):
+    if x is None or type(x) in (bool, int, str, bytes):  # exact types: an int subclass has attributes
         return (type(x).__name__, x)
-    if isinstance(x, float):
+    if type(x) is float:
         return ("float", struct.pack("<d", x))  # by its bits: 0.0 and -0.0 differ
-    if isinstance(x, complex):
+    if type(x) is complex:
         return ("complex", struct.pack("<dd", x.real, x.imag))
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or x.numel() > FINGERPRINT_ELEMENTS or x.is_sparse:
             raise _Unkeyable
+        if torch._C._functorch.is_functorch_wrapped_tensor(x) or not _has_storage(x):
+            raise _Unkeyable  # a tensor of a transform (torch.func) or a fake one: no bytes to read
         data = x.detach().contiguous()
         if data.dtype == torch.bfloat16:
             data = data.view(torch.int16)
@@ -216,31 +226,98 @@ def _value_of(x: object, depth: int) -> Hashable:
         )
     if isinstance(x, (np.generic, torch.dtype, torch.device)):
         return ("value", repr(x), str(type(x)))
-    if isinstance(x, (tuple, list)) and len(x) <= 64:
+    if isinstance(x, (tuple, list)) and type(x) in (tuple, list) and len(x) <= 64:
         return (type(x).__name__, tuple(_value_of(i, depth) for i in x))
+    if isinstance(x, dict) and type(x) is dict and len(x) <= FINGERPRINT_ATTRIBUTES:
+        return ("dict", tuple((_value_of(k, depth), _value_of(v, depth)) for k, v in x.items()))
     if isinstance(x, types.FunctionType):
         if _library(x):
             return ("object", id(x))  # torch.nn.functional.relu and the like
         if depth < 3:
-            return _function_key(x, depth + 1)
+            return _following(x, lambda: _function_key(x, depth + 1))
         raise _Unkeyable
     if isinstance(x, types.BuiltinFunctionType):  # also bound methods of builtin objects
         owner = x.__self__
         if owner is None or isinstance(owner, types.ModuleType):
             return ("object", id(x))  # torch.where, math.floor
         return ("method", x.__name__, type(owner).__name__, _value_of(owner, depth))  # ids.index_select
-    if isinstance(x, types.MethodType) and depth < 3:
+    if isinstance(x, types.MethodType) and depth < 3:  # an instance's method, or a classmethod's class
         return ("method", _value_of(x.__func__, depth), _value_of(x.__self__, depth))
     if isinstance(x, functools.partial) and depth < 3:
         kw = tuple(sorted((k, _value_of(v, depth)) for k, v in x.keywords.items()))
         return ("partial", _value_of(x.func, depth), _value_of(x.args, depth), kw)
+    if isinstance(x, (staticmethod, classmethod)):
+        return (type(x).__name__, _value_of(x.__func__, depth))
+    if isinstance(x, property):
+        return ("property", _value_of(x.fget, depth))
     if isinstance(x, (types.ModuleType, type)) and _library(x):
         return ("object", id(x))  # torch, torch.Tensor: what they compute does not change
     if isinstance(x, torch.nn.Module):
         raise _Unkeyable  # parameters, buffers and submodules: state a key cannot follow
+    if isinstance(x, type):  # a class of the user's (a library's was keyed above)
+        if depth < 3:
+            return _following(x, lambda: _class_key(x, depth + 1))
+        raise _Unkeyable
     if callable(x) and _library(type(x)) and not isinstance(x, np.vectorize):
         return ("object", id(x))  # torch.ops.aten.add, numpy's ufuncs and dispatchers
+    if not _library(type(x)) and depth < 3 and not isinstance(x, (types.ModuleType, np.vectorize)):
+        return _following(x, lambda: _instance_key(x, depth + 1))  # a user object: its class and attributes
     raise _Unkeyable
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _following(x: object, make) -> Hashable:
+    """``make()``, the key of ``x``, unless it is being made on this thread already (a class whose
+    method reads the class): then a marker of the object, which its outer key contains in full."""
+    making = getattr(_MAKING, "ids", None)
+    if making is None:
+        making = _MAKING.ids = set()
+    if id(x) in making:
+        return ("cycle", getattr(x, "__qualname__", type(x).__qualname__))
+    making.add(id(x))
+    try:
+        return make()
+    finally:
+        making.discard(id(x))
+
+
+def _attributes(namespace: dict, depth: int) -> tuple:
+    items = [(k, v) for k, v in namespace.items() if not (k.startswith("__") and k.endswith("__"))]
+    if len(items) > FINGERPRINT_ATTRIBUTES:
+        raise _Unkeyable
+    return tuple((k, _value_of(v, depth)) for k, v in sorted(items, key=lambda kv: str(kv[0])))
+
+
+def _class_key(cls: type, depth: int) -> Hashable:
+    """A user class by what it holds: its attributes (class variables by value, methods by their
+    code and what they read) and its bases'. ``Cfg.W = 9`` changes the key."""
+    bases = tuple(_value_of(b, depth) for b in cls.__bases__ if b is not object)
+    return ("class", cls.__module__, cls.__qualname__, bases, _attributes(dict(vars(cls)), depth))
+
+
+def _instance_key(obj: object, depth: int) -> Hashable:
+    """A user object by its class and its attributes (``__dict__`` and ``__slots__``); an int or str
+    subclass by its value too. An object with no attributes to read (of a C type) has no key."""
+    cls = type(obj)
+    base = None
+    builtins: tuple[Any, ...] = (int, float, str, bytes, tuple)
+    for builtin in builtins:
+        if isinstance(obj, builtin):
+            base = _value_of(builtin(obj), depth)  # the value, without the subclass
+    namespace = dict(getattr(obj, "__dict__", {}))
+    for name in getattr(cls, "__slots__", ()):
+        if hasattr(obj, name):
+            namespace[name] = getattr(obj, name)
+    if base is None and not namespace and not hasattr(obj, "__dict__"):
+        raise _Unkeyable  # state held where Python cannot read it
+    return ("instance", _value_of(cls, depth), base, _attributes(namespace, depth))
 
 
 #: The opcodes that read a global by name, and those that read an attribute of what is on the stack.
@@ -248,7 +325,8 @@ _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 
 
-def _global_reads(code: types.CodeType) -> list[tuple[str, ...]]:
+@functools.lru_cache(maxsize=256)
+def global_reads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     """Each global a code object (and every function, lambda and comprehension nested in it) reads,
     with the attributes read from it right after: ``("cfg", "W")`` for ``cfg.W``."""
     found: list[tuple[str, ...]] = []
@@ -268,15 +346,15 @@ def _global_reads(code: types.CodeType) -> list[tuple[str, ...]]:
         found.append(tuple(chain))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            found += _global_reads(const)
-    return found
+            found += global_reads(const)
+    return tuple(found)
 
 
 def _global_values(fn: types.FunctionType, depth: int) -> tuple:
     """The values of the globals ``fn`` reads, each followed through its attribute reads while it
     is a module or class (those are keyed by what is read from them, not by themselves)."""
     out: list[tuple[tuple[str, ...], Hashable]] = []
-    for chain in sorted(set(_global_reads(fn.__code__))):
+    for chain in sorted(set(global_reads(fn.__code__))):
         if chain[0] not in fn.__globals__:  # a builtin (abs, len) or a name not bound yet
             out.append((chain[:1], ("unbound",)))  # binding it later changes the key
             continue

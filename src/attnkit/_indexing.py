@@ -79,7 +79,9 @@ def shifted(x, by: int):
 def broadcast(*shapes) -> tuple[int, ...]:
     """``torch.broadcast_shapes`` for plain int shapes, without its symbolic-shape machinery (tens of
     microseconds a call, on the mask evaluation's hot loop); RuntimeError where they do not broadcast."""
-    ndim = max((len(s) for s in shapes), default=0)
+    ndim = 0
+    for shape in shapes:  # no max(..., default=): torch.compile traces this loop, not that builtin's keyword
+        ndim = max(ndim, len(shape))
     out = [1] * ndim
     for shape in shapes:
         for i, n in enumerate(shape, ndim - len(shape)):

@@ -13,8 +13,10 @@ activations, gates). It runs after scaling, soft-capping and the bias, before th
 The function gets the scores of one tile ``(Bs, Hs, n, S)`` and broadcasting int64 index
 tensors ``b: (Bs, 1, 1, 1)``, ``h: (1, Hs, 1, 1)``, ``q_idx: (1, 1, n, 1)``,
 ``kv_idx: (1, 1, 1, S)`` (query and key indices, 0-based), and returns scores of the same
-shape. A function written for one (score, b, h, q, kv) at a time (FlexAttention's style,
-meant for ``torch.vmap``) is detected and run under ``torch.vmap`` instead. Gradients flow
+shape, where that is proved to equal evaluating it one pair at a time (every operation on the score
+and the indices elementwise, or an index into a captured tensor: :mod:`attnkit._pointwise`); any
+other function (one that reduces over the tile, reads a shape, fails on tiles) runs one pair at a
+time under ``torch.vmap``, as FlexAttention's ``score_mod`` does. Gradients flow
 through it to q, k and v, and to the tensors it captures that require a gradient (a learnable
 bias in its closure, a module's parameters, a global: :func:`captured_tensors` finds them, as
 FlexAttention lifts captured buffers); ``ScoreMod(fn, *params)`` names them explicitly.
@@ -31,12 +33,13 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import weakref
 from collections.abc import Callable
 
 import torch
 
-from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit._cache import global_reads
+from attnkit._pointwise import broadcast_proved, indexing_per_pair
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, compiling
 
 __all__ = ["ScoreMod", "ScoreModLike", "as_score_mod", "captured_tensors"]
 
@@ -70,32 +73,20 @@ class ScoreMod:
         return f"ScoreMod({self.__name__}, {len(self.params)} params)"
 
     def __call__(self, score, b, h, q_idx, kv_idx) -> torch.Tensor:
-        """The modified scores of one tile, by broadcasting or (for a function of one pair) vmap."""
-        how = _STYLE.get(self.fn)
-        first = None
-        if how != "vmap":
-            try:
-                out = self.fn(score, b, h, q_idx, kv_idx)
-            except Exception as err:  # noqa: BLE001 - a function of one pair fails on tiles in many ways
-                if how == "broadcast":
-                    raise
-                first = f"{type(err).__name__}: {err}"
-            else:
-                if isinstance(out, torch.Tensor) and out.shape == score.shape and out.is_floating_point():
-                    _remember(self.fn, "broadcast")
-                    return out
-                first = self._wrong(out)
-                if how == "broadcast":
-                    self._refuse(first, score)
+        """The modified scores of one tile: by broadcasting where that is proved to equal one pair at
+        a time (:mod:`attnkit._pointwise`), else under torch.vmap (FlexAttention's semantics)."""
+        out, why = broadcast_proved(self.fn, score, b, h, q_idx, kv_idx)
+        if isinstance(out, torch.Tensor) and out.shape == score.shape and out.is_floating_point():
+            return out
+        first = why or self._wrong(out)
         try:
-            out = _vmapped(self.fn)(score, b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1))
+            with indexing_per_pair():
+                out = _vmapped(self.fn)(score, b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1))
         except Exception as err:  # noqa: BLE001
-            if how == "vmap":
-                raise
             self._refuse(f"{first}; one pair at a time under torch.vmap: {type(err).__name__}: {err}", score)
         if not isinstance(out, torch.Tensor) or out.shape != score.shape or not out.is_floating_point():
             self._refuse(self._wrong(out), score)
-        _remember(self.fn, "vmap")
+        assert isinstance(out, torch.Tensor)  # _refuse raised otherwise
         return out
 
     @staticmethod
@@ -108,17 +99,6 @@ class ScoreMod:
             "broadcasting index tensors (b, h, q_idx, kv_idx), or work on one pair at a time under torch.vmap; "
             f"it returned or raised: {str(what)[:300]}."
         )
-
-
-#: How each function evaluated ("broadcast" or "vmap"), so each tile does not try both.
-_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _remember(fn, how: str) -> None:
-    try:
-        _STYLE[fn] = how
-    except TypeError:  # not weak-referenceable (a builtin): try again next time
-        pass
 
 
 def _vmapped(fn):
@@ -138,14 +118,18 @@ def as_score_mod(value: Callable[..., torch.Tensor] | ScoreMod | None) -> ScoreM
     that require a gradient become its params (:func:`captured_tensors`)."""
     if value is None or isinstance(value, ScoreMod):
         return value
+    if compiling():  # traced: the score_mod's reads are the graph's inputs, and autograd follows them there
+        return ScoreMod(value)
     return ScoreMod(value, *captured_tensors(value))
 
 
 def captured_tensors(fn: Callable, *, requires_grad: bool = True) -> list[torch.Tensor]:
     """The tensors ``fn`` can read without being passed them: its closure's cells, its defaults,
-    the globals its code names (nested functions' too), a bound method's object, a
-    ``functools.partial``'s arguments, an ``nn.Module``'s parameters and buffers, and, a few
-    levels deep, the lists, tuples, dicts and plain objects among those. With ``requires_grad``
+    the globals its code names (nested functions' too) and the attributes it reads from them
+    (``cfg.slope`` of a module or class), a bound method's object and class, a classmethod's
+    class, a ``functools.partial``'s arguments, an ``nn.Module``'s parameters and buffers, a
+    class's attributes, and, a few levels deep, the lists, tuples, dicts and plain objects among
+    those. With ``requires_grad``
     (the default) only those that require a gradient: what a score_mod's gradient must reach.
 
     >>> import torch
@@ -191,22 +175,23 @@ def captured_tensors(fn: Callable, *, requires_grad: bool = True) -> list[torch.
                     pass
             visit(obj.__defaults__, depth + 1)
             visit(obj.__kwdefaults__, depth + 1)
-            for name in _names(obj.__code__):
-                if name in obj.__globals__:
-                    visit(obj.__globals__[name], depth + 1)
+            for chain in global_reads(obj.__code__):  # cfg.slope: through modules and classes
+                if chain[0] in obj.__globals__:
+                    value = obj.__globals__[chain[0]]
+                    visit(value, depth + 1)
+                    for attr in chain[1:]:
+                        value = getattr(value, attr, None)
+                        visit(value, depth + 1)
         elif isinstance(obj, ScoreMod):
             visit(obj.fn, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):  # a callable object, a config
+        elif isinstance(obj, (staticmethod, classmethod)):
+            visit(obj.__func__, depth + 1)
+        elif isinstance(obj, type):  # a class of the user's: its class attributes (torch's own: none)
+            if not str(getattr(obj, "__module__", "")).startswith(("torch", "builtins", "numpy")):
+                visit(dict(vars(obj)), depth + 1)
+        elif hasattr(obj, "__dict__"):  # a callable object, a config
+            visit(type(obj), depth + 1)
             visit(vars(obj), depth + 1)
 
     visit(fn, 0)
     return list(found.values())
-
-
-def _names(code: types.CodeType) -> set[str]:
-    """The global names a code object and the code nested in it read."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names

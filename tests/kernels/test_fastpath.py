@@ -8,6 +8,7 @@ is left out; these tests ask the registry (``explain``) across the values left o
 
 from __future__ import annotations
 
+import collections
 import itertools
 import types
 
@@ -89,5 +90,8 @@ def test_the_fast_path_key_changes_with_everything_the_choice_reads():
     keyed = masks.from_fn(lambda b, h, i, j: i >= j + torch.tensor(0))  # torch.tensor: keyed by identity
     assert fastpath.signature(q, q, q, keyed, None) is not None
     state = types.SimpleNamespace(shift=1)
-    unkeyed = masks.from_fn(lambda b, h, i, j: i >= j + state.shift)  # an object's attribute: no value key
+    by_attributes = masks.from_fn(lambda b, h, i, j: i >= j + state.shift)  # an object: keyed by its attributes
+    assert fastpath.signature(q, q, q, by_attributes, None) is not None
+    held = collections.deque([1])
+    unkeyed = masks.from_fn(lambda b, h, i, j: i >= j + held[0])  # state no key can read: no value key
     assert fastpath.signature(q, q, q, unkeyed, None) is None

@@ -138,6 +138,8 @@ class Kernel:
         reasons += call.mod_refusals(self.supports_score_mods, self.supports_lse)
         if self.max_rank is not None and call.shapes.rank > self.max_rank:
             reasons.append(f"takes inputs of rank 2 to {self.max_rank}, not {call.shapes.rank}")
+        if call.transform is not None and not self.supports_transforms:
+            return reasons  # its own reasons may read the mask's values, which a transform's tensors do not have
         return reasons + self._reasons(call)
 
     def _reasons(self, call: Call) -> list[str]:

@@ -73,6 +73,7 @@ __all__ = [
     "Plan",
     "active",
     "backward_part",
+    "block_size_for",
     "choose",
     "choose_stats",
     "refusals",
@@ -484,6 +485,19 @@ def backward_part(
         detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
         raise AttnkitValueError(f"no kernel can compute the backward over this part of the keys ({detail}).")
     return capable[0].backward_part(call, out, lse, grad_out, grad_lse)
+
+
+def block_size_for(device: torch.device | str) -> tuple[int, int] | None:
+    """The block size of the first block-sparse kernel in :data:`PRIORITY` for ``device``: one that
+    names the device among its own, or (off the CPU) one for any device. A PreparedMask made at it
+    runs under ``torch.compile`` without being blocked again."""
+    kind = torch.device(device).type
+    for kernel in PRIORITY:
+        if kernel.block_size is None:
+            continue
+        if (kernel.devices is not None and kind in kernel.devices) or (kernel.devices is None and kind != "cpu"):
+            return (int(kernel.block_size[0]), int(kernel.block_size[1]))
+    return None
 
 
 def choose_stats(call: Call) -> Plan:

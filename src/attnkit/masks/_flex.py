@@ -10,27 +10,30 @@ judged from the ones they cover).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _cache
-from attnkit._validate import AttnkitTypeError, AttnkitValueError
-from attnkit.masks._base import EMPTY, FULL, PARTIAL, Mask, as4d
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, compiling
+from attnkit.masks._base import EMPTY, FULL, PARTIAL, Blocks, Mask, as4d
 
 __all__ = [
     "FromBlockMask",
+    "PlannedBlockMask",
     "block_codes_of",
     "is_block_mask",
     "mask_mod_of",
+    "planned",
+    "planned_block_mask",
+    "regrid",
     "to_block_mask",
     "to_torch_block_mask",
 ]
 
 
 def is_block_mask(obj) -> bool:
-    """Whether ``obj`` is torch's FlexAttention ``BlockMask`` (without importing its module)."""
-    return type(obj).__name__ == "BlockMask" and hasattr(obj, "kv_num_blocks") and hasattr(obj, "BLOCK_SIZE")
+    """Whether ``obj`` is torch's FlexAttention ``BlockMask`` (or attnkit's :class:`PlannedBlockMask`)."""
+    return isinstance(obj, BlockMask)
 
 
 def block_codes_of(bm) -> torch.Tensor:
@@ -78,10 +81,10 @@ class FromBlockMask(Mask):
     def value_key(self):
         if self._key is None:
             fn = ("noop",) if self.mask_mod is None else _cache.fingerprint(self.mask_mod)
-            if fn is None:
+            codes = _cache.fingerprint(self.codes)  # None for a tensor of a transform (no bytes to read)
+            if fn is None or codes is None:
                 return None
-            digest = hashlib.sha1(self.codes.numpy().tobytes()).hexdigest()
-            self._key = ("block_mask", fn, self.block_size, self.seq_lengths, tuple(self.codes.shape), digest)
+            self._key = ("block_mask", fn, self.block_size, self.seq_lengths, codes)
         return self._key
 
     def cacheable(self) -> bool:
@@ -105,11 +108,14 @@ class FromBlockMask(Mask):
         partial = code == PARTIAL
         if self.mask_mod is None:
             return out | partial
-        if not bool(partial.any()):  # only full and empty blocks here: mask_mod is not asked
-            return out
         from attnkit.masks._from_fn import FromFn
 
         asked = FromFn(self.mask_mod, self.batch_size, self.num_heads, 0, 0)
+        if compiling():  # traced: every pair asked, only the partial blocks' answers kept (no host reads)
+            e = as4d(asked.elements(q_idx.reshape(-1, 1), kv_idx.reshape(1, -1), q_len, kv_len))
+            return out | (partial & e)
+        if not bool(partial.any()):  # only full and empty blocks here: mask_mod is not asked
+            return out
         q, kv = q_idx.reshape(-1), kv_idx.reshape(-1)
         lead = torch.broadcast_shapes(tuple(out.shape[:2]), asked.lead_shape())
         out = out.expand(*lead, *out.shape[2:]).clone()
@@ -124,47 +130,90 @@ class FromBlockMask(Mask):
         return out
 
     def block_codes(self, b):
-        bq, bk = self.block_size
-        codes = self.codes.to(b.device)
-        if (b.bq, b.bk) == (bq, bk):
-            return codes[..., : b.nq, : b.nk]
-        # attnkit's block (i, j) covers the BlockMask's blocks of rows [i*bq', ...] and keys [j*bk', ...]:
-        # full where every one is full, empty where every one is empty (prefix sums over the grid)
-        q_lo = (torch.arange(b.nq, device=b.device) * b.bq) // bq
-        q_hi = (torch.clamp(torch.arange(1, b.nq + 1, device=b.device) * b.bq, max=b.q_len) - 1) // bq
-        k_lo = (torch.arange(b.nk, device=b.device) * b.bk) // bk
-        k_hi = (torch.clamp(torch.arange(1, b.nk + 1, device=b.device) * b.bk, max=b.keys) - 1) // bk
-
-        def count(where: torch.Tensor) -> torch.Tensor:  # how many covered blocks satisfy ``where``
-            s = torch.nn.functional.pad(where.to(torch.int32).cumsum(-1).cumsum(-2), (1, 0, 1, 0))
-            r0, r1 = q_lo.view(-1, 1), q_hi.view(-1, 1) + 1
-            c0, c1 = k_lo.view(1, -1), k_hi.view(1, -1) + 1
-            return s[..., r1, c1] - s[..., r0, c1] - s[..., r1, c0] + s[..., r0, c0]
-
-        area = (q_hi - q_lo + 1).view(-1, 1) * (k_hi - k_lo + 1).view(1, -1)
-        return b.code(count(codes == FULL) == area, count(codes == EMPTY) == area)
+        return regrid(self.codes.to(b.device), self.block_size, b)
 
     def __repr__(self):
         name = "noop" if self.mask_mod is None else getattr(self.mask_mod, "__name__", type(self.mask_mod).__name__)
         return f"from_block_mask(BLOCK_SIZE={self.block_size}, seq_lengths={self.seq_lengths}, mask_mod={name})"
 
 
-def to_torch_block_mask(codes: torch.Tensor, block_size, q_len: int, kv_len: int, mask_mod=None):
-    """A torch ``BlockMask`` of the block map ``codes (B, H, nq, nk)`` at ``block_size``: its partial
-    blocks as ``kv_indices``, its full ones as ``full_kv_indices``, with ``mask_mod`` for the partial
-    blocks (what torch's ``flex_attention`` evaluates there)."""
-    from torch.nn.attention.flex_attention import BlockMask
+def regrid(codes: torch.Tensor, block_size: tuple[int, int], b: Blocks) -> torch.Tensor:
+    """Block codes ``(B, H, n, m)`` at ``block_size`` read at the blocks of ``b``: a block is full
+    where every block it covers is full, empty where every one is empty, else partial (prefix sums
+    over the grid). Exact where ``b``'s block sizes are multiples of ``block_size``; otherwise a
+    block that straddles a partial one is partial."""
+    bq, bk = block_size
+    if (b.bq, b.bk) == (bq, bk):
+        return codes[..., : b.nq, : b.nk]
+    # b's block (i, j) covers the blocks of rows [i*b.bq, ...] and keys [j*b.bk, ...] at block_size
+    q_lo = (torch.arange(b.nq, device=b.device) * b.bq) // bq
+    q_hi = (torch.clamp(torch.arange(1, b.nq + 1, device=b.device) * b.bq, max=b.q_len) - 1) // bq
+    k_lo = (torch.arange(b.nk, device=b.device) * b.bk) // bk
+    k_hi = (torch.clamp(torch.arange(1, b.nk + 1, device=b.device) * b.bk, max=b.keys) - 1) // bk
 
+    def count(where: torch.Tensor) -> torch.Tensor:  # how many covered blocks satisfy ``where``
+        s = torch.nn.functional.pad(where.to(torch.int32).cumsum(-1).cumsum(-2), (1, 0, 1, 0))
+        r0, r1 = q_lo.view(-1, 1), q_hi.view(-1, 1) + 1
+        c0, c1 = k_lo.view(1, -1), k_hi.view(1, -1) + 1
+        return s[..., r1, c1] - s[..., r0, c1] - s[..., r1, c0] + s[..., r0, c0]
+
+    area = (q_hi - q_lo + 1).view(-1, 1) * (k_hi - k_lo + 1).view(1, -1)
+    return b.code(count(codes == FULL) == area, count(codes == EMPTY) == area)
+
+
+def to_torch_block_mask(
+    codes: torch.Tensor, block_size, q_len: int, kv_len: int, mask_mod=None, *, separate_full_blocks: bool = True
+):
+    """A torch ``BlockMask`` of the block map ``codes (B, H, nq, nk)`` at ``block_size``: its partial
+    blocks as ``kv_indices``, its full ones as ``full_kv_indices`` (with ``separate_full_blocks=False``
+    every kept block is listed as partial and there are no full lists, as torch's
+    ``create_block_mask`` makes them), with ``mask_mod`` for the partial blocks (what torch's
+    ``flex_attention`` evaluates there)."""
+    return _block_mask_of(BlockMask, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks)
+
+
+def _block_mask_of(cls, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks):
     lists = []
-    for code in (PARTIAL, FULL):
-        hit = codes == code
+    wanted = (PARTIAL, FULL) if separate_full_blocks else ((PARTIAL, FULL),)
+    for code in wanted:
+        hit = codes == code if isinstance(code, int) else codes != EMPTY
         num = hit.sum(-1, dtype=torch.int32).contiguous()
         order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
         lists += [num, order]
+    if not separate_full_blocks:
+        lists += [None, None]
     bq, bk = (int(x) for x in block_size)
-    return BlockMask.from_kv_blocks(
+    return cls.from_kv_blocks(
         lists[0], lists[1], lists[2], lists[3], BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
     )
+
+
+class PlannedBlockMask(BlockMask):
+    """A torch ``BlockMask`` made by :func:`attnkit.flex.create_block_mask`, holding the
+    :class:`~attnkit.PreparedMask` attnkit made it from (``plan``) and the fingerprint its
+    ``mask_mod`` had then (``mask_key``, :func:`attnkit._cache.fingerprint`; None: it has none).
+    Every method of torch's BlockMask works on it, and torch's ``flex_attention`` runs it; those
+    that make a new BlockMask (``[...]``, ``_adjust``, ``to``) make one without a plan, which attnkit
+    reads as it reads torch's own."""
+
+    plan = None
+    mask_key = None
+
+
+def planned_block_mask(prepared, codes, block_size, q_len, kv_len, mask_mod, mask_key, separate_full_blocks=True):
+    """A torch ``BlockMask`` (of attnkit's subclass) of ``codes``, holding ``prepared`` as its plan
+    and ``mask_key`` (the ``mask_mod``'s fingerprint when it was made): what
+    :func:`attnkit.flex.create_block_mask` returns."""
+    made = _block_mask_of(PlannedBlockMask, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks)
+    made.plan, made.mask_key = prepared, mask_key
+    return made
+
+
+def planned(block_mask):
+    """``(plan, mask_key)`` of a BlockMask :func:`planned_block_mask` made, else ``(None, None)``."""
+    if isinstance(block_mask, PlannedBlockMask):
+        return block_mask.plan, block_mask.mask_key
+    return None, None
 
 
 def mask_mod_of(mask: Mask, q_len: int, kv_len: int):

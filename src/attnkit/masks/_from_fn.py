@@ -1,15 +1,16 @@
 """``from_fn`` masks: a predicate ``fn(b, h, q_idx, kv_idx)`` evaluated on broadcasting index
-tensors, or under ``torch.vmap`` where it was written for one pair (FlexAttention's style)."""
+tensors where that is proved to equal evaluating it one pair at a time (:mod:`attnkit._pointwise`),
+else under ``torch.vmap``, one pair at a time (FlexAttention's semantics)."""
 
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 
 from attnkit import _cache
 from attnkit._indexing import as4d, broadcast, check_offset, per_seq, shifted
+from attnkit._pointwise import broadcast_proved, indexing_per_pair
 from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
@@ -22,31 +23,35 @@ from attnkit.masks._positions import at_sequence, indexed_positions
 __all__ = ["FromFn"]
 
 
-#: How each from_fn predicate evaluates: "broadcast" (index tensors of shapes (B,1,1,1), (1,H,1,1),
-#: (1,1,tq,1), (1,1,1,tk)) or "vmap" (one pair at a time, FlexAttention's style, under torch.vmap).
-_STYLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _evaluate(fn, b, h, qi, ki):
-    """``fn`` on broadcasting index tensors, or, for a predicate written for one pair (it fails on
-    tensors, or returns the wrong shape), under torch.vmap over every (b, h, q, kv)."""
-    style = _STYLE.get(fn) if _weakable(fn) else None
-    if style != "vmap":
+    """``fn`` on broadcasting index tensors where that is proved equal to evaluating it per pair;
+    otherwise under torch.vmap over every (b, h, q, kv), FlexAttention's semantics."""
+    out, why = broadcast_proved(fn, b, h, qi, ki)
+    if out is not None:
+        shape = broadcast(b.shape, h.shape, qi.shape, ki.shape)
+        fits = isinstance(out, torch.Tensor) and out.dim() <= 4
         try:
-            out = fn(b, h, qi, ki)
-        except Exception:  # noqa: BLE001 - a predicate of one pair fails on tensors in many ways
-            if style == "broadcast":
-                raise
-        else:
-            shape = broadcast(b.shape, h.shape, qi.shape, ki.shape)
-            fits = isinstance(out, torch.Tensor) and out.dim() <= 4
-            try:
-                fits = fits and broadcast(out.shape, shape) == shape
-            except RuntimeError:
-                fits = False
-            if fits or style == "broadcast":
-                _remember(fn, "broadcast")
-                return out
+            fits = fits and broadcast(out.shape, shape) == shape
+        except RuntimeError:
+            fits = False
+        if fits:
+            return out
+    try:
+        with indexing_per_pair():
+            return _per_pair(fn, b, h, qi, ki)
+    except Exception as err:  # noqa: BLE001 - say both ways it was tried
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise AttnkitValueError(
+            f"the mask function {name} could not be evaluated one pair at a time under torch.vmap "
+            f"({type(err).__name__}: {str(err)[:200]}), and evaluating it on broadcasting index tensors is not "
+            f"known to give the same answer ({why or 'its result has the wrong shape'}). Write it with torch "
+            "operations on b, h, q_idx and kv_idx (comparisons, arithmetic, where, indexing a captured tensor), "
+            "with no host reads (.item(), .numpy(), bool())."
+        ) from err
+
+
+def _per_pair(fn, b, h, qi, ki):
+    """``fn`` under torch.vmap over every (b, h, q, kv)."""
     qn, kn = qi.shape[2], ki.shape[3]
     f = torch.vmap(fn, in_dims=(None, None, None, 0))  # keys
     f = torch.vmap(f, in_dims=(None, None, 0, None))  # queries
@@ -63,24 +68,8 @@ def _evaluate(fn, b, h, qi, ki):
             )
             for i in range(b.shape[0])
         ]
-        out = torch.cat(rows)
-    else:
-        out = f(b.reshape(-1), h.reshape(-1), qi.reshape(qn), ki.reshape(kn))
-    _remember(fn, "vmap")
-    return out
-
-
-def _weakable(fn) -> bool:
-    try:
-        weakref.ref(fn)
-        return True
-    except TypeError:
-        return False
-
-
-def _remember(fn, style: str) -> None:
-    if _weakable(fn):
-        _STYLE[fn] = style
+        return torch.cat(rows)
+    return f(b.reshape(-1), h.reshape(-1), qi.reshape(qn), ki.reshape(kn))
 
 
 class FromFn(Mask):
@@ -147,10 +136,10 @@ class FromFn(Mask):
             ) from None
 
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
-        if _STYLE.get(self.fn) != "broadcast" if _weakable(self.fn) else True:
-            return None  # a predicate of one pair, or not known yet: per row of blocks (elements)
         qi, ki = q_idx + at_sequence(self.q_offset, b), kv_idx + at_sequence(self.kv_offset, b)
-        out = self.fn(b, h, qi, ki)
+        out, _ = broadcast_proved(self.fn, b, h, qi, ki)  # None: per row of blocks (elements), one pair at a time
+        if out is None:
+            return None
         shape = broadcast(b.shape, h.shape, q_idx.shape, kv_idx.shape)
         try:
             fits = isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() <= 3

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from attnkit._validate import AttnkitValueError
 from attnkit.bias import band_of
 from attnkit.kernels import blocks
 from attnkit.kernels.blocks import Group, RowBlock, Run, Square
@@ -206,10 +207,8 @@ class _TileAttention(torch.autograd.Function):
         grads: dict = {}
         dq, dk, dv = backward(call, q, k, v, out, lse, grad_out, grad_lse, grads)
         param_grads = []
-        for t in call.params:
+        for t in call.params:  # a tensor the score_mod or bias never read keeps grad None, as in autograd
             g = grads.get(id(t)) if t.requires_grad else None
-            if g is None and t.requires_grad:
-                g = torch.zeros_like(t)
             param_grads.append(None if g is None else g.reshape(t.shape).to(t.dtype))
         return dq, dk, dv, None, *param_grads
 
@@ -266,7 +265,14 @@ def attention(
     )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params)):
         return _TileAttention.apply(q, k, v, call, *params)
-    return forward(call, q, k, v)
+    out, lse = forward(call, q, k, v)
+    if out.requires_grad:  # autograd followed a tensor the score_mod or bias reads that is not among its params
+        raise AttnkitValueError(
+            "the score_mod (or bias) reads a tensor that requires a gradient which attnkit did not find "
+            "among the tensors it captures: name it, score_mod=attnkit.score_mods.ScoreMod(fn, tensor), so that "
+            "it gets its gradient."
+        )
+    return out, lse
 
 
 def backward_part(
