@@ -18,7 +18,7 @@ from attnkit._pointwise import broadcast_proved
 from attnkit.flex import create_block_mask, flex_attention
 
 L = 256
-I, J = torch.arange(L).view(-1, 1), torch.arange(L).view(1, -1)
+QI, KJ = torch.arange(L).view(-1, 1), torch.arange(L).view(1, -1)
 
 
 def _qkv(dtype=torch.float64, requires_grad=False, b=1, h=2):
@@ -48,8 +48,8 @@ def _index():
     return (
         torch.arange(1).view(-1, 1, 1, 1),
         torch.arange(2).view(1, -1, 1, 1),
-        I.view(1, 1, -1, 1),
-        J.view(1, 1, 1, -1),
+        QI.view(1, 1, -1, 1),
+        KJ.view(1, 1, 1, -1),
     )
 
 
@@ -99,7 +99,7 @@ def test_a_mask_mod_that_reduces_a_captured_tensor_means_one_pair():
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) | torch.any(kv_idx == G)
 
-    allowed = (I >= J) | (J == 7)
+    allowed = (QI >= KJ) | (KJ == 7)
     q, k, v = _qkv()
     _exact(flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, None, None, L, L)), q, k, v, allowed)
     _exact(attnkit.attention(q, k, v, masks.from_fn(mask_mod)), q, k, v, allowed)
@@ -118,10 +118,10 @@ def test_a_score_mod_that_reduces_a_captured_tensor_means_one_pair():
 
     q, k, v = _qkv()
     everything = torch.ones(L, L, dtype=torch.bool)
-    _exact(flex_attention(q, k, v, score_mod=score_mod), q, k, v, everything, 2.0 * (J == 7))
+    _exact(flex_attention(q, k, v, score_mod=score_mod), q, k, v, everything, 2.0 * (KJ == 7))
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     out = attnkit.attention(qf, kf, vf, masks.causal(), score_mod=score_mod, kernel="tiled")
-    _exact(out.detach(), qf.detach(), kf.detach(), vf.detach(), I >= J, 2.0 * (J == 7))
+    _exact(out.detach(), qf.detach(), kf.detach(), vf.detach(), QI >= KJ, 2.0 * (KJ == 7))
 
 
 # --- the values a predicate reads, wherever they are reached ----------------------------------------
@@ -144,7 +144,7 @@ class Width(int):
 
 
 def _within(w):
-    return (I - J).abs() <= w
+    return (QI - KJ).abs() <= w
 
 
 def _class_reads():
@@ -243,8 +243,8 @@ def test_a_learnable_class_attribute_gets_its_gradient(qkv_grad):
     g = torch.randn_like(out)
     out.backward(g)
     slope = Slopes.slope.detach().clone().requires_grad_()
-    add = slope.view(1, 2, 1, 1) * (J - I)
-    formula(*(t.detach().double() for t in (q, k, v)), (I >= J), add).backward(g.double())
+    add = slope.view(1, 2, 1, 1) * (KJ - QI)
+    formula(*(t.detach().double() for t in (q, k, v)), (QI >= KJ), add).backward(g.double())
     assert Slopes.slope.grad is not None
     torch.testing.assert_close(Slopes.slope.grad, slope.grad, rtol=1e-4, atol=1e-3)
 
