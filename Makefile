@@ -109,7 +109,7 @@ lint: $(VENV)/.test-installed
 
 # the documentation site into site/ (offline; warnings are errors)
 docs: $(VENV)/.test-installed
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: mkdocs counts only the warnings it logs
 
 # the wheel (with the native engine compiled once per x86-64 level: setup.py), installed non-editable
 # into a fresh venv outside the repository: on a PATH without compilers, the first call loads the

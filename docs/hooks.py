@@ -11,7 +11,8 @@ import json
 import re
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 PLACEHOLDER = re.compile(r"<!-- bench: ([\w.-]+) -->")
 
 
@@ -375,5 +376,11 @@ def render(name: str) -> str:
     return TABLES[name](name)
 
 
+#: Links of the repository's own Markdown (CHANGELOG.md, included by docs/changelog.md) to docs pages.
+REPO_LINK = re.compile(r"\]\(docs/")
+
+
 def on_page_markdown(markdown, page, config, files):  # mkdocs hook
+    if page.file.src_uri == "changelog.md":  # CHANGELOG.md itself, its links made relative to docs/
+        markdown = REPO_LINK.sub("](", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"))
     return PLACEHOLDER.sub(lambda m: render(m.group(1)), markdown)

@@ -9,8 +9,10 @@ several processes started by torchrun, a GPU, or a model directory the reader ha
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -44,13 +46,42 @@ def blocks(page: Path) -> list[tuple[int, str]]:
     return found
 
 
+#: ``print(...)  # -> what it prints``: a line of a block whose printed output the page shows (``...``
+#: stands for any text, whitespace runs are one space), checked when the page runs.
+SHOWN = re.compile(r"^(?P<indent>\s*)(?P<call>print\(.*\))\s*#\s*->\s*(?P<shown>.*)$", re.M)
+
+CHECK_SHOWN = """
+import contextlib as _contextlib, doctest as _doctest, io as _io
+@_contextlib.contextmanager
+def _shows(expected, where):
+    buffer = _io.StringIO()
+    with _contextlib.redirect_stdout(buffer):
+        yield
+    printed = buffer.getvalue()
+    print(printed, end="")
+    flags = _doctest.ELLIPSIS | _doctest.NORMALIZE_WHITESPACE
+    if not _doctest.OutputChecker().check_output(expected + "\\n", printed, flags):
+        raise SystemExit(f"{where} shows {expected!r} but prints {printed!r}")
+"""
+
+
+def _checked(code: str, page: Path, line: int) -> str:
+    """``code`` with each shown output checked (:data:`SHOWN`)."""
+
+    def wrap(m: re.Match) -> str:
+        at = f"{page}:{line + code.count(chr(10), 0, m.start())}"
+        return f"{m['indent']}with _shows({m['shown']!r}, {at!r}): {m['call']}"
+
+    return SHOWN.sub(wrap, code)
+
+
 def script(page: Path) -> str:
-    parts = []
+    parts = [CHECK_SHOWN]
     for line, code in blocks(page):
         if code.lstrip().startswith(">>>"):
             parts.append(DOCTEST.format(text=code, name=str(page), line=line))
         else:
-            parts.append(f"# {page}:{line}\n" + code)
+            parts.append(f"# {page}:{line}\n" + _checked(code, page, line))
     # A page that starts processes (run_local) guards its start with `if __name__ == "__main__"`:
     # the children import this script again.
     return "import matplotlib\nmatplotlib.use('Agg')\n\n" + "\n".join(parts)
@@ -59,6 +90,16 @@ def script(page: Path) -> str:
 def test_every_page_is_collected():
     assert Path("docs/index.md") in PAGES and Path("docs/getting-started.md") in PAGES
     assert sum(len(blocks(p)) for p in PAGES) >= 30
+    assert sum(len(SHOWN.findall(code)) for p in PAGES for _, code in blocks(p)) >= 8  # outputs the pages show
+
+
+def test_a_shown_output_that_differs_fails_the_page(tmp_path):
+    """The check of shown outputs can fail: a page whose print shows another text exits non-zero."""
+    page = tmp_path / "page.md"
+    page.write_text("```python\nprint(1 + 1)   # -> 3\n```\n", encoding="utf-8")
+    code = CHECK_SHOWN + _checked("print(1 + 1)   # -> 3\n", page, 1)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "shows '3' but prints '2" in done.stderr
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=str)
@@ -86,3 +127,53 @@ def test_the_contributing_guides_kernel_example_is_a_doctest():
     it as a doctest, so its registration, explain line and answer must stay true."""
     found = [code for _, code in blocks(Path("docs/contributing.md")) if code.lstrip().startswith(">>>")]
     assert any("register_kernel(" in code and "attnkit.explain(" in code for code in found)
+
+
+#: An attnkit name the docs refer to in code (`attnkit.kernels.native.build.status()`), not an attribute
+#: of another object (`torch.ops.attnkit.native_forward`).
+REFERENCE = re.compile(r"`[^`\n]*?(?<![\w.])(attnkit(?:\.[A-Za-z_]\w*)+)")
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_every_attnkit_name_the_docs_refer_to_exists():
+    missing = {}
+    for page in [*PAGES, Path("CHANGELOG.md")]:
+        for name in REFERENCE.findall((ROOT / page).read_text(encoding="utf-8")):
+            if not _resolves(name):
+                missing.setdefault(name, set()).add(str(page))
+    assert not missing, f"the docs name what does not exist: {missing}"
+
+
+@pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None, reason="needs mkdocs")
+def test_make_docs_fails_on_a_broken_link_and_a_broken_anchor(tmp_path):
+    """make docs' build (mkdocs --strict, with the site's validation settings) fails when a page links
+    to a page or an anchor that does not exist: shown on a copy of the site with one of each."""
+    for name in ("mkdocs.yml", "CHANGELOG.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    for name in ("src", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    with open(tmp_path / "docs" / "index.md", "a", encoding="utf-8") as f:
+        f.write("\n[gone](no-such-page.md) and [no anchor](kernels.md#no-such-section)\n")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    mkdocs = str(Path(sys.executable).parent / "mkdocs")
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "no-such-page.md" in done.stderr and "no-such-section" in done.stderr

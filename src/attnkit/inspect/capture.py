@@ -52,9 +52,9 @@ class Capture:
 
     >>> import torch, attnkit
     >>> model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 4))
-    >>> x = torch.randn(1, 5, 16)
+    >>> layer, x = model[0], torch.randn(1, 5, 16)
     >>> with attnkit.capture(model) as cap:
-    ...     _ = model[0](x)
+    ...     _ = layer(x)
     >>> cap.names, cap.weights[0].shape
     (['0'], torch.Size([1, 4, 5, 5]))
     """

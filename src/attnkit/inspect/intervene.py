@@ -229,9 +229,9 @@ def intervene(
     >>> import torch, attnkit
     >>> from attnkit.inspect import intervene
     >>> model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 4))
-    >>> x = torch.randn(1, 5, 16)
+    >>> layer, x = model[0], torch.randn(1, 5, 16)
     >>> with intervene(model, ablate={0: [1, 2]}):
-    ...     y, _ = model[0](x)
+    ...     y, _ = layer(x)
     """
     return Intervention(model, ablate, scale, patch, mode, heads=heads, positions=positions)
 
