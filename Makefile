@@ -7,15 +7,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 # constraints.txt pins torch to 2.13.0; scripts/install_torch.py installs its CPU build (from PyTorch's
 # CPU index where the package index would give the CUDA build: TORCH_INDEX names another mirror).
-PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# pip's own progress (what it collects, downloads and installs) shows while the set-up runs
+PIP := $(BIN)/python -m pip install --disable-pip-version-check -c constraints.txt
 TORCH := 2.13.0
 SENTENCE := The animal didn't cross the street because it was too tired.
 
-.PHONY: demo test test-torch test-native-builds resolve lint docs wheel fuzz bench tutorial clean
-LINTED := src tests benchmarks examples scripts docs/hooks.py setup.py
+.PHONY: demo test test-torch test-native-builds resolve lint docs wheel wheel-only wheel-standard fuzz bench tutorial clean
+LINTED := src tests benchmarks examples scripts docs/hooks.py setup.py build_backend
 
+# a stock venv's pip may be older than the set-up needs (Ubuntu 22.04 gives 22.0.2; --dry-run --report
+# came in 22.2): brought to 23.1 or newer first, only where it is older
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+	@echo "make: $(VENV) has pip $$($(BIN)/python -m pip --version | cut -d' ' -f2); the set-up needs pip 23.1 or newer"
+	$(BIN)/python -m pip install --disable-pip-version-check "pip>=23.1"
 
 $(VENV)/.demo-installed: $(BIN)/python pyproject.toml constraints.txt
 	@echo "make: setting up $(VENV) (once, a few minutes): PyTorch $(TORCH) (CPU build), attnkit with [viz,models]"
@@ -111,25 +116,34 @@ lint: $(VENV)/.test-installed
 docs: $(VENV)/.test-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: mkdocs counts only the warnings it logs
 
-# the wheel (with the native engine compiled once per x86-64 level: setup.py), installed non-editable
-# into a fresh venv outside the repository: on a PATH without compilers, the first call loads the
-# wheel's engine and explain names it, and the native tests pass on its AVX2 and AVX-512 builds
-# (ATTNKIT_NATIVE_ISA; scripts/check_wheel.py); the quick start with no extras, then `attnkit show`
+# the wheel (with the native engine compiled once per x86-64 level: setup.py), tagged manylinux by auditwheel
+# (scripts/build_wheel.py, with progress), installed non-editable into a fresh venv outside the repository:
+# on a PATH without compilers, the first call loads the wheel's engine and explain names it, and the native
+# tests pass on its AVX2 and AVX-512 builds (ATTNKIT_NATIVE_ISA; scripts/check_wheel.py, about 10 minutes);
+# the quick start with no extras, then `attnkit show`. make wheel-only builds the wheel and stops there.
 WHEEL_DIR := $(abspath build/wheel-check)
-WHEEL_PIP := $(WHEEL_DIR)/venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
-wheel: $(VENV)/.test-installed
+WHEEL_PIP := $(WHEEL_DIR)/venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt
+wheel-only: $(VENV)/.test-installed
 	rm -rf $(WHEEL_DIR) build/lib* build/bdist* && mkdir -p $(WHEEL_DIR)
-	@echo "make wheel: building the wheel (the native engine for x86-64-v3, v4 and v4 with AVX512-BF16)"
-	$(BIN)/python -m build --wheel --no-isolation --outdir $(WHEEL_DIR)/dist . >$(WHEEL_DIR)/build.log 2>&1 || \
-		{ tail -40 $(WHEEL_DIR)/build.log; exit 1; }
-	@grep "^attnkit:" $(WHEEL_DIR)/build.log
+	$(BIN)/python scripts/build_wheel.py $(WHEEL_DIR)
+
+wheel: wheel-only
+	@echo "make wheel: installing the wheel into $(WHEEL_DIR)/venv and checking it (its first call, then the native tests on each build)"
 	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install --disable-pip-version-check "pip>=23.1"
 	$(WHEEL_DIR)/venv/bin/python scripts/install_torch.py $(TORCH) -c constraints.txt
 	$(WHEEL_PIP) "$$(ls $(WHEEL_DIR)/dist/*.whl)[test]"
 	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/check_wheel.py --tests
 	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/quick_start.py
 	$(WHEEL_PIP) "$$(ls $(WHEEL_DIR)/dist/*.whl)[viz,models]"
 	cd $(WHEEL_DIR) && venv/bin/attnkit show "The cat sat." --out shown && test -s shown/attention.html
+
+# a wheel built the standard way (pip wheel ., isolated: build_backend/attnkit_build.py puts the tested torch into
+# the build environment) carries the engine: its manifest and its three builds are in the wheel (about 1 minute)
+wheel-standard: $(VENV)/.test-installed
+	rm -rf build/wheel-standard
+	$(BIN)/python -m pip wheel --disable-pip-version-check --no-deps -w build/wheel-standard .
+	$(BIN)/python scripts/check_wheel.py --contents "$$(ls build/wheel-standard/attnkit-*.whl)"
 
 # make fuzz FUZZ_MINUTES=10: the fuzz suite (tests/fuzz) with fresh seeds until the time is up
 FUZZ_MINUTES ?= 10

@@ -7,6 +7,7 @@
    builds this CPU can run, chosen with ATTNKIT_NATIVE_ISA, still without a compiler.
 
 Usage: venv/bin/python scripts/check_wheel.py [--tests]
+       python scripts/check_wheel.py --contents WHEEL   (what a wheel file holds: make wheel-standard)
 """
 
 from __future__ import annotations
@@ -95,7 +96,25 @@ def native_tests(workdir: Path) -> None:
         assert done.returncode == 0, f"the native tests failed on the wheel's {level} build"
 
 
+def contents(wheel: Path) -> None:
+    """The wheel holds the engine: its manifest (for the torch it was built against) and every level's
+    library, and is tagged for a platform (not py3-none-any)."""
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    folder = "attnkit/kernels/native/engines"
+    manifest = json.loads(zipfile.ZipFile(wheel).read(f"{folder}/manifest.json"))
+    missing = [f"{folder}/{level}/libattnkit_native.so" for level in manifest["builds"]]
+    missing = [name for name in missing if name not in names]
+    assert not missing and len(manifest["builds"]) == 3, (missing, manifest)
+    assert "-none-any" not in wheel.name, wheel.name
+    print(f"{wheel.name}: the engine for torch {manifest['torch']}, builds {sorted(manifest['builds'])}")
+
+
 if __name__ == "__main__":
+    if "--contents" in sys.argv:
+        contents(Path(sys.argv[sys.argv.index("--contents") + 1]))
+        sys.exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         first_call(Path(tmp))
         if "--tests" in sys.argv:

@@ -59,28 +59,42 @@ def reachable(url: str) -> bool:
         return False
 
 
+def pip_version() -> tuple[int, ...]:
+    done = _pip("--version")
+    try:
+        return tuple(int(x) for x in done.stdout.split()[1].split(".")[:2])
+    except (IndexError, ValueError):
+        return (0,)
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit(__doc__)
     version, options = argv[0], argv[1:]
+    if pip_version() < (22, 2):  # --dry-run --report: pip 22.2 (a stock Ubuntu 22.04 venv has 22.0.2)
+        _say(f"pip {'.'.join(map(str, pip_version()))} cannot tell what it would install: upgrading it first")
+        upgrade = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "pip>=23.1"]
+        if subprocess.run(upgrade).returncode:
+            sys.exit("install_torch: pip could not be upgraded; run: python -m pip install 'pip>=23.1'")
     found = installed()
     if found is not None and found.split("+")[0] == version:
         _say(f"torch {found} is installed")
         return
+    _say(f"asking the package index what torch=={version} would install (pip install --dry-run; a few seconds)")
     plan = would_install(version, options)
     cuda = sorted(name for name, _ in plan if name.lower().startswith("nvidia-"))
     if not cuda:
         torch_version = dict((n.lower(), v) for n, v in plan).get("torch", version)
         _say(f"installing torch {torch_version} from the configured package index")
-        args = ["install", "--quiet", *options, f"torch=={version}"]
+        args = ["install", *options, f"torch=={version}"]
     elif reachable(CPU_INDEX):
         _say(f"the package index offers torch {version} as its CUDA build ({len(cuda)} nvidia-* packages); "
              f"installing the CPU build from {CPU_INDEX}")  # fmt: skip
-        args = ["install", "--quiet", "--index-url", CPU_INDEX, *options, f"torch=={version}+cpu"]
+        args = ["install", "--index-url", CPU_INDEX, *options, f"torch=={version}+cpu"]
     else:
         _say(f"the package index offers torch {version} as its CUDA build and {CPU_INDEX} cannot be reached "
              "(set TORCH_INDEX to a mirror of it): installing the CUDA build, which also runs on the CPU")  # fmt: skip
-        args = ["install", "--quiet", *options, f"torch=={version}"]
+        args = ["install", *options, f"torch=={version}"]
     done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args])
     if done.returncode != 0:
         sys.exit(done.returncode)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import os
 import pkgutil
 import subprocess
 import sys
@@ -214,3 +215,42 @@ def test_transformers_range_is_declared_and_gated():
     from attnkit.integrations import _transformers_compat as compat
 
     assert compat.TESTED == ("5.24",) and compat.check_version("5.24.0") == "tested"
+
+
+# --- the wheel: built the standard way, it carries the engine or fails saying how ----------------------------
+
+
+def test_the_build_backend_puts_the_tested_torch_in_a_wheels_build_environment_only():
+    """pip wheel . / python -m build run in an isolated environment holding what the backend asks for:
+    setuptools alone gave a wheel without the engine. The backend asks for constraints.txt's torch for a
+    wheel, and nothing more for an editable install or an sdist (make demo's pip install -e .)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attnkit_build", ROOT / "build_backend" / "attnkit_build.py")
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    pin = next(
+        line.strip() for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("torch==")
+    )
+    assert pin in backend.get_requires_for_build_wheel()
+    assert not any(r.startswith("torch") for r in backend.get_requires_for_build_editable())
+    assert not any(r.startswith("torch") for r in backend.get_requires_for_build_sdist())
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'build-backend = "attnkit_build"' in pyproject and 'backend-path = ["build_backend"]' in pyproject
+    manifest = (ROOT / "MANIFEST.in").read_text()
+    assert "build_backend/attnkit_build.py" in manifest and "constraints.txt" in manifest  # a wheel from the sdist
+
+
+def test_a_wheel_build_that_cannot_compile_the_engine_fails_and_says_how(tmp_path):
+    """No C++ compiler where the wheel is built: the build fails loudly (it made a wheel without the
+    engine, silently), naming what is missing and the three ways out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
+    env["PATH"] = str(Path(sys.executable).parent)  # this venv's tools, no g++ or c++
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode != 0 and not list(tmp_path.glob("*.whl"))
+    said = done.stdout + done.stderr
+    assert "cannot build a wheel with its native engine: no C++ compiler" in said, said[-3000:]
+    assert "ATTNKIT_PREBUILT=0" in said and "--no-isolation" in said

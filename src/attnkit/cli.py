@@ -1,6 +1,7 @@
 """The ``attnkit`` command (also ``python -m attnkit``): argparse subcommands only. Each command
-checks its arguments, makes its output folder and calls one ``run`` of :mod:`attnkit.apps`; errors
-come back as one line and exit code 2."""
+checks its arguments (``check`` of its :mod:`attnkit.apps` module: the standard library only, so a
+bad argument is answered before torch is imported or a model loaded), makes its output folder and
+calls the module's ``run``; errors come back as one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _say(message: str) -> None:
 
 def _out_dir(path) -> Path:
     """The --out folder, created; a clear error when it names a file or cannot be made."""
-    from attnkit._validate import AttnkitValueError
+    from attnkit.errors import AttnkitValueError
 
     out = Path(path)
     if out.exists() and not out.is_dir():
@@ -43,6 +44,10 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be >= 1, but got {value}")
     return value
 
+
+#: The models ``attnkit train`` trains, and the same by the command that runs each (the README's names).
+TRAINED = ("translator", "captioner", "recommender", "recall", "speech")
+TRAINED_BY_COMMAND = {"translate": "translator", "caption": "captioner", "recommend": "recommender", "listen": "speech"}
 
 #: The longest recall text ``attnkit show --model recall --length`` generates (2**20 tokens: minutes on 2 cores).
 MAX_LENGTH = 2**20
@@ -89,11 +94,13 @@ def _fraction(text: str) -> float:
 
 
 def _read_text(args) -> str | None:
-    from attnkit._validate import AttnkitValueError
+    from attnkit.errors import AttnkitValueError
 
     if args.file is not None and args.text is not None:
         raise AttnkitValueError("give the text or --file FILE, not both.")
     if args.file is not None:
+        if not Path(args.file).is_file():
+            raise AttnkitValueError(f"--file {args.file!r} is not a file: give a UTF-8 text file.")
         try:
             text = Path(args.file).read_text(encoding="utf-8")
         except UnicodeDecodeError:
@@ -120,8 +127,9 @@ def _read_text(args) -> str | None:
 def show(args: argparse.Namespace) -> int:
     from attnkit.apps import show as app
 
-    out = _out_dir(args.out)  # before the model runs: a bad --out fails fast
-    return app.run(args, out, _read_text(args))
+    app.check(args)
+    text = _read_text(args)
+    return app.run(args, _out_dir(args.out), text)  # the folder before the model runs: a bad --out fails fast
 
 
 def train(args: argparse.Namespace) -> int:
@@ -134,24 +142,28 @@ def train(args: argparse.Namespace) -> int:
 def recommend(args: argparse.Namespace) -> int:
     from attnkit.apps import recommend as app
 
+    app.check(args)
     return app.run(args, _out_dir(args.out))
 
 
 def caption(args: argparse.Namespace) -> int:
     from attnkit.apps import caption as app
 
+    app.check(args)
     return app.run(args, _out_dir(args.out))
 
 
 def listen(args: argparse.Namespace) -> int:
     from attnkit.apps import listen as app
 
+    app.check(args)
     return app.run(args, _out_dir(args.out))
 
 
 def translate(args: argparse.Namespace) -> int:
     from attnkit.apps import translate as app
 
+    app.check(args)
     return app.run(args, _out_dir(args.out))
 
 
@@ -184,17 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--length",
         type=_length,
-        default=4096,
+        default=None,
         help=f"with --model recall and no text: generate a recall text of this many tokens (default 4096, "
         f"at most {MAX_LENGTH:,})",
     )
     p.add_argument(
         "--depth",
         type=_fraction,
-        default=0.02,
-        help="with --length: where the asked pair sits, 0 = start of the text, 1 = end (default 0.02)",
+        default=None,
+        help="with --model recall and no text: where the asked pair sits, 0 = start of the text, 1 = end "
+        "(default 0.02)",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="with --length: the generated text's seed")
+    p.add_argument(
+        "--seed", type=_seed, default=None, help="with --model recall and no text: the generated text's seed (0)"
+    )
     p.add_argument(
         "--rows",
         help="query positions whose full weights to keep, e.g. '0,-1' (default: the last token); "
@@ -207,20 +222,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train a model: translator, captioner, recommender, recall or speech (seeded; 2.5-42 min on 2 cores)",
+        help="train a model: translator, captioner, recommender, recall or speech, or name its command "
+        "(translate, caption, recommend, listen) (seeded; 2.5-43 min on 2 cores)",
         description="Train one of the shipped models from scratch, seeded, with a progress bar, and save it as "
         "OUT/<model>.safetensors with a JSON record of the run. The defaults reproduce the shipped weights. "
         "Times on 2 CPU cores with the defaults: translator (the date normalizer, 1500 steps) about 2.5 min; "
         "captioner (the digit captioner, 4000 steps) about 5 min; recommender (SASRec on MovieLens-100K, "
         "120 epochs) about 6 min; recall (RecallLM, 5000 steps) about 7 min; speech (the spoken-digit "
-        "recogniser, 9200 steps; needs espeak-ng) about 42 min plus 1 min of speech synthesis (--steps 4000: "
-        "18 min, about as good on new voices, see the docs). "
+        "recogniser, 9200 steps; needs espeak-ng) about 43 min: 42 of training, 1 of speech synthesis (--steps 4000: "
+        "18 min, about as good on new voices, see the docs). A model may also be named by the command that runs "
+        "it: translate, caption, recommend, listen. "
         "Fewer --steps trains faster and worse; each model's page in the docs says what its numbers mean.",
     )
     p.add_argument(
         "model",
-        choices=["translator", "captioner", "recommender", "recall", "speech"],
-        help="which model: translator, captioner, recommender, recall or speech",
+        choices=[*TRAINED, *TRAINED_BY_COMMAND],
+        help="which model: translator (or translate), captioner (caption), recommender (recommend), recall, "
+        "speech (listen)",
     )
     p.add_argument(
         "--steps",
@@ -300,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
-    if args.command == "train":  # defaults that depend on the model
+    if args.command == "train":  # the model by its command's name too, and defaults that depend on the model
+        args.model = TRAINED_BY_COMMAND.get(args.model, args.model)
         from attnkit.apps.train import SPEECH_STEPS_PER_MINUTE, TRAIN_DEFAULTS
 
         steps, batch_size = TRAIN_DEFAULTS[args.model]

@@ -124,6 +124,72 @@ def test_show_checks_its_arguments_before_loading_a_model(tmp_path, capsys, monk
     assert message in err and "Traceback" not in err, err
 
 
+#: Bad arguments of every command, each answered from the arguments alone: ``(args, what the error says)``.
+BAD_ARGUMENTS = [
+    (["recommend", "--user", "0"], "--user must be a MovieLens-100K user id (1 to 943)"),
+    (["caption"], "give --digits"),
+    (["caption", "--digits", "1,2,x"], "--digits must be digits 0-9"),
+    (["caption", "--digits", "1,2,3,4,5,6,7,8,9"], "1 to 8 digits"),
+    (["caption", "--image", "missing.npy"], "is not a file"),
+    (["listen"], "give FILE.wav"),
+    (["listen", "missing.wav"], "is not a file"),
+    (["listen", "--example", "9"], "--example must be 1..3"),
+    (["listen", "--say", "4a"], "--say takes digits 0-9 and spaces"),
+    (["show"], "give a text to look at"),
+    (["show", "--file", "missing.txt"], "is not a file"),
+    (["show", "--length", "100", "hello"], "--length generates RecallLM's recall text: it needs --model recall"),
+    (["show", "--depth", "0.5", "hello"], "--depth generates"),
+    (["show", "--model", "recall", "--length", "100", "hello"], "not both"),
+    (["show", "--model", "no-such-folder", "hello"], "a folder with a config.json"),
+    (["show", "hello", "--layer", "9"], "--layer must be in 0..5"),
+    (["show", "--model", "recall", "--head", "9"], "--head must be in 0..3"),
+    (["show", "hello", "--rows", "x"], "--rows must be comma-separated"),
+    (["translate", " "], "the text is empty"),
+    (["translate", "1 May 2020", "--weights", "missing.safetensors"], "is not a file"),
+]
+
+
+def test_every_bad_argument_is_answered_before_torch_is_imported(tmp_path):
+    """Each command checks its arguments with the standard library alone, before torch is imported or a
+    model loaded (errors that need only the arguments took 13-27 s, after the model loaded): one fresh
+    process runs every case and says whether torch was imported."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, contextlib, io\n"
+        "from attnkit.cli import main\n"
+        "found = []\n"
+        f"for args in {[a for a, _ in BAD_ARGUMENTS]!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        rc = main(args + ['--out', 'out'])\n"
+        "    found.append([rc, err.getvalue(), 'torch' in sys.modules])\n"
+        "print(json.dumps(found))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (args, message), (rc, err, imported) in zip(BAD_ARGUMENTS, json.loads(done.stdout)):
+        assert rc == 2 and message in err and "Traceback" not in err, (args, err)
+        assert not imported, f"{args}: torch was imported before the error"
+
+
+def test_train_takes_the_models_and_their_commands_names(tmp_path, monkeypatch):
+    """The README names the applications by their commands: `attnkit train caption` trains the captioner."""
+    from attnkit.apps import train as app
+    from attnkit.cli import TRAINED, TRAINED_BY_COMMAND
+
+    trained = []
+    monkeypatch.setattr(app, "run", lambda args: trained.append((args.model, args.steps)) or 0)
+    for name in [*TRAINED, *TRAINED_BY_COMMAND]:
+        assert main(["train", name, "--out", str(tmp_path / name)]) == 0
+    want = [(m, app.TRAIN_DEFAULTS[m][0]) for m in [*TRAINED, *TRAINED_BY_COMMAND.values()]]
+    assert trained == want
+    with pytest.raises(SystemExit):
+        main(["train", "nothing"])
+
+
 def test_seeds_are_whole_numbers_from_zero(tmp_path, capsys):
     for command in (["caption", "--digits", "1"], ["show", "--model", "recall"], ["train", "translator"]):
         with pytest.raises(SystemExit) as exit_:

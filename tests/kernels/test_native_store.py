@@ -161,6 +161,7 @@ def test_what_cannot_be_chosen_says_why(wheel_folder, tmp_path):
     (wheel_folder / "manifest.json").write_text(json.dumps({**manifest, "torch": "2.0.0"}))
     got = prebuilt.choose(version, folder=wheel_folder, flags=V4)
     assert got.library is None and "built for torch 2.0.0" in got.why
+    assert "compiled for this torch at first use" in got.why
     (wheel_folder / "manifest.json").write_text(json.dumps(manifest))
     (wheel_folder / "x86-64-v4" / prebuilt.LIBRARY).write_bytes(b"replaced")
     got = prebuilt.choose(version, folder=wheel_folder, flags=V4)
@@ -201,6 +202,40 @@ def test_without_an_engine_one_warning_says_what_to_install_and_explain_says_it_
     assert "no C++ compiler found" in warning and "apt-get install g++" in warning and "wheel" in warning, warning
     assert "(native is off: no C++ compiler found" in got["explain"] and "apt-get install g++" in got["explain"]
     assert not (tmp_path / "cache").exists()
+
+
+MISMATCHED = """
+    import functools, json, warnings
+    import torch, attnkit
+    from attnkit import masks
+    from attnkit.kernels.native import build as native_build, prebuilt
+    prebuilt.choose = functools.partial(prebuilt.choose, folder=__import__("pathlib").Path({folder!r}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = torch.randn(1, 2, 1024, 32)
+        mask = masks.document(torch.arange(1024) // 256) & masks.causal()
+        out = attnkit.attention(q, q, q, mask)
+    gold = attnkit.attention(q.double(), q.double(), q.double(), mask, kernel="reference")
+    print(json.dumps({{"status": native_build.status(), "explain": str(attnkit.explain(q, q, q, mask)),
+                      "warnings": [str(w.message) for w in caught], "err": float((out.double() - gold).abs().max())}}))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the wheel's builds are x86-64")
+def test_a_wheel_engine_built_for_another_torch_is_refused_with_the_reason_and_the_fallback(wheel_folder, tmp_path):
+    """A wheel installed beside another PyTorch (an unpinned install): its engine is never loaded; the
+    warning and explain say for which torch it was built, which torch runs, and what runs instead."""
+    manifest = json.loads((wheel_folder / "manifest.json").read_text())
+    (wheel_folder / "manifest.json").write_text(json.dumps({**manifest, "torch": "2.12.0"}))
+    env = {"PATH": str(tmp_path), "CXX": "", "ATTNKIT_CACHE": str(tmp_path / "cache"), "ATTNKIT_NATIVE": "1"}
+    done = _python(MISMATCHED.format(folder=str(wheel_folder)), env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not got["status"][0] and got["err"] < 1e-5, got
+    (warning,) = got["warnings"]
+    for said in ("built for torch 2.12.0", f"this is torch {torch.__version__}", "else the PyTorch kernels run"):
+        assert said in warning, warning
+    assert "native is off" in got["explain"] and "2.12.0" in got["explain"], got["explain"]
 
 
 def test_an_isa_the_cpu_cannot_run_is_refused_not_built(tmp_path):

@@ -36,25 +36,43 @@ def _read_image(path):
     raise AttnkitValueError(f"--image must be a .npy or .png file, but got {path!r}.")
 
 
-def run(args: Any, out: Path) -> int:
-    """Caption ``args.digits`` (test-split images) or ``args.image``; prints it, writes the figure and page."""
-    import random
+def _wanted(text: str) -> list[int]:
+    """--digits "7,3,1" as a list of 1 to 8 digits."""
+    from attnkit.errors import AttnkitValueError
 
-    from attnkit._validate import AttnkitValueError
-    from attnkit.models.captioner import WORDS, DigitCaptioner, digits, split, strip_of
-    from attnkit.viz.regions import region_figure, save_region_html
+    try:
+        wanted = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise AttnkitValueError(f"--digits must be digits 0-9 separated by commas, but got {text!r}.") from None
+    if not wanted or not all(0 <= d <= 9 for d in wanted) or len(wanted) > 8:
+        raise AttnkitValueError(f"--digits must be 1 to 8 digits 0-9 separated by commas, but got {text!r}.")
+    return wanted
+
+
+def check(args: Any) -> None:
+    """The arguments alone, before torch is imported or the model loaded."""
+    from attnkit.errors import AttnkitValueError
 
     if (args.digits is None) == (args.image is None):
         raise AttnkitValueError("give --digits (e.g. --digits 7,3,1) or --image FILE, one of them.")
     if args.digits is not None:
-        try:
-            wanted = [int(d) for d in args.digits.split(",")]
-        except ValueError:
-            raise AttnkitValueError(
-                f"--digits must be digits 0-9 separated by commas, but got {args.digits!r}."
-            ) from None
-        if not wanted or not all(0 <= d <= 9 for d in wanted) or len(wanted) > 8:
-            raise AttnkitValueError(f"--digits must be 1 to 8 digits 0-9 separated by commas, but got {args.digits!r}.")
+        _wanted(args.digits)
+        return
+    if not Path(args.image).is_file():
+        raise AttnkitValueError(f"--image {args.image!r} is not a file.")
+    if Path(args.image).suffix.lower() not in (".npy", ".png"):
+        raise AttnkitValueError(f"--image must be a .npy or .png file, but got {args.image!r}.")
+
+
+def run(args: Any, out: Path) -> int:
+    """Caption ``args.digits`` (test-split images) or ``args.image``; prints it, writes the figure and page."""
+    import random
+
+    from attnkit.models.captioner import WORDS, DigitCaptioner, digits, split, strip_of
+    from attnkit.viz.regions import region_figure, save_region_html
+
+    if args.digits is not None:
+        wanted = _wanted(args.digits)
         _, labels = digits()
         rng = random.Random(args.seed)
         pool = split("test").tolist()

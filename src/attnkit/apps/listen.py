@@ -8,19 +8,31 @@ from typing import Any
 from attnkit.apps.report import say as note
 
 
+def check(args: Any) -> None:
+    """The arguments alone, before torch is imported or the model loaded."""
+    from attnkit.apps.shipped import example_wavs
+    from attnkit.errors import AttnkitValueError
+
+    given = [x is not None for x in (args.file, args.say)] + [args.example is not None]
+    if sum(given) != 1:
+        raise AttnkitValueError('give FILE.wav, --say "4 0 7" or --example N (one of them).')
+    if args.file is not None and not Path(args.file).is_file():
+        raise AttnkitValueError(f"{args.file!r} is not a file: give a WAV file (16-bit PCM, any rate).")
+    if args.example is not None and not 1 <= args.example <= len(example_wavs()):
+        raise AttnkitValueError(f"--example must be 1..{len(example_wavs())}, but got {args.example}.")
+    if args.say is not None and not "".join(args.say.split()).isdigit():
+        raise AttnkitValueError(f'--say takes digits 0-9 and spaces, e.g. "4 0 7", but got {args.say!r}.')
+
+
 def run(args: Any, out: Path) -> int:
     """Transcribe a WAV, a shipped example or digits said by espeak-ng; prints the text, writes the views."""
     import numpy as np
 
-    from attnkit._validate import AttnkitValueError
     from attnkit.models.speech import SpeechRecognizer, examples, read_wav, say, write_wav
     from attnkit.viz import save_html
     from attnkit.viz.html import waveform_overview
     from attnkit.viz.speech import attended_spans, speech_figure
 
-    given = [x is not None for x in (args.file, args.say)] + [args.example is not None]
-    if sum(given) != 1:
-        raise AttnkitValueError('give FILE.wav, --say "4 0 7" or --example N (one of them).')
     if args.say is not None:
         digits = "".join(args.say.split())
         samples, rate = say(digits, "en-gb-x-rp", "f3"), 16000
@@ -29,10 +41,7 @@ def run(args: Any, out: Path) -> int:
     else:
         path = args.file
         if args.example is not None:
-            shipped = examples()
-            if not 1 <= args.example <= len(shipped):
-                raise AttnkitValueError(f"--example must be 1..{len(shipped)}, but got {args.example}.")
-            path, truth = shipped[args.example - 1]
+            path, truth = examples()[args.example - 1]
             note(f"example {args.example}: {path} (spoken digits {truth})")
         samples, rate = read_wav(path)
         if samples.ndim > 1:

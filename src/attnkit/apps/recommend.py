@@ -9,6 +9,17 @@ from typing import Any
 from attnkit.apps.report import say
 
 
+def check(args: Any) -> None:
+    """The arguments alone, before torch is imported or the data read."""
+    from attnkit.apps.shipped import MOVIELENS_USERS
+    from attnkit.errors import AttnkitValueError
+
+    if not 1 <= args.user <= MOVIELENS_USERS:
+        raise AttnkitValueError(
+            f"--user must be a MovieLens-100K user id (1 to {MOVIELENS_USERS}), but got {args.user}."
+        )
+
+
 def run(args: Any, out: Path) -> int:
     """Recommend to ``args.user``; prints the history and the titles, writes the figure and page into ``out``."""
     from attnkit._validate import AttnkitValueError

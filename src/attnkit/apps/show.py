@@ -151,24 +151,21 @@ def _run_checkpoint(path, text, rows_text=None) -> dict:
 
 
 def _layers_and_heads(model: str | None) -> tuple[int, int]:
-    """The model's layers and heads, read from its config (nothing loaded or run)."""
-    if model == "recall":
-        from attnkit.models.recall import RecallLM
+    """The model's layers and heads, read from its config (nothing loaded or run; the standard library
+    only, except for a checkpoint whose config.json does not say them plainly)."""
+    from attnkit.apps.shipped import checkpoint_layers_and_heads, weights_config
 
-        c = RecallLM.packaged_config()
-        return c.num_layers, c.num_heads
+    if model == "recall":
+        c = weights_config("recall_lm.safetensors")
+        return c["num_layers"], c["num_heads"]
     if model is None:
         return MINILM_LAYERS, MINILM_HEADS
-    from attnkit._validate import AttnkitValueError
-
-    folder = Path(model)
-    if not (folder / "config.json").is_file():
-        raise AttnkitValueError(
-            f"--model must be 'recall' or a folder with a config.json (a saved checkpoint), but got {model!r}."
-        )
+    found = checkpoint_layers_and_heads(Path(model))
+    if found is not None:
+        return found
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(model)
     return getattr(config, "num_hidden_layers", 1), getattr(config, "num_attention_heads", 1)
 
 
@@ -176,10 +173,34 @@ def _layers_and_heads(model: str | None) -> tuple[int, int]:
 MINILM_LAYERS, MINILM_HEADS = 6, 12
 
 
-def _check_before_running(args: Any) -> None:
-    """--layer and --head against the model's config, --rows' form: before the model loads (seconds)."""
-    from attnkit._validate import AttnkitValueError
+#: ``attnkit show``'s options that generate RecallLM's recall text, and their defaults.
+GENERATED = {"length": 4096, "depth": 0.02, "seed": 0}
 
+
+def check(args: Any) -> None:
+    """The arguments alone, before torch is imported or a model loaded (well under a second): options
+    that do not apply are refused, --model's folder, --layer and --head against the model's config,
+    --rows' form. Then the defaults of the generated text's options are filled in."""
+    from attnkit.errors import AttnkitValueError
+
+    given = [f"--{name}" for name in GENERATED if getattr(args, name) is not None]
+    if given and args.model != "recall":
+        what = f"{given[0]} generates" if len(given) == 1 else f"{', '.join(given)} generate"
+        raise AttnkitValueError(
+            f"{what} RecallLM's recall text: it needs --model recall (e.g. attnkit show --model recall "
+            f"{given[0]} ...), or give a text to look at instead."
+        )
+    if given and (args.text is not None or args.file is not None):
+        raise AttnkitValueError(
+            f"{', '.join(given)} set the text RecallLM generates: give a text (or --file), or {given[0]}, not both."
+        )
+    for name, default in GENERATED.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.model not in (None, "recall") and not (Path(args.model) / "config.json").is_file():
+        raise AttnkitValueError(
+            f"--model must be 'recall' or a folder with a config.json (a saved checkpoint), but got {args.model!r}."
+        )
     if args.layer is None and args.head is None and args.rows is None:
         return
     layers, heads = _layers_and_heads(args.model)
@@ -192,7 +213,7 @@ def _check_before_running(args: Any) -> None:
 
 def _rows(text, length: int | None) -> list[int]:
     """--rows "a,b,-1" as query rows in [0, length) (``length`` None: only the form is checked)."""
-    from attnkit._validate import AttnkitValueError
+    from attnkit.errors import AttnkitValueError
 
     try:
         rows = [int(x) for x in (text or "-1").split(",") if x.strip()]
@@ -229,7 +250,6 @@ def run(args: Any, out: Path, text: str | None) -> int:
     from attnkit.inspect.summary import summarize
     from attnkit.viz import attention_grid, save_html, visualize_attention
 
-    _check_before_running(args)  # a bad --layer, --head or --rows fails before any model is loaded
     if args.model == "recall":
         run = _run_recall(text, args)
     elif args.model is None:

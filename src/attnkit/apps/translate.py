@@ -13,11 +13,23 @@ def _shown(chars):
     return ["\u2423" if ch == " " else ch for ch in chars]
 
 
+def check(args: Any) -> None:
+    """The arguments alone, before torch is imported or the model loaded."""
+    from attnkit.errors import AttnkitValueError
+
+    if not args.text.strip():
+        raise AttnkitValueError(
+            f'{args.text!r} is not a date attnkit can read: the text is empty (e.g. "25th of March 2019").'
+        )
+    if args.weights is not None and not Path(args.weights).is_file():
+        raise AttnkitValueError(
+            f"--weights {args.weights!r} is not a file: give a .safetensors file written by attnkit train."
+        )
+
+
 def _load_translator(path, cls):
     from attnkit._validate import AttnkitValueError
 
-    if not Path(path).is_file():
-        raise AttnkitValueError(f"--weights {path!r} is not a file: give a .safetensors file written by attnkit train.")
     try:
         return cls.load(path)
     except Exception as err:  # safetensors, json and state-dict errors: all mean "not our weights"

@@ -146,9 +146,13 @@ def _sanitize() -> list[str]:
     return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
 
 
-def commands(compiler: str, out: Path, obj: Path, arch: list[str] | None = None) -> list[list[str]]:
+def commands(
+    compiler: str, out: Path, obj: Path, arch: list[str] | None = None, rpath: list[str] | None = None
+) -> list[list[str]]:
     """The compile and link commands (torch.utils.cpp_extension's paths and ABI flag); ``arch``:
-    the instruction-set flags (default ``-march=$ATTNKIT_NATIVE_ARCH``, ``native``)."""
+    the instruction-set flags (default ``-march=$ATTNKIT_NATIVE_ARCH``, ``native``); ``rpath``: where
+    the library finds PyTorch's (default: this PyTorch's folder; a wheel's builds say where torch
+    lies relative to them)."""
     from torch.utils import cpp_extension
 
     openmp = _openmp()
@@ -174,7 +178,8 @@ def commands(compiler: str, out: Path, obj: Path, arch: list[str] | None = None)
     ]
     lib_dirs = cpp_extension.library_paths()
     link = [compiler, "-shared", str(obj), "-o", str(out), *sanitize]
-    link += [f"-L{d}" for d in lib_dirs] + ["-ltorch_cpu", "-lc10"] + [f"-Wl,-rpath,{d}" for d in lib_dirs]
+    link += [f"-L{d}" for d in lib_dirs] + ["-ltorch_cpu", "-lc10"]
+    link += [f"-Wl,-rpath,{d}" for d in (lib_dirs if rpath is None else rpath)]
     if openmp:  # PyTorch's own OpenMP runtime when it ships one (one thread pool), else the compiler's
         lib = Path(lib_dirs[0])
         bundled = sorted(lib.glob("libgomp*.so*")) + sorted(lib.glob("libiomp*.so*"))
@@ -248,7 +253,11 @@ def _compile(compiler: str, target: Path) -> None:
             done = _run(cmd, started)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip()[-2000:]
-                raise RuntimeError(f"building attnkit's native engine failed:\n$ {' '.join(cmd)}\n{tail}")
+                last = tail.splitlines()[-1] if tail else "it printed nothing"
+                raise RuntimeError(
+                    f"building attnkit's native engine failed ({Path(cmd[0]).name} exited with status "
+                    f"{done.returncode}: {last})\n$ {' '.join(cmd)}\n{tail}"
+                )
         if not lib.exists() or lib.stat().st_size == 0:
             raise RuntimeError(f"building attnkit's native engine wrote no library ({' '.join(cmd)})")
         manifest = {

@@ -30,6 +30,9 @@ from attnkit.kernels.native import store
 
 __all__ = ["FOLDER", "LEVELS", "Choice", "Level", "build_all", "choose", "cpu_flags", "torch_key"]
 
+#: Where a wheel's library finds PyTorch's: site-packages/torch/lib, from
+#: site-packages/attnkit/kernels/native/engines/<level>/ (never the build machine's own path).
+TORCH_RPATH = "$ORIGIN/../../../../../torch/lib"
 #: Where a wheel keeps its builds (absent from a source checkout and an editable install).
 FOLDER = Path(__file__).with_name("engines")
 LIBRARY = "libattnkit_native.so"
@@ -112,8 +115,10 @@ def choose(
         return Choice(
             None,
             "",
-            f"the wheel's engine was built for torch {want['torch']} (interface {manifest.get('interface')}); "
-            f"this is torch {torch.__version__}",
+            f"the wheel's engine was built for torch {want['torch']} (C++ ABI {want['cxx11_abi']}, interface "
+            f"{manifest.get('interface')}) and this is torch {torch.__version__} (C++ ABI {torch_key()['cxx11_abi']}, "
+            f"interface {interface}): it is not loaded; the engine is compiled for this torch at first use where "
+            "a C++ compiler exists, else the PyTorch kernels run",
         )
     flags = cpu_flags() if flags is None else flags
     builds = manifest.get("builds", {})
@@ -153,11 +158,16 @@ def _mismatch(library: Path, entry: dict) -> str | None:
     return None
 
 
-def build_all(folder: Path, interface: int, *, compiler: str, jobs: int | None = None) -> dict:
+def build_all(folder: Path, interface: int, *, compiler: str, jobs: int | None = None, say=None) -> dict:
     """Compile every level into ``folder/<level>/`` and write ``folder/manifest.json`` (what the
-    wheel's build runs; levels the compiler cannot emit are left out). Returns the manifest."""
+    wheel's build runs; levels the compiler cannot emit are left out). Returns the manifest.
+    ``say(text)`` hears of each level as it starts and ends (a minute or more each)."""
+    import time
+
     from attnkit.kernels.native import build
 
+    say = say or (lambda text: None)
+    started = time.monotonic()
     folder.mkdir(parents=True, exist_ok=True)
     jobs = max(1, jobs or os.cpu_count() or 1)
     builds: dict = {}
@@ -166,12 +176,13 @@ def build_all(folder: Path, interface: int, *, compiler: str, jobs: int | None =
         for level in LEVELS:
             lib, obj = folder / level.name / LIBRARY, Path(tmp) / f"{level.name}.o"
             lib.parent.mkdir(exist_ok=True)
-            pending.append((level, build.commands(compiler, lib, obj, list(level.compiler_flags))))
+            pending.append((level, build.commands(compiler, lib, obj, list(level.compiler_flags), rpath=[TORCH_RPATH])))
         running: list = []
         failed: dict = {}
         while pending or running:
             while pending and len(running) < jobs:
                 level, (compile_, link) = pending.pop(0)
+                say(f"compiling the {level.name} build ({len(LEVELS) - len(pending)} of {len(LEVELS)})")
                 running.append((level, link, subprocess.Popen(compile_, stderr=subprocess.PIPE, text=True)))
             level, link, proc = running.pop(0)
             err = proc.communicate()[1]
@@ -181,8 +192,10 @@ def build_all(folder: Path, interface: int, *, compiler: str, jobs: int | None =
             else:
                 ok = False
             if not ok:
-                failed[level.name] = err.strip()[-500:]
+                failed[level.name] = err.strip()[-500:] or f"exit status {proc.returncode}, no output"
+                say(f"the {level.name} build failed: {failed[level.name].splitlines()[-1]}")
                 continue
+            say(f"built {level.name} ({time.monotonic() - started:.0f} s so far)")
             lib = folder / level.name / LIBRARY
             builds[level.name] = {"size": lib.stat().st_size, "sha256": store.digest(lib)}
     if not builds:
