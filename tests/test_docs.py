@@ -113,6 +113,8 @@ def test_page_examples_run(page, tmp_path):
     assert done.returncode == 0, (
         f"{page}'s examples failed:\n{textwrap.indent(done.stdout[-3000:], '  ')}\n{done.stderr[-6000:]}"
     )
+    warned = [line for line in done.stderr.splitlines() if "Warning:" in line]
+    assert not warned, f"{page}'s examples print warnings a reader would see: {warned[:3]}"
 
 
 def test_skipped_blocks_say_why():

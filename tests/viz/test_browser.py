@@ -72,7 +72,7 @@ for (let i = 0; i < d.length; i += 4) {
 return [hi - lo, sum];
 """
 
-STAND_IN = """<!doctype html><meta charset="utf-8"><style>{css}</style><body><div id="w"></div>
+STAND_IN = """<!doctype html><meta charset="utf-8"><style>{css}</style><body>{before}<div id="w"></div>
 <script type="module">
 const state = {state};
 const listeners = {{}};
@@ -93,15 +93,16 @@ import(url).then((m) => {{
 </script>"""
 
 
-def open_widget(browser, path, state: dict, esm: str, css: str) -> None:
+def open_widget(browser, path, state: dict, esm: str, css: str, before: str = "") -> None:
     """The widget's front end (its ``_esm``) rendered in a page with a stand-in for the notebook's
     model holding ``state`` (``data``, ``selected``, ``detail``); ``window.sets`` records what the
-    view sets, ``window.push(name, value)`` changes a value as the kernel would."""
+    view sets, ``window.push(name, value)`` changes a value as the kernel would. ``before``: HTML of
+    the outputs above the widget's (its static view, as the notebook shows it)."""
     import json
 
     from selenium.webdriver.support.ui import WebDriverWait
 
-    page = STAND_IN.format(css=css, state=json.dumps(state), esm=json.dumps(esm))
+    page = STAND_IN.format(css=css, state=json.dumps(state), esm=json.dumps(esm), before=before)
     path.write_text(page, encoding="utf-8")
     browser.get_log("browser")
     browser.get(path.as_uri())

@@ -165,3 +165,30 @@ def test_the_widget_cell_holds_a_live_view_that_renders_from_the_saved_state(exe
     assert browser.find_element(By.CSS_SELECTOR, ".ak-title").text.endswith("head 3")
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg.ak-profile polyline")) == 3
     assert not severe_logs(browser)
+
+
+def test_no_cell_prints_a_warning(executed):
+    """A reader sees no red text: the example read a tensor that required grad with float() (torch warned)."""
+    cells, _ = executed
+    warned = [o.get("text", "") for outs in cells for o in outs if o.get("name") == "stderr"]
+    assert not [t for t in warned if "Warning" in t], warned
+
+
+def test_the_exported_notebook_shows_the_widgets_grid_offline(executed, browser, tmp_path):
+    """nbconvert's HTML keeps the widget's saved state and loads its front end from a CDN: offline the
+    widget cell was blank. The widget's output carries a static picture of its grid beside the live view."""
+    from selenium.webdriver.common.by import By
+
+    nbconvert = pytest.importorskip("nbconvert")
+    _, saved = executed
+    body, _ = nbconvert.HTMLExporter().from_filename(str(saved))
+    page = tmp_path / "exported.html"
+    page.write_text(body, encoding="utf-8")
+    assert "application/vnd.jupyter.widget-view+json" in body  # the live view is exported too
+    browser.get(page.as_uri())
+    images = [i for i in browser.find_elements(By.CSS_SELECTOR, ".attnkit-static img") if i.is_displayed()]
+    assert len(images) == 1
+    image = images[0]
+    assert "6 layers x 12 heads" in image.get_attribute("alt")
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", image) > 400
+    assert image.size["width"] > 400 and image.size["height"] > 200  # the grid, drawn, not a blank cell

@@ -205,9 +205,39 @@ def test_widget_front_end_draws_long_context_profiles(browser, tmp_path):
     lines = browser.find_elements(By.CSS_SELECTOR, "svg.ak-profile polyline")
     assert len(lines) == 3  # key mass, entropy, the chosen row's weights
     assert len(lines[0].get_attribute("points").split()) == 400
+    for svg in browser.find_elements(By.CSS_SELECTOR, "svg.ak-profile"):  # axes, ticks and what they measure
+        ticks = [t.text for t in svg.find_elements(By.CSS_SELECTOR, "text.ak-tick")]
+        assert len(svg.find_elements(By.CSS_SELECTOR, "line.ak-axis")) >= 4 and len(ticks) >= 4, ticks
+        assert "0" in ticks and svg.find_element(By.CSS_SELECTOR, "text.ak-axis-title").text.endswith("position")
+    mass = browser.find_elements(By.CSS_SELECTOR, "svg.ak-profile")[0]
+    assert any(t.text.startswith("1e-") for t in mass.find_elements(By.CSS_SELECTOR, "text.ak-tick"))  # log scale
+    keys = [t.text for t in mass.find_elements(By.CSS_SELECTOR, "text.ak-tick") if not t.text.startswith("1e")]
+    assert max(int(t) for t in keys) >= 1500  # positions over the 2,000 tokens, not over the 400 bins
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg.ak-profile line.ak-mark")) == 1  # where the row sits
     tops = browser.find_elements(By.CSS_SELECTOR, "ol.ak-top li")
     assert f"(position {w.detail['topReceived'][0]['position']})" in tops[0].text
     browser.find_element(By.CSS_SELECTOR, "button.ak-back").click()
     assert browser.execute_script("return window.sets")[-1] == ["selected", [-1, -1]]
     assert not severe_logs(browser)
+
+
+def test_the_widgets_output_carries_a_static_grid_the_live_view_hides(browser, tmp_path):
+    """An export without a widget manager shows the static picture of the grid; in Jupyter the live
+    widget hides it once it renders (so the grid is not shown twice)."""
+    from selenium.webdriver.common.by import By
+
+    from attnkit.viz.widgets import static_view
+
+    w = widget(torch.softmax(torch.randn(2, 3, 6, 6), -1), ["a", "b", "c", "d", "e", "f"], title="a test")
+    picture = static_view(w.data)
+    assert f"attnkit-static-{w.data['staticId']}" in picture and "data:image/png;base64," in picture
+    assert len(picture.encode()) < 100_000
+    page = tmp_path / "static.html"
+    page.write_text(f"<!doctype html><meta charset='utf-8'><body>{picture}</body>", encoding="utf-8")
+    browser.get(page.as_uri())
+    image = browser.find_element(By.CSS_SELECTOR, ".attnkit-static img")
+    assert image.is_displayed() and "2 layers x 3 heads" in image.get_attribute("alt")
+    state = {"data": w.data, "selected": w.selected, "detail": w.detail}
+    open_widget(browser, tmp_path / "widget.html", state, asset("widget.js"), w._css, before=picture)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "td.ak-cell")) == 6
+    assert not browser.find_element(By.CSS_SELECTOR, ".attnkit-static").is_displayed()

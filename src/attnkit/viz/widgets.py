@@ -13,6 +13,8 @@ and profiles over more than ``bins`` tokens are binned (the largest value of eac
 from __future__ import annotations
 
 import base64
+import html
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,10 +22,10 @@ import numpy as np
 import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
-from attnkit.viz.html import asset, cut_labels, font_face
+from attnkit.viz.html import asset, cut_labels, fill, font_face
 from attnkit.viz.long import BITS, DECADES, bin_profile, log_bytes
 
-__all__ = ["MAX_WEIGHTS", "widget"]
+__all__ = ["MAX_WEIGHTS", "static_view", "widget"]
 
 #: The most weights (query rows x keys) one head's heatmap sends; longer inputs use statistics.
 MAX_WEIGHTS = 1024 * 1024
@@ -77,8 +79,55 @@ def _widget_class() -> type:
             """Show ``head`` of ``layer`` (as a click on its cell does)."""
             self.selected = [int(layer), int(head)]
 
+        def _ipython_display_(self) -> None:
+            """Two outputs: the grid as a static picture (what an exported notebook, nbconvert's HTML
+            or GitHub's viewer shows, with no widget manager to load), then the live widget, which
+            hides the picture once it renders."""
+            from IPython.display import HTML, display
+
+            display(HTML(static_view(self.data)))
+            bundle = self._repr_mimebundle_()  # anywidget's: (data, metadata)
+            data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
+            display(data, metadata=metadata, raw=True)
+
     _CLASS = AttentionWidget
     return _CLASS
+
+
+def static_view(data: dict) -> str:
+    """The widget's grid as a self-contained HTML snippet (a PNG of the layer x head grid coloured by
+    its first statistic, entropy where it has it): the output an export shows without a widget manager."""
+    import io
+
+    from matplotlib.figure import Figure  # no pyplot: the notebook's backend is left as it is
+
+    metric = next(iter(data["summary"]))
+    grid = np.asarray(data["summary"][metric], dtype=float)  # (layers, heads)
+    layers, heads = grid.shape
+    fig = Figure(figsize=(1.2 + 0.55 * heads, 0.9 + 0.4 * layers), dpi=100)
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, cmap="Blues", aspect="auto")
+    if layers * heads <= 400:
+        hi, lo = np.nanmax(grid), np.nanmin(grid)
+        for (i, j), x in np.ndenumerate(grid):
+            dark = hi > lo and (x - lo) / (hi - lo) > 0.6
+            ax.text(j, i, f"{x:.1f}" if metric == "mean_distance" else f"{x:.2f}", ha="center", va="center",
+                    fontsize=7, color="white" if dark else "#222")  # fmt: skip
+    ax.set_xticks(range(heads), [str(h) for h in range(heads)], fontsize=8)
+    ax.set_yticks(range(layers), data["layerNames"], fontsize=8)
+    ax.set_xlabel("head", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02).ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    names = {"entropy": "entropy (bits)", "max_weight": "largest weight", "sink_mass": "first-token mass"}
+    return fill(
+        asset("widget_static.html"),
+        id=data["staticId"], title=html.escape(data["title"]), layers=str(layers), heads=str(heads),
+        length=f"{data['length']:,}", metric=names.get(metric, metric.replace("_", " ")),
+        alt=html.escape(f"{data['title']}: {metric} per head, {layers} layers x {heads} heads"),
+        png=base64.b64encode(buffer.getvalue()).decode("ascii"),
+    )  # fmt: skip
 
 
 def _labels(tokens: Sequence[object] | None, length: int) -> list[str]:
@@ -245,6 +294,6 @@ def widget(
         raise AttnkitValueError(f"got {len(names)} layer names for {layers} layers.")
     data = {
         "title": str(title), "layers": layers, "heads": int(heads), "length": int(length),
-        "layerNames": names, "summary": summary,
+        "layerNames": names, "summary": summary, "staticId": uuid.uuid4().hex[:12],
     }  # fmt: skip
     return _widget_class()(data, view, css=font_face(" ".join(keys[:20000])))

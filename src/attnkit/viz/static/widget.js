@@ -79,23 +79,56 @@ function heatmap(panel, data, d) {
   panel.append(canvas, tip);
 }
 
-function profile(panel, title, values, log, mark) {  // one line over the keys (or queries), binned
-  const w = 640, h = 120, n = values.length;
+function ticks(lo, hi, count) {  // round numbers spanning [lo, hi]
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
+  const out = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) out.push(+t.toPrecision(12));
+  return out;
+}
+
+function label(v, log) {  // a tick's text: powers of ten on a log axis, short numbers otherwise
+  if (log) return Number.isInteger(v) ? `1e${v}` : "";
+  const a = Math.abs(v);
+  return a >= 1e4 || (a > 0 && a < 1e-2) ? v.toExponential(0) : `${+v.toPrecision(3)}`;
+}
+
+// one line over the keys (or queries), binned: axes with ticks, the y axis on a log scale for weights
+function profile(panel, title, values, log, mark, binSize, what) {
+  const w = 640, h = 150, left = 52, right = 8, top = 6, bottom = 30, n = values.length;
+  const pw = w - left - right, ph = h - top - bottom;
   const svgNS = "http://www.w3.org/2000/svg";
-  const svg = document.createElementNS(svgNS, "svg");
-  svg.setAttribute("width", w); svg.setAttribute("height", h); svg.setAttribute("class", "ak-profile");
+  const make = (tag, attrs, text) => {
+    const node = document.createElementNS(svgNS, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  };
+  const svg = make("svg", { width: w, height: h, class: "ak-profile" });
   const ys = values.map((v) => (log ? Math.log10(Math.max(v, 1e-12)) : v));
-  const lo = log ? Math.max(Math.min(...ys), Math.max(...ys) - 6) : Math.min(0, ...ys), hi = Math.max(...ys);
-  const pts = ys.map((y, i) => `${((i + 0.5) / n * w).toFixed(1)},${(h - 4 - (h - 8) * (hi > lo ? (Math.max(y, lo) - lo) / (hi - lo) : 0.5)).toFixed(1)}`);
-  const line = document.createElementNS(svgNS, "polyline");
-  line.setAttribute("points", pts.join(" ")); line.setAttribute("fill", "none"); line.setAttribute("stroke", "#2a5db0");
-  svg.append(line);
+  let lo = log ? Math.max(Math.min(...ys), Math.max(...ys) - 6) : Math.min(0, ...ys), hi = Math.max(...ys);
+  if (log) { lo = Math.floor(lo); hi = Math.max(Math.ceil(hi), lo + 1); }
+  if (!(hi > lo)) hi = lo + 1;
+  const X = (i) => left + (i + 0.5) / n * pw, Y = (y) => top + ph - ph * (Math.max(y, lo) - lo) / (hi - lo);
+  svg.append(make("line", { x1: left, x2: left, y1: top, y2: top + ph, class: "ak-axis" }));
+  svg.append(make("line", { x1: left, x2: left + pw, y1: top + ph, y2: top + ph, class: "ak-axis" }));
+  for (const t of log ? ticks(lo, hi, Math.min(6, hi - lo)).filter(Number.isInteger) : ticks(lo, hi, 4)) {
+    svg.append(make("line", { x1: left - 4, x2: left, y1: Y(t), y2: Y(t), class: "ak-axis" }));
+    svg.append(make("text", { x: left - 6, y: Y(t) + 3, "text-anchor": "end", class: "ak-tick" }, label(t, log)));
+  }
+  const tokens = n * (binSize || 1);
+  for (const t of ticks(0, Math.max(tokens - 1, 1), 6)) {
+    const x = left + (t + 0.5) / tokens * pw;
+    svg.append(make("line", { x1: x, x2: x, y1: top + ph, y2: top + ph + 4, class: "ak-axis" }));
+    svg.append(make("text", { x, y: top + ph + 15, "text-anchor": "middle", class: "ak-tick" }, `${t}`));
+  }
+  svg.append(make("text", { x: left + pw / 2, y: h - 2, "text-anchor": "middle", class: "ak-axis-title" }, what));
+  const pts = ys.map((y, i) => `${X(i).toFixed(1)},${Y(y).toFixed(1)}`);
+  svg.append(make("polyline", { points: pts.join(" "), fill: "none", stroke: "#2a5db0" }));
   if (mark !== undefined) {
-    const m = document.createElementNS(svgNS, "line");
-    const x = ((mark + 0.5) / n * w).toFixed(1);
-    m.setAttribute("x1", x); m.setAttribute("x2", x); m.setAttribute("y1", 0); m.setAttribute("y2", h);
-    m.setAttribute("stroke", "#d33"); m.setAttribute("class", "ak-mark");
-    svg.append(m);
+    const x = X(mark).toFixed(1);
+    svg.append(make("line", { x1: x, x2: x, y1: top, y2: top + ph, stroke: "#d33", class: "ak-mark" }));
   }
   panel.append(el("h4", {}, title), svg);
 }
@@ -124,11 +157,13 @@ function detail(root, data, model) {
       return;
     }
     const per = d.binSize > 1 ? ` (${d.binSize} tokens per point: the largest)` : "";
-    profile(panel, `mass each key receives, log scale${per}`, d.received, true);
+    profile(panel, `mass each key receives, log scale${per}`, d.received, true, undefined, d.binSize, "key position");
     topList(panel, "keys that receive the most", d.topReceived);
-    profile(panel, `entropy of each query's weights (bits)${d.binSize > 1 ? `, ${d.binSize} rows per point: the mean` : ""}`, d.entropy, false);
+    profile(panel, `entropy of each query's weights (bits)${d.binSize > 1 ? `, ${d.binSize} rows per point: the mean` : ""}`,
+      d.entropy, false, undefined, d.binSize, "query position");
     d.rows.forEach((r, i) => {
-      profile(panel, `weights of query row ${r} (${d.rowTokens[i]})${per}`, d.rowWeights[i], true, Math.floor(r / d.binSize));
+      profile(panel, `weights of query row ${r} (${d.rowTokens[i]}), log scale${per}`, d.rowWeights[i], true,
+        Math.floor(r / d.binSize), d.binSize, "key position");
       topList(panel, `where row ${r} looks`, d.rowTop[i]);
     });
   };
@@ -136,6 +171,8 @@ function detail(root, data, model) {
 
 function render({ model, el: root }) {
   const data = model.get("data");
+  // the static view the output carries for exports and viewers without a widget manager: hidden once this renders
+  if (data.staticId) document.querySelectorAll(`.attnkit-static-${data.staticId}`).forEach((n) => { n.style.display = "none"; });
   root.classList.add("attnkit-widget");
   root.append(el("div", { class: "ak-head" }, `${data.title} — ${data.layers} layers × ${data.heads} heads, ${data.length} tokens`));
   const drawGrid = grid(root, data, model);
