@@ -146,7 +146,7 @@ def test_show_writes_the_long_view_without_an_l_by_l_matrix(tmp_path):
     assert (out / "long.html").stat().st_size < 10 * 2**20
     data = np.load(out / "attention_stats.npz")
     length = data["tokens"].shape[0]
-    assert length == 2999 and data["entropy_bits"].shape == (2, 4, length)  # the text ends with "? key"
+    assert length == 3000 and data["entropy_bits"].shape == (2, 4, length)  # --length tokens, the last "? key"
     most = np.log2(np.arange(2, length + 2))  # bits: row i sees i + 1 keys (and maybe a sink)
     assert (data["entropy_bits"] <= most + 1e-3).all()
     assert data["row_weights"].shape == (2, 4, 2, length)

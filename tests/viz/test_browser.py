@@ -434,6 +434,9 @@ def test_alignment_page_opens_on_the_labelled_alignment(browser, tmp_path):
     assert "decoder layer 1" in browser.find_element(By.ID, "hm-title").text  # the last layer
     spread, _ = browser.execute_script(CANVAS_SPREAD, browser.find_element(By.ID, "hm-canvas"))
     assert spread > 200
+    # 18 x 11 characters fill the window (a 340 px heatmap on a 1,400 px page before): cells of 40 px or more
+    matrix = browser.find_element(By.ID, "hm-canvas")
+    assert matrix.size["width"] >= 18 * 40 * 0.9, matrix.size
     assert severe_logs(browser) == []
 
 
@@ -452,6 +455,12 @@ def test_demo_index_has_a_section_per_application_and_captions(browser, tmp_path
     from attnkit.viz.gallery import SECTIONS, write_gallery
 
     big = attention_grid(fake_weights(6, 12, 9), None)  # the 72-panel grid of attnkit show
+    from attnkit.viz.heatmap import heads_figure
+
+    tokens = [f"tok{i}" for i in range(9)]
+    heads_figure(
+        fake_weights(6, 12, 9), [(0, 1, "a"), (2, 3, "b"), (4, 5, "c")], tokens, tmp_path / "attention_heads.png"
+    )
     for folder, name in [(".", "attention.png"), ("translation", "alignment.png"), ("caption", "caption.png")]:
         (tmp_path / folder).mkdir(exist_ok=True)
         big.savefig(tmp_path / folder / name, dpi=110)
@@ -468,6 +477,11 @@ def test_demo_index_has_a_section_per_application_and_captions(browser, tmp_path
         assert link.endswith(".png")  # a click opens the figure at full size
         assert figure.find_element(By.CSS_SELECTOR, "img").size["width"] > 640  # wider than a thumbnail
     assert "open the alignment" in browser.find_element(By.CSS_SELECTOR, "p.view a").text
+    first = browser.find_elements(By.CSS_SELECTOR, "section")[0].find_elements(By.CSS_SELECTOR, "figure img")
+    assert [i.get_attribute("src").rsplit("/", 1)[-1] for i in first] == ["attention_heads.png", "attention.png"]
+    # the figure the section opens on: three heads, its 12 pt labels drawn at least 0.45 of their size
+    shown, natural = first[0].size["width"], browser.execute_script("return arguments[0].naturalWidth", first[0])
+    assert shown / natural >= 0.45, (shown, natural)
 
 
 def test_page_options_are_checked_and_overview_text_is_data():

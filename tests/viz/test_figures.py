@@ -173,3 +173,52 @@ def test_the_demo_index_names_the_page_to_open(tmp_path):
     assert f"open it in a browser: {(tmp_path / 'index.html').resolve().as_uri()}" in done.stdout
     page = (tmp_path / "index.html").read_text(encoding="utf-8")
     assert "Hearing spoken digits" in page and "open the transcript" in page
+
+
+def test_each_row_panel_is_scaled_to_what_it_holds_and_distances_read_as_tokens(tmp_path, monkeypatch):
+    """RecallLM's layer-1 row panel shared the 0-1 axis with layer 0 and looked empty (its largest weight
+    0.025); the mean-distance colour bar read 4.07e3 ... 4.11e3 (offset notation). Each panel now spans
+    what it holds, and distances read as whole numbers of tokens."""
+    from matplotlib.figure import Figure
+
+    from attnkit.inspect import AttentionStats
+    from attnkit.viz.long import long_figures
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    heads, length = 2, 400
+    one = torch.ones(1, heads, length)
+    stats = AttentionStats(
+        lse=0 * one, entropy=one, max_weight=one / 2, argmax=torch.zeros(1, heads, length, dtype=torch.long),
+        sink_mass=one / 4, mean_distance=4070 + 40 * torch.rand(1, heads, length), received=one,
+    )  # fmt: skip
+    sharp = torch.zeros(1, heads, 1, length)
+    sharp[..., 7] = 1.0
+    flat = torch.full((1, heads, 1, length), 0.025 / 2) + 0.0125 * torch.rand(1, heads, 1, length)
+    long_figures(tmp_path, [stats, stats], [f"t{i}" for i in range(length)], [length - 1], [sharp, flat], title="t")
+    heads_fig, _, row_fig = drawn
+    top0, top1 = row_fig.axes[0].get_ylim()[1], row_fig.axes[1].get_ylim()[1]
+    assert top0 >= 1.0 and top1 < 0.05  # the flat layer fills its own panel
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(heads_fig).draw()
+    bar = heads_fig.axes[-1]  # the mean distance's colour bar
+    labels = [t.get_text() for t in bar.get_yticklabels() if t.get_text()]
+    assert labels and all(label.replace(",", "").isdigit() for label in labels), labels
+    assert not bar.yaxis.get_offset_text().get_visible() or not bar.yaxis.get_offset_text().get_text()
+
+
+def test_notable_heads_are_the_ones_that_do_what_they_are_named_for():
+    from attnkit.inspect.summary import notable_heads
+
+    length = 8
+    weights = torch.full((2, 3, length, length), 1.0 / length)  # every head spread evenly ...
+    weights[1, 2] = torch.diag(torch.ones(length - 1), -1)  # ... but one reads the previous token
+    weights[1, 2, 0, 0] = 1.0
+    weights[0, 1] = 0.0
+    weights[0, 1, :, 0] = 1.0  # and one rests on [CLS]
+    tokens = ["[CLS]", *"abcdef", "[SEP]"]
+    picks = notable_heads(weights, tokens, ("[CLS]", "[SEP]"))
+    assert picks[0][:2] == (1, 2) and "previous" in picks[0][2]
+    assert picks[1][:2] == (0, 1) and "[CLS]" in picks[1][2]
+    assert len({p[:2] for p in picks}) == 3

@@ -85,9 +85,12 @@ def _run_recall(text, args) -> dict:
         ids = model.tokenize(text)
     else:
         g = torch.Generator().manual_seed(args.seed)
-        tokens, targets = make_batch(1, args.length, pairs=8, queries=1, task=model.task, generator=g, depth=args.depth)
+        # one token more than asked: the text ends with "? key", the model's turn, and is --length tokens long
+        tokens, targets = make_batch(
+            1, args.length + 1, pairs=8, queries=1, task=model.task, generator=g, depth=args.depth
+        )
         at = int((targets[0] != -100).nonzero()[0])
-        ids = tokens[0, : at + 1]  # ends with "? key": the model's turn
+        ids = tokens[0, : at + 1]
         asked = int(ids[-1])
         needle = int((ids[:-2] == asked).nonzero()[0])
         marks = {"needle": needle}
@@ -247,8 +250,9 @@ def run(args: Any, out: Path, text: str | None) -> int:
     ``args``, writing into ``out``; prints the summary and returns the exit code."""
     import numpy as np
 
-    from attnkit.inspect.summary import summarize
+    from attnkit.inspect.summary import notable_heads, summarize
     from attnkit.viz import attention_grid, save_html, visualize_attention
+    from attnkit.viz.heatmap import heads_figure
 
     if args.model == "recall":
         run = _run_recall(text, args)
@@ -268,6 +272,10 @@ def run(args: Any, out: Path, text: str | None) -> int:
         )
     ]
     say("drawing the figures ...")
+    picks = notable_heads(weights, tokens, special) if weights.shape[-2] == weights.shape[-1] else []
+    if picks:  # three heads at a size their token labels read at, before the grid of every head
+        heads_figure(weights, picks, tokens, out / "attention_heads.png")
+        written.append(out / "attention_heads.png")
     attention_grid(weights, out / "attention.png", tokens=tokens, title=title)
     written.append(out / "attention.png")
     picked = []

@@ -22,9 +22,11 @@ SECTIONS = [
         "attnkit show TEXT",
         {
             "attention.html": "open the interactive view: every layer and head, lines between tokens, heatmaps",
-            "attention.png": "every layer (rows) x head (columns). A bright line just below the diagonal is a head "
-            "that reads the previous token; a bright first or last column is a head resting on [CLS] or [SEP] "
-            "(nothing to do at this token). Click to enlarge.",
+            "attention_heads.png": "three heads that each do one recognisable thing, chosen by their numbers: "
+            "one reads the previous token (the bright line just below the diagonal), one rests on [CLS] or [SEP] "
+            "(a bright first or last column: nothing to do at this token), one spreads over the whole text.",
+            "attention.png": "every layer (rows) x head (columns) at a glance, the same kinds of pattern in each; "
+            "click to open it at full size, or open the interactive view above.",
         },
     ),
     (
@@ -60,7 +62,7 @@ SECTIONS = [
         },
     ),
     (
-        "A long text: RecallLM at 16,384 tokens",
+        "A long text: RecallLM on 16,384 tokens",
         "Exact statistics of every head without the L x L matrix, and the question's own weights.",
         "attnkit show --model recall --length 16384",
         {
@@ -106,6 +108,8 @@ def write_gallery(folder: PathLike) -> Path:
     )
     found: dict[int, list[str]] = {}
     other = []
+    order = {name: n for _, _, _, names in SECTIONS for n, name in enumerate(names)}
+    files.sort(key=lambda p: (p.suffix != ".html", order.get(p.name, len(order)), p.as_posix()))
     for path in files:
         link = html.escape(path.relative_to(root).as_posix())
         known = _caption_for(path.name)

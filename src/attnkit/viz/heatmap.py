@@ -191,3 +191,32 @@ def visualize_attention(
     fig.colorbar(image, ax=ax, label="attention weight", shrink=min(1.0, max(0.35, 2.5 * lq / lk)), aspect=12)
     save(fig, save_path, tight=True)
     return fig
+
+
+def heads_figure(
+    weights: ArrayLike, picks: Sequence[tuple[int, int, str]], tokens: Sequence[str], save_path: PathLike | None
+) -> Figure:
+    """A few heads of ``weights: (layers, heads, L, L)`` side by side, large enough to read their token
+    labels: ``picks`` are ``(layer, head, what it does)``. The figure a page shows first, before the
+    grid of every head."""
+    Figure = new_figure()
+    from attnkit.viz._fonts import drawable, font_families
+
+    families = list(font_families())
+    labels = [drawable(str(t)) for t in tokens]
+    matrices = [as_array(weights)[layer, head] for layer, head, _ in picks]
+    length = len(labels)
+    side = max(3.0, 0.22 * length + 1.6)  # inches a panel; its labels at 12 pt read at a page's width
+    fig = Figure(figsize=(side * len(picks) + 0.8, side + 1.1), layout="constrained")
+    axes = fig.subplots(1, len(picks), squeeze=False)[0]
+    for ax, matrix, (layer, head, what) in zip(axes, matrices, picks):
+        image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
+        ax.set_xticks(range(length), labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=12,
+                      fontfamily=families)  # fmt: skip
+        ax.set_yticks(range(length), labels, fontsize=12, fontfamily=families)
+        ax.set_title(f"layer {layer}, head {head}:\n{what}", fontsize=13)
+        ax.set_xlabel("key", fontsize=12)
+        ax.set_ylabel("query", fontsize=12)
+        fig.colorbar(image, ax=ax, shrink=0.7, aspect=15).ax.tick_params(labelsize=10)
+    save(fig, save_path)
+    return fig

@@ -160,6 +160,8 @@ def long_figures(
     rows' weights over the text, per layer and head). ``marks``: ``{label: position}`` drawn
     as vertical lines (e.g. the needle)."""
     Figure = new_figure()
+    from matplotlib.ticker import FuncFormatter
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layers = len(stats)
@@ -181,15 +183,18 @@ def long_figures(
         grid = np.array(
             [[float(x) * (BITS if name == "entropy" else 1.0) for x in s.head_summary()[name]] for s in stats]
         )
-        im = ax.imshow(
-            grid, cmap="viridis", aspect="auto", norm="log" if name == "mean_distance" and grid.min() > 0 else None
-        )
+        log = name == "mean_distance" and grid.min() > 0 and grid.max() >= 10 * grid.min()  # a wide range of distances
+        im = ax.imshow(grid, cmap="viridis", aspect="auto", norm="log" if log else None)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_xticks(range(heads))
         ax.set_yticks(range(layers))
-        fig.colorbar(im, ax=ax, shrink=0.8)
+        bar = fig.colorbar(im, ax=ax, shrink=0.8)
+        if name == "mean_distance":  # tokens: whole numbers, never an offset or 4.1 x 10^3 labels
+            bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+            bar.ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+            bar.ax.yaxis.get_offset_text().set_visible(False)
     fig.suptitle(title if f"{lk:,} tokens" in title else f"{title} ({lk:,} tokens)", fontsize=10)
     written.append(folder / "long_heads.png")
     fig.savefig(written[-1], dpi=110)
@@ -232,7 +237,7 @@ def long_figures(
                     if layer == 0:
                         ax.annotate(f" {label} ({pos:,})", (pos, 0.97), xycoords=("data", "axes fraction"),
                                     fontsize=7, color="red", va="top")  # fmt: skip
-                ax.set_ylim(0, 1)
+                ax.set_ylim(0, 1.08 * max(float(w.max(initial=0.0)), 1e-6))  # each panel to what it holds
                 ax.set_ylabel(f"layer {layer}\nweight", fontsize=8)
                 ax.tick_params(labelsize=7)
                 if layer == 0:

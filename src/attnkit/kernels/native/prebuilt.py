@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,7 +159,9 @@ def _mismatch(library: Path, entry: dict) -> str | None:
     return None
 
 
-def build_all(folder: Path, interface: int, *, compiler: str, jobs: int | None = None, say=None) -> dict:
+def build_all(
+    folder: Path, interface: int, *, compiler: str, jobs: int | None = None, say: Callable[[str], None] | None = None
+) -> dict:
     """Compile every level into ``folder/<level>/`` and write ``folder/manifest.json`` (what the
     wheel's build runs; levels the compiler cannot emit are left out). Returns the manifest.
     ``say(text)`` hears of each level as it starts and ends (a minute or more each)."""

@@ -159,11 +159,13 @@
     $("hm-title").textContent = data.layerNames[l] + " \u00b7 " + (h < 0 ? "mean of heads" : "head " + h);
     $("hm-xlabel").textContent = "columns: " + AX[1] + " \u2192";
     $("hm-ylabel").textContent = "rows: " + AX[0];
-    const cell = Math.max(2, Math.min(28, Math.floor(720 / Math.max(NQ, NK))));
+    // cells as large as the window lets both sides be (up to 48 px), so a short alignment fills the page
+    const wide = Math.max(480, window.innerWidth - 320), tall = Math.max(480, window.innerHeight - 230);
+    const cell = Math.max(2, Math.min(48, Math.floor(Math.min(wide / NK, tall / NQ))));
     const labels = cell >= 8;
     // room for the widest row label and the widest (rotated) column label
     const probe = hm.getContext("2d");
-    probe.font = Math.min(13, cell) + "px " + FONT;
+    probe.font = Math.min(15, cell) + "px " + FONT;
     const widest = (list) => list.reduce((w, t) => Math.max(w, probe.measureText(t).width), 0);
     const left = labels ? Math.ceil(widest(data.tokens)) + 14 : 10;
     const top = labels ? Math.ceil(widest(data.keyTokens) * Math.sin(Math.PI / 3)) + 14 : 10;
@@ -184,7 +186,7 @@
     drawMatrix(m, l, h, cell);
     ctx.drawImage(m, left, top);
     if (labels) {
-      ctx.fillStyle = "#222"; ctx.font = Math.min(13, cell) + "px " + FONT; ctx.textBaseline = "middle";
+      ctx.fillStyle = "#222"; ctx.font = Math.min(15, cell) + "px " + FONT; ctx.textBaseline = "middle";
       ctx.textAlign = "right";
       for (let i = 0; i < NQ; i++) ctx.fillText(data.tokens[i], left - 4, top + i * cell + cell / 2);
       for (let j = 0; j < NK; j++) {
