@@ -199,3 +199,17 @@ def test_every_capable_kernel_declining_runs_the_first_of_them():
         for kernel in reversed(saved):
             registry.register_kernel(kernel)
         assert registry.PRIORITY == saved
+
+
+def test_the_report_says_why_each_kernel_that_could_run_the_call_lost():
+    """explain(...).report() said "not preferred here" for every kernel after the chosen one: now each says
+    what it would do with the call and that the chosen one comes first (a plain causal mask: SDPA's is_causal)."""
+    q = torch.randn(1, 4, 1024, 64)
+    plan = attnkit.explain(q, q, q, attnkit.masks.causal())
+    report = plan.report()
+    assert "not preferred here" not in report
+    if plan.kernel == "native":
+        (sdpa,) = plan.rejected["sdpa"]
+        assert "is_causal" in sdpa and "native comes before it in the priority order" in sdpa, sdpa
+    for name, why in plan.rejected.items():
+        assert why and all(len(w) > 12 for w in why), (name, why)

@@ -315,8 +315,24 @@ class Plan:
                     names = ", ".join(x.name for x in self._allowed)
                     self._refusals[name] = [f"not among the kernels of use_kernels({names})"]
                 else:
-                    self._refusals[name] = k.not_supported_reasons(self._call)
+                    self._refusals[name] = k.not_supported_reasons(self._call) or self._after_chosen(k)
         return {name: _refusal_words(why) for name, why in self._refusals.items() if name != self.kernel}
+
+    def _after_chosen(self, kernel: Kernel) -> list[str]:
+        """Why a kernel that can run the call lost to the chosen one: it comes later in the order
+        asked (and what it says of the call), or it would rather not run it."""
+        assert self._call is not None, "asked only for a plan of a call"
+        yes, why = kernel.prefers(self._call)
+        words = why if isinstance(why, str) else why()
+        if not yes:
+            return [f"not preferred: {words}"]
+        order = list(self._allowed) if self._allowed is not None else PRIORITY
+        first = (
+            f"{self.kernel} comes before it in the priority order ({', '.join(k.name for k in order)})"
+            if self.chosen in order and kernel in order and order.index(self.chosen) < order.index(kernel)
+            else f"{self.kernel} was chosen"
+        )
+        return [f"can run it too ({words}), but {first} and takes it"]
 
     def __str__(self) -> str:
         return self.reason
