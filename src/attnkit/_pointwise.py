@@ -23,8 +23,6 @@ Operations on tensors that do not depend on the inputs are free (they are the sa
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -144,13 +142,36 @@ def _per_pair(fn) -> bool:
         return False
 
 
+@torch.compiler.assume_constant_result
+def _proved_on_zeros(fn, arity: int) -> bool:
+    """The proof for torch.compile: ``fn`` recorded eagerly (while dynamo traces, its answer is a
+    constant of the graph) on broadcasting zero indices (``(2, 1, 1, 1)``, ..., ``(1, 1, 1, 3)``) and,
+    for a score_mod (5 arguments), a zero score; unproved where it is known to need one pair at a
+    time or raises on them."""
+    if _per_pair(fn):
+        return False
+    shapes = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 3, 1), (1, 1, 1, 3)]
+    inputs = [torch.zeros(shape, dtype=torch.int64) for shape in shapes]
+    if arity == 5:
+        inputs.insert(0, torch.zeros(2, 2, 3, 3))
+    try:
+        with recording(*inputs) as rec:
+            fn(*inputs)
+    except Exception:  # noqa: BLE001 - unproved: evaluated one pair at a time
+        return False
+    return rec.why is None
+
+
 def broadcast_proved(fn, *inputs: torch.Tensor) -> tuple[object, str]:
     """``(fn(*inputs), "")`` on broadcasting tensors where that is proved to equal evaluating ``fn``
     one pair at a time; else ``(None, why)``: the recording found an operation that is not
     elementwise, ``fn`` raised on the tensors, it is known from before to need one pair at a time
-    (:data:`attnkit._cache.PER_PAIR`), or torch.compile is tracing (which evaluates per pair)."""
+    (:data:`attnkit._cache.PER_PAIR`). While torch.compile traces, the proof is made eagerly on
+    zero indices (:func:`_proved_on_zeros`), a constant of the graph."""
     if compiling():
-        return None, "under torch.compile"
+        if not _proved_on_zeros(fn, len(inputs)):
+            return None, "under torch.compile, not proved elementwise"
+        return fn(*inputs), ""
     if _per_pair(fn):
         return None, "it needed one pair at a time before"
     try:
@@ -168,14 +189,31 @@ def broadcast_proved(fn, *inputs: torch.Tensor) -> tuple[object, str]:
     return None, why
 
 
-def indexing_per_pair():
-    """The context a function of one pair runs in under ``torch.vmap``: ``table[q_idx]`` with a 0-d
-    index tensor is an indexing operation (``aten.index``), not a Python int read from the tensor
-    (which vmap cannot do). torch's own ``TransformGetItemToIndex``, what its flex_attention runs
-    ``mask_mod`` and ``score_mod`` in (imported here, where a function needs it: it brings
-    torch._dynamo, 0.8 s). While dynamo traces (torch.compile), nothing: it reads such an index itself."""
-    if torch.compiler.is_dynamo_compiling():
-        return contextlib.nullcontext()
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+class _IndexingPerPair(TorchFunctionMode):
+    """``t[i]``, ``t[i, j]``, ``t[i][j]`` with index tensors (0-d under vmap) or ints, as
+    ``aten.index``: an indexing operation that vmap batches and autograd differentiates, not a
+    Python int read from a 0-d tensor (which vmap, and a traced graph, cannot do). Indices with
+    slices, ``None`` or ``...`` keep ``Tensor.__getitem__``."""
 
-    return TransformGetItemToIndex()
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__:
+            table, where = args[0], args[1]
+            leaves = tree_leaves(where)
+            if isinstance(table, torch.Tensor) and all(
+                isinstance(i, (torch.Tensor, int)) and not isinstance(i, bool) for i in leaves
+            ):
+                indices = [
+                    i if isinstance(i, torch.Tensor) else torch.tensor(i, dtype=torch.int64, device=table.device)
+                    for i in leaves
+                ]
+                return torch.ops.aten.index.Tensor(table, indices)
+        return func(*args, **(kwargs or {}))
+
+
+def indexing_per_pair() -> TorchFunctionMode:
+    """The context a function of one pair runs in under ``torch.vmap``, eager or traced by
+    torch.compile: ``table[q_idx]`` with a 0-d index tensor is an indexing operation
+    (``aten.index``), as torch's ``TransformGetItemToIndex`` makes it for FlexAttention's
+    ``mask_mod`` and ``score_mod``; unlike torch's (an autograd.Function), dynamo traces it under
+    vmap with tensors that require a gradient."""
+    return _IndexingPerPair()

@@ -40,9 +40,17 @@ def short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...'"[: 4 if text[:1] in "'\"" else 3]
 
 
+#: make_fx's proxy mode, read as ``torch.fx.experimental.proxy_tensor.get_proxy_mode`` reads it (a
+#: tenth of its cost: ``compiling()`` is asked a few times per call).
+_dispatch_mode = torch._C._get_dispatch_mode
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
 def compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the current call (checks that read values are skipped)."""
-    return torch.compiler.is_compiling()
+    """Whether the current call is being traced into a graph: by ``torch.compile`` / ``torch.export``
+    (dynamo), or by ``make_fx`` (a proxy mode is active). Checks that read values are skipped then,
+    and nothing reads a tensor on the host."""
+    return torch.compiler.is_compiling() or _dispatch_mode(_PROXY) is not None
 
 
 def check_int_tensor(t, name: str, ndims: tuple[int, ...]) -> torch.Tensor:

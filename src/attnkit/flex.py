@@ -57,8 +57,16 @@ from attnkit._pointwise import indexing_per_pair
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, compiling
 from attnkit.kernels import registry
 from attnkit.masks import Mask
-from attnkit.masks._base import FULL, PARTIAL, Blocks
-from attnkit.masks._flex import FromBlockMask, is_block_mask, planned, planned_block_mask, regrid
+from attnkit.masks.blockmask import (
+    FULL,
+    PARTIAL,
+    Blocks,
+    FromBlockMask,
+    is_block_mask,
+    planned,
+    planned_block_mask,
+    regrid,
+)
 from attnkit.plan import PreparedMask, prepare
 
 __all__ = [
@@ -91,6 +99,9 @@ KERNEL_OPTIONS = frozenset(
 
 #: torch's block size of the BlockMask it makes for ``block_mask=None`` (``_create_empty_block_mask``).
 _WHOLE = getattr(_torch_flex, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
+#: torch's own ``create_block_mask``, bound once: what runs while torch.compile traces, even where a
+#: program has replaced the module's attribute with this module's function.
+_torch_create_block_mask = _torch_flex.create_block_mask
 
 
 #: What ``block_mask=`` takes.
@@ -136,7 +147,7 @@ def create_block_mask(
             "a tensor order goes to BlockMask.from_kv_blocks with its precomputed dq_write_order)."
         )
     if compiling() or in_transform():
-        return _torch_flex.create_block_mask(
+        return _torch_create_block_mask(
             mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE,
             separate_full_blocks=separate_full_blocks, compute_dq_write_order=compute_dq_write_order,
             dq_kv_order=dq_kv_order,
@@ -183,13 +194,15 @@ def _padded_blocks_partial(codes: torch.Tensor, ragged_q: bool, ragged_kv: bool)
     return torch.where(edge & (codes == FULL), torch.tensor(PARTIAL, dtype=codes.dtype, device=codes.device), codes)
 
 
-def _mask_of(block_mask: BlockMaskLike, q_len: int, kv_len: int) -> Mask | PreparedMask | None:
+def _mask_of(block_mask: BlockMaskLike, q_len: int, kv_len: int, batch: int) -> Mask | PreparedMask | None:
     """``block_mask=`` as what attnkit.attention takes.
 
     A BlockMask made by :func:`create_block_mask` gives its plan, while its ``mask_mod`` reads what
     it read when it was made (its fingerprint is the same; under torch.compile the plan is taken as
     it is); any other BlockMask, or one whose ``mask_mod`` now reads other values, is read as torch
     reads it: its full blocks as listed, its partial blocks by the ``mask_mod`` now, the rest empty.
+    A BlockMask made for more sequences than the call's ``batch`` gives its first ``batch`` (torch's
+    kernels read those).
     """
     if block_mask is None or isinstance(block_mask, (Mask, PreparedMask)):
         return block_mask
@@ -206,12 +219,13 @@ def _mask_of(block_mask: BlockMaskLike, q_len: int, kv_len: int) -> Mask | Prepa
             "cannot be evaluated. Make the mask for the sequences and heads you need with create_block_mask."
         )
     plan, made_from = planned(block_mask)
-    if plan is not None and (plan.q_len, plan.kv_len) == (q_len, kv_len):
+    if plan is not None and (plan.q_len, plan.kv_len) == (q_len, kv_len) and plan.lead_shape[0] in (1, batch):
         if compiling():
             return _partial_blocks_asked_now(plan, block_mask.mask_mod)
         if made_from is not None and _cache.fingerprint(block_mask.mask_mod) == made_from:
             return plan
-    return FromBlockMask(block_mask)
+    more = int(block_mask.kv_num_blocks.shape[0]) > batch
+    return FromBlockMask(block_mask, batch=batch if more else None)
 
 
 def _partial_blocks_asked_now(plan: PreparedMask, mask_mod) -> PreparedMask:
@@ -313,7 +327,7 @@ def flex_attention(
         _check_lengths(block_mask, query.shape[2], key.shape[2])
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
-    mask = _mask_of(block_mask, query.shape[2], key.shape[2])
+    mask = _mask_of(block_mask, query.shape[2], key.shape[2], query.shape[0])
     if not (want_lse or want_max):
         return attnkit.attention(query, key, value, mask, score_mod=score_mod, scale=scale)
     out, lse = attnkit.attention(query, key, value, mask, score_mod=score_mod, scale=scale, return_lse=True)

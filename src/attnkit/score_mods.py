@@ -81,7 +81,11 @@ class ScoreMod:
         first = why or self._wrong(out)
         try:
             with indexing_per_pair():
-                out = _vmapped(self.fn)(score, b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1))
+                if _along_axes(score, b, h, q_idx, kv_idx):
+                    out = _vmapped(self.fn)(score, b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1))
+                else:  # indices chosen per pair (the reference kernel's kept coordinates): one flat vmap
+                    flat = [t.expand(score.shape).reshape(-1) for t in (b, h, q_idx, kv_idx)]
+                    out = torch.vmap(self.fn)(score.reshape(-1), *flat).reshape(score.shape)
         except Exception as err:  # noqa: BLE001
             self._refuse(f"{first}; one pair at a time under torch.vmap: {type(err).__name__}: {err}", score)
         if not isinstance(out, torch.Tensor) or out.shape != score.shape or not out.is_floating_point():
@@ -99,6 +103,14 @@ class ScoreMod:
             "broadcasting index tensors (b, h, q_idx, kv_idx), or work on one pair at a time under torch.vmap; "
             f"it returned or raised: {str(what)[:300]}."
         )
+
+
+def _along_axes(score, *indices) -> bool:
+    """Whether each index tensor varies along its own axis only (b along the first of the score's
+    last four, ..., kv_idx along the last): the nested vmap of :func:`_vmapped` reads them so."""
+    if score.dim() != 4:
+        return False
+    return all(t.dim() == 4 and t.numel() == t.shape[axis] for axis, t in enumerate(indices))
 
 
 def _vmapped(fn):

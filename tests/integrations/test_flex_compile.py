@@ -236,3 +236,91 @@ def test_torch_func_with_create_block_mask_inside(transform):
         got = torch.func.jacrev(lambda q: attend(q)[0, 0, -1, :2])(q)  # (2, B, H, L, D)
         want = torch.stack([torch.autograd.grad(gold[0, 0, -1, i], gold_in, retain_graph=True)[0] for i in range(2)])
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_compiled_paged_decoding_with_a_score_mod_that_indexes_by_page():
+    """torch's PagedAttention's score_mod maps a physical key to its logical position, -1 pages and all:
+    indexing a relative bias there goes out of range on the pages a sequence does not own, which
+    FlexAttention never asks (it skips the blocks a BlockMask leaves out). Compiled, the plain formula
+    evaluates the score_mod only at pairs the mask keeps: no out-of-range read, the float64 answer."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    torch._dynamo.reset()
+    page, heads, d, batch, length = 64, 2, 16, 2, 128
+    rel = torch.randn(2 * length)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + rel[q_idx - kv_idx + length]
+
+    n_pages = (batch + 3) * length // page
+    paged = PagedAttention(n_pages, page, batch + 3, device="cpu")
+    for b in range(batch):  # pages taken in turns: a sequence's pages are not contiguous
+        paged.reserve(torch.tensor(b), torch.tensor(length // 2))
+    for b in range(batch):
+        paged.reserve(torch.tensor(b), torch.tensor(length))
+    q, k, v = (torch.randn(batch, heads, length, d) for _ in range(3))
+    k_cache, v_cache = torch.zeros(1, heads, n_pages * page, d), torch.zeros(1, heads, n_pages * page, d)
+    positions = torch.arange(length)[None].expand(batch, length)
+    paged.assign(torch.arange(batch), positions, k, v, k_cache, v_cache)
+    lengths = torch.full((batch,), length)
+    logical = flex.create_block_mask(causal, batch, None, length, length, BLOCK_SIZE=(length, page))
+    physical = paged.convert_logical_block_mask(logical, kv_len=lengths)
+    score_mod = paged.get_score_mod(relative, kv_len=lengths)
+    out = torch.compile(flex.flex_attention)(q, k_cache, v_cache, score_mod=score_mod, block_mask=physical)
+    _check(out, q, k, v, _dense(causal, length, length, b=batch, h=heads), relative)
+
+
+def test_compiled_score_mod_indexing_through_a_chain_with_a_0d_index():
+    """``bias[b][h][which, q_idx]`` with a captured 0-d ``which``: one pair at a time under vmap, traced
+    by dynamo as an indexing operation (not a Python int read), exact."""
+    torch._dynamo.reset()
+    bias = torch.randn(2, 2, 4, L)
+    which = torch.tensor(1)
+
+    def chained(score, b, h, q_idx, kv_idx):
+        return score + bias[b][h][which, q_idx]
+
+    def chained64(score, b, h, q_idx, kv_idx):
+        return score + bias.to(score.dtype)[b, h, 1, q_idx]
+
+    q, k, v = _inputs(requires_grad=False)
+    out = torch.compile(flex.flex_attention)(q, k, v, score_mod=chained)
+    _check(out, q, k, v, torch.ones(L, L, dtype=torch.bool), chained64)
+
+
+def test_compiled_dynamic_score_mod_with_an_int_closure():
+    """``dynamic=True`` makes a closure's int symbolic; ALiBi's ``8.0 / num_heads`` on it is elementwise,
+    proved so while dynamo traces and evaluated by broadcasting (vmap cannot divide by a SymInt)."""
+    torch._dynamo.reset()
+
+    def alibi_of(num_heads):
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + (kv_idx - q_idx) * torch.exp2(-((h + 1) * 8.0 / num_heads))
+
+        return alibi
+
+    q, k, v = _inputs(requires_grad=False)
+    out = torch.compile(flex.flex_attention, dynamic=True)(q, k, v, score_mod=alibi_of(8))
+    _check(out, q, k, v, torch.ones(L, L, dtype=torch.bool), alibi_of(8))
+
+
+def test_create_block_mask_under_compile_where_torchs_attribute_is_attnkits(monkeypatch):
+    """A program that puts attnkit's create_block_mask in torch's module (as a shim running torch's own
+    tests does) still traces torch's under torch.compile: no recursion."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch_flex, "create_block_mask", flex.create_block_mask)
+    bm = torch.compile(flex.create_block_mask)(document_causal, None, None, L, L)
+    assert torch.equal(bm.to_dense(), flex.create_block_mask(document_causal, None, None, L, L).to_dense())
+
+
+def test_make_fx_of_flex_attention_traces_and_runs():
+    """make_fx (what torch.func transforms and export build on) traces a function calling flex_attention
+    with a score_mod: nothing reads a tensor on the host while it traces; the graph's answer is exact."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def floor_bias(score, b, h, q_idx, kv_idx):
+        return score - q_idx // (1 + kv_idx)
+
+    q, k, v = _inputs(lq=16, requires_grad=False)
+    gm = make_fx(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=floor_bias))(q, k, v)
+    _check(gm(q, k, v), q, k, v, torch.ones(16, L, dtype=torch.bool), floor_bias)

@@ -20,6 +20,7 @@ import torch
 
 from attnkit.kernels.contract import Call, Kernel, Reason
 from attnkit.kernels.dense import (
+    allowed_pairs,
     dense_bias,
     dense_mask,
     expand_kv_heads,
@@ -180,7 +181,7 @@ def run_with_weights(call: Call, *, out_from_weights: bool = True) -> tuple[torc
         scale=call.scale,
         softcap=call.softcap,
         bias=dense_bias(call),
-        score_mod=None if call.score_mod is None else _whole(call),
+        score_mod=None if call.score_mod is None else _whole(call, dense),
     )
     weights, lse = _normalise(s)
     if call.sinks is not None:  # the sink's share of each row: weights * sigmoid(lse - sink)
@@ -195,8 +196,13 @@ def run_with_weights(call: Call, *, out_from_weights: bool = True) -> tuple[torc
     return zero_empty_rows(out, dense).to(dtype), weights, lse
 
 
-def _whole(call):
-    """The call's score_mod on the whole scores ``(..., Hq, Lq, Lk)``, with the whole index tensors."""
+def _whole(call, dense: torch.Tensor | None = None):
+    """The call's score_mod on the whole scores ``(..., Hq, Lq, Lk)``, with the whole index tensors.
+
+    Where ``dense`` hides a pair, the score_mod is asked at a pair the mask keeps instead (its
+    answer there is discarded): FlexAttention never evaluates a score_mod on the blocks a mask
+    leaves out, and a score_mod may index its tensors out of range there (torch's paged attention
+    maps unassigned pages to ``-1``)."""
 
     def modify(s):
         shape, device = s.shape, s.device
@@ -205,9 +211,39 @@ def _whole(call):
         h = torch.arange(s4.shape[1], device=device).view(1, -1, 1, 1)
         q_idx = torch.arange(s4.shape[2], device=device).view(1, 1, -1, 1)
         kv_idx = torch.arange(s4.shape[3], device=device).view(1, 1, 1, -1)
+        allowed = allowed_pairs(dense)
+        if allowed is not None:
+            allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+            b, h, q_idx, kv_idx = kept_coordinates(allowed, b, h, q_idx, kv_idx)
         return call.score_mod(s4, b, h, q_idx, kv_idx).to(s.dtype).reshape(shape)
 
     return modify
+
+
+def kept_coordinates(
+    allowed: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``(b, h, q_idx, kv_idx)`` with every pair ``allowed`` hides moved to a pair it keeps: the
+    row's first kept key; for a row that keeps none, the first kept pair of its (batch, head); for
+    a (batch, head) that keeps none, the first kept pair of all. Static shapes, no host reads."""
+    lq, lk = allowed.shape[-2:]
+    first_kv = allowed.to(torch.uint8).argmax(-1, keepdim=True)  # (Bm, Hm, Lq, 1)
+    row_keeps = allowed.any(-1, keepdim=True)
+    first_q = row_keeps.to(torch.uint8).argmax(-2, keepdim=True)  # (Bm, Hm, 1, 1)
+    first_q_kv = first_kv.gather(-2, first_q)
+    slab_keeps = row_keeps.any(-2, keepdim=True)
+    first = allowed.reshape(-1).to(torch.uint8).argmax()  # the first kept pair of all
+    b0 = first // (allowed.shape[1] * lq * lk)
+    h0 = first // (lq * lk) % allowed.shape[1]
+    q0, kv0 = first // lk % lq, first % lk
+    kv_idx = torch.where(allowed, kv_idx, torch.where(row_keeps, first_kv, first_q_kv))
+    q_idx = torch.where(row_keeps, q_idx, first_q)
+    return (
+        torch.where(slab_keeps, b, b0 if allowed.shape[0] > 1 else b),
+        torch.where(slab_keeps, h, h0 if allowed.shape[1] > 1 else h),
+        torch.where(slab_keeps, q_idx, q0),
+        torch.where(slab_keeps, kv_idx, kv0),
+    )
 
 
 class ReferenceKernel(Kernel):

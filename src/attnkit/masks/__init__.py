@@ -44,6 +44,7 @@ from attnkit._types import IntLike, Offset
 from attnkit.masks._base import EMPTY, FULL, PARTIAL, Dense, Mask, as_mask
 from attnkit.masks._from_fn import FromFn
 from attnkit.masks._kinds import Cached, Causal, Document, Padding, PrefixLM, SlidingWindow
+from attnkit.masks.blockmask import FromBlockMask
 
 __all__ = [
     "Mask",
@@ -224,6 +225,4 @@ def from_block_mask(block_mask: Any) -> Mask:
     1 1 1 0
     1 1 1 1
     """
-    from attnkit.masks._flex import FromBlockMask
-
     return FromBlockMask(block_mask)

@@ -16,6 +16,8 @@ from attnkit._validate import (
     check_nonnegative_int,
     short,
 )
+from attnkit.masks import _lists
+from attnkit.masks._codes import EMPTY, FULL, PARTIAL
 
 __all__ = [
     "EMPTY",
@@ -32,8 +34,6 @@ __all__ = [
     "values_of",
 ]
 
-#: Block-map codes: no pair of the block may attend / some may / all may.
-EMPTY, PARTIAL, FULL = 0, 1, 2
 
 #: Tensors of at most this many elements (on the CPU) are part of a mask's value key.
 KEY_ELEMENTS = 1 << 16
@@ -308,10 +308,8 @@ class Mask:
     def to_block_mask(self, q_len: int, kv_len: int, BLOCK_SIZE: int | tuple[int, int] = 128, device: Device = None):  # noqa: N803
         """This mask as FlexAttention's ``BlockMask``: its block map at ``BLOCK_SIZE`` and a
         ``mask_mod`` that evaluates it, so torch's ``flex_attention`` runs it too
-        (:func:`attnkit.masks._flex.to_block_mask`; ``masks.from_block_mask`` reads one back)."""
-        from attnkit.masks._flex import to_block_mask
-
-        return to_block_mask(self, q_len, kv_len, BLOCK_SIZE, device)
+        (:func:`attnkit.masks.blockmask.to_block_mask`; ``masks.from_block_mask`` reads one back)."""
+        return _lists.to_block_mask(self, q_len, kv_len, BLOCK_SIZE, device)
 
     def picture(self, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:
         """The mask as rows of ``1`` (may attend) and ``0`` (hidden), one row per query."""

@@ -1,4 +1,6 @@
-"""A torch ``BlockMask`` (FlexAttention's) read as an attnkit mask, and masks written as one.
+"""FlexAttention's ``BlockMask`` both ways: a torch ``BlockMask`` read as an attnkit mask, and
+masks (and attnkit's plans) written as one. The one module of masks that code outside the
+package reads for this (``attnkit.flex``).
 
 A ``BlockMask`` lists, per (sequence, head, query block), the key blocks that are partial
 (``kv_indices``, their ``mask_mod`` decides each pair) and those that are full
@@ -10,14 +12,29 @@ judged from the ones they cover).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from attnkit import _cache
+from attnkit._types import IntLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, compiling
 from attnkit.masks._base import EMPTY, FULL, PARTIAL, Blocks, Mask, as4d
+from attnkit.masks._from_fn import FromFn
+from attnkit.masks._lists import (
+    PlannedBlockMask,
+    mask_mod_of,
+    planned,
+    planned_block_mask,
+    to_block_mask,
+    to_torch_block_mask,
+)
 
 __all__ = [
+    "FULL",
+    "PARTIAL",
+    "Blocks",
     "FromBlockMask",
     "PlannedBlockMask",
     "block_codes_of",
@@ -31,12 +48,12 @@ __all__ = [
 ]
 
 
-def is_block_mask(obj) -> bool:
+def is_block_mask(obj: object) -> bool:
     """Whether ``obj`` is torch's FlexAttention ``BlockMask`` (or attnkit's :class:`PlannedBlockMask`)."""
     return isinstance(obj, BlockMask)
 
 
-def block_codes_of(bm) -> torch.Tensor:
+def block_codes_of(bm: BlockMask) -> torch.Tensor:
     """A ``BlockMask``'s map as int8 codes ``(B, H, nq, nk)`` (EMPTY / PARTIAL / FULL), on the CPU."""
     num, idx = bm.kv_num_blocks, bm.kv_indices
     b, h, nq = num.shape
@@ -56,29 +73,33 @@ def block_codes_of(bm) -> torch.Tensor:
 class FromBlockMask(Mask):
     """FlexAttention's ``BlockMask`` as a mask (see the module's docstring)."""
 
-    def __init__(self, bm):
+    def __init__(self, bm: BlockMask, batch: int | None = None) -> None:
+        """``batch``: the sequences a call has, where the BlockMask was made for more (torch's kernels
+        read its first ``batch`` rows then); None keeps them all."""
         if not is_block_mask(bm):
             raise AttnkitTypeError(
                 f"expected a torch.nn.attention.flex_attention.BlockMask, but got {type(bm).__name__}."
             )
         self.codes = block_codes_of(bm)  # (B, H, nq, nk) at the BlockMask's own block size
-        self.block_size = tuple(int(x) for x in bm.BLOCK_SIZE)
-        self.seq_lengths = tuple(int(x) for x in bm.seq_lengths)
-        self.mask_mod = bm.mask_mod
+        if batch is not None and batch < self.codes.shape[0]:
+            self.codes = self.codes[:batch].contiguous()
+        self.block_size: tuple[int, int] = (int(bm.BLOCK_SIZE[0]), int(bm.BLOCK_SIZE[1]))
+        self.seq_lengths: tuple[int, int] = (int(bm.seq_lengths[0]), int(bm.seq_lengths[1]))
+        self.mask_mod: Callable[..., torch.Tensor] | None = bm.mask_mod
         if getattr(self.mask_mod, "__name__", "") == "noop_mask":
             self.mask_mod = None  # every pair of a partial block kept
         bt, ht = self.codes.shape[:2]
         self.batch_size = bt if bt > 1 else None
         self.num_heads = ht if ht > 1 else None
-        self._key = None
+        self._key: Hashable | None = None
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes,)
 
-    def lead_shape(self):
-        return tuple(self.codes.shape[:2])
+    def lead_shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
 
-    def value_key(self):
+    def value_key(self) -> Hashable | None:
         if self._key is None:
             fn = ("noop",) if self.mask_mod is None else _cache.fingerprint(self.mask_mod)
             codes = _cache.fingerprint(self.codes)  # None for a tensor of a transform (no bytes to read)
@@ -90,7 +111,7 @@ class FromBlockMask(Mask):
     def cacheable(self) -> bool:
         return self.value_key() is not None
 
-    def check(self, q_len, kv_len):
+    def check(self, q_len: int, kv_len: int) -> None:
         if (q_len, kv_len) != self.seq_lengths:
             raise AttnkitValueError(
                 f"the BlockMask was made for Q_LEN={self.seq_lengths[0]}, KV_LEN={self.seq_lengths[1]} but is used "
@@ -102,14 +123,12 @@ class FromBlockMask(Mask):
         codes = self.codes.to(q_idx.device)
         return codes[:, :, (q_idx // bq).reshape(-1, 1), (kv_idx // bk).reshape(1, -1)]  # (B, H, tq, tk)
 
-    def elements(self, q_idx, kv_idx, q_len, kv_len):
+    def elements(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, q_len: int, kv_len: IntLike) -> torch.Tensor:
         code = self._code_at(q_idx, kv_idx)  # (B, H, tq, tk)
         out = code == FULL
         partial = code == PARTIAL
         if self.mask_mod is None:
             return out | partial
-        from attnkit.masks._from_fn import FromFn
-
         asked = FromFn(self.mask_mod, self.batch_size, self.num_heads, 0, 0)
         if compiling():  # traced: every pair asked, only the partial blocks' answers kept (no host reads)
             e = as4d(asked.elements(q_idx.reshape(-1, 1), kv_idx.reshape(1, -1), q_len, kv_len))
@@ -129,7 +148,7 @@ class FromBlockMask(Mask):
             out[:, :, rows[:, None], cols[None, :]] |= hit.expand(*lead, *hit.shape[2:])
         return out
 
-    def block_codes(self, b):
+    def block_codes(self, b: Blocks) -> torch.Tensor:
         return regrid(self.codes.to(b.device), self.block_size, b)
 
     def __repr__(self):
@@ -159,85 +178,3 @@ def regrid(codes: torch.Tensor, block_size: tuple[int, int], b: Blocks) -> torch
 
     area = (q_hi - q_lo + 1).view(-1, 1) * (k_hi - k_lo + 1).view(1, -1)
     return b.code(count(codes == FULL) == area, count(codes == EMPTY) == area)
-
-
-def to_torch_block_mask(
-    codes: torch.Tensor, block_size, q_len: int, kv_len: int, mask_mod=None, *, separate_full_blocks: bool = True
-):
-    """A torch ``BlockMask`` of the block map ``codes (B, H, nq, nk)`` at ``block_size``: its partial
-    blocks as ``kv_indices``, its full ones as ``full_kv_indices`` (with ``separate_full_blocks=False``
-    every kept block is listed as partial and there are no full lists, as torch's
-    ``create_block_mask`` makes them), with ``mask_mod`` for the partial blocks (what torch's
-    ``flex_attention`` evaluates there)."""
-    return _block_mask_of(BlockMask, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks)
-
-
-def _block_mask_of(cls, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks):
-    lists = []
-    wanted = (PARTIAL, FULL) if separate_full_blocks else ((PARTIAL, FULL),)
-    for code in wanted:
-        hit = codes == code if isinstance(code, int) else codes != EMPTY
-        num = hit.sum(-1, dtype=torch.int32).contiguous()
-        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
-        lists += [num, order]
-    if not separate_full_blocks:
-        lists += [None, None]
-    bq, bk = (int(x) for x in block_size)
-    return cls.from_kv_blocks(
-        lists[0], lists[1], lists[2], lists[3], BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
-    )
-
-
-class PlannedBlockMask(BlockMask):
-    """A torch ``BlockMask`` made by :func:`attnkit.flex.create_block_mask`, holding the
-    :class:`~attnkit.PreparedMask` attnkit made it from (``plan``) and the fingerprint its
-    ``mask_mod`` had then (``mask_key``, :func:`attnkit._cache.fingerprint`; None: it has none).
-    Every method of torch's BlockMask works on it, and torch's ``flex_attention`` runs it; those
-    that make a new BlockMask (``[...]``, ``_adjust``, ``to``) make one without a plan, which attnkit
-    reads as it reads torch's own."""
-
-    plan = None
-    mask_key = None
-
-
-def planned_block_mask(prepared, codes, block_size, q_len, kv_len, mask_mod, mask_key, separate_full_blocks=True):
-    """A torch ``BlockMask`` (of attnkit's subclass) of ``codes``, holding ``prepared`` as its plan
-    and ``mask_key`` (the ``mask_mod``'s fingerprint when it was made): what
-    :func:`attnkit.flex.create_block_mask` returns."""
-    made = _block_mask_of(PlannedBlockMask, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks)
-    made.plan, made.mask_key = prepared, mask_key
-    return made
-
-
-def planned(block_mask):
-    """``(plan, mask_key)`` of a BlockMask :func:`planned_block_mask` made, else ``(None, None)``."""
-    if isinstance(block_mask, PlannedBlockMask):
-        return block_mask.plan, block_mask.mask_key
-    return None, None
-
-
-def mask_mod_of(mask: Mask, q_len: int, kv_len: int):
-    """``mask`` as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for one pair (what torch's
-    ``flex_attention`` calls under ``torch.vmap``)."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        e = as4d(mask.elements(q_idx.reshape(1, 1), kv_idx.reshape(1, 1), q_len, kv_len))  # (B or 1, H or 1, 1, 1)
-        return e[b.clamp(max=e.shape[0] - 1), h.clamp(max=e.shape[1] - 1), 0, 0]
-
-    mask_mod.__name__ = f"attnkit_{type(mask).__name__.lower()}"
-    return mask_mod
-
-
-def to_block_mask(mask: Mask, q_len: int, kv_len: int, BLOCK_SIZE=128, device=None):  # noqa: N803
-    """``mask`` as FlexAttention's ``BlockMask``: its block map at ``BLOCK_SIZE`` (partial and full
-    blocks listed apart) and a ``mask_mod`` that evaluates it, so torch's ``flex_attention`` runs
-    it too. A mask of per-sequence key limits (``padding``) lists the blocks its limits cut as partial.
-
-    >>> from attnkit import masks
-    >>> bm = masks.causal().to_block_mask(256, 256)
-    >>> bm.kv_num_blocks[0, 0].tolist(), bm.full_kv_num_blocks[0, 0].tolist()
-    ([1, 1], [0, 1])
-    """
-    bq, bk = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
-    codes = mask.block_map(q_len, kv_len, bq, bk, device)
-    return to_torch_block_mask(codes, (bq, bk), q_len, kv_len, mask_mod_of(mask, q_len, kv_len))
