@@ -71,7 +71,7 @@ class BuildPy(build_py):
             print(f"attnkit: the wheel carries no prebuilt engine: {WHY_NOT}", file=sys.stderr)
             return
         sys.path.insert(0, str(ROOT / "src"))
-        from attnkit.kernels.native import build, prebuilt
+        from attnkit.kernels.native import build, prebuilt, wheel
 
         compiler = build._compiler()
         folder = Path(self.build_lib) / "attnkit" / "kernels" / "native" / "engines"
@@ -80,7 +80,7 @@ class BuildPy(build_py):
         def say(text: str) -> None:
             print(f"attnkit: {text}", file=sys.stderr, flush=True)
 
-        manifest = prebuilt.build_all(folder, build.VERSION, compiler=compiler, say=say)
+        manifest = wheel.build_all(folder, build.VERSION, compiler=compiler, say=say)
         print(f"attnkit: built {sorted(manifest['builds'])} for torch {manifest['torch']}", file=sys.stderr)
         for name, err in manifest["not_built"].items():
             print(f"attnkit: {name} not built (the compiler said: {err})", file=sys.stderr)

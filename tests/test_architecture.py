@@ -1,10 +1,11 @@
 """The code's shape as docs/architecture.md describes it, checked on the source: one place chooses a
 kernel, kernels are siblings over one contract (none imports another or the registry), one place
 derives a call's form, one module holds the fast path, statistics go through the registry, only
-plan.py writes a PreparedMask, no module uses another's private names, the import graph has no
-circle, files hold one idea each (none over 600 lines, the C++ engine's included), importing
-attnkit starts no subprocess, the CLI holds no model logic, tests pin kernels through the registry,
-and no test module imports conftest."""
+plan.py writes a PreparedMask, no module uses another's private names nor another package's private
+modules, the import graph has no circle (imports inside functions counted), no module is hidden by a
+function of its package, views import no tool, files hold one idea each (none over 600 lines, the
+C++ engine's included), importing attnkit starts no subprocess, the CLI holds no model logic, tests
+pin kernels through the registry, and no test module imports conftest."""
 
 from __future__ import annotations
 
@@ -143,21 +144,29 @@ def test_no_module_reaches_into_a_masks_private_methods():
     assert not offenders, "\n".join(offenders)
 
 
+def _imports(name: str, rel: str, tree: ast.Module, modules: dict) -> set[str]:
+    """Every attnkit module ``name`` imports: at module level, under TYPE_CHECKING and inside functions."""
+    deps = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                while parts and ".".join(parts) not in modules:
+                    parts.pop()
+                if parts:
+                    deps.add(".".join(parts))
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(node.module, node.level, name, _is_package(rel))
+            for a in node.names:
+                deps.add(f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source)
+    return {d for d in deps if d in modules and d != name}
+
+
 def test_the_import_graph_has_no_circle():
-    """Module-level imports (TYPE_CHECKING ones included) form a graph without a cycle."""
+    """Imports form a graph without a cycle, counting those inside functions and under TYPE_CHECKING:
+    a function-level import is still a tie between two modules."""
     modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, (rel, tree) in modules.items():
-        body = list(tree.body) + [n for top in tree.body if isinstance(top, ast.If) for n in top.body]
-        deps = set()
-        for node in body:
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name in modules}
-            elif isinstance(node, ast.ImportFrom):
-                source = _resolve(node.module, node.level, name, _is_package(rel))
-                for a in node.names:
-                    deps.add(f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source)
-        graph[name] = {d for d in deps if d in modules and d != name}
+    graph = {name: _imports(name, rel, tree, modules) for name, (rel, tree) in modules.items()}
     state: dict[str, int] = {}
     path: list[str] = []
 
@@ -176,6 +185,55 @@ def test_the_import_graph_has_no_circle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def test_views_receive_values_and_the_functions_reach_no_tool():
+    """viz/ draws what it is handed and imports nothing of inspect/; functional.py (the public
+    functions) imports nothing of inspect/ either: the tools sit above both."""
+    modules = _modules()
+    offenders = [
+        f"{name} imports {dep}"
+        for name, (rel, tree) in modules.items()
+        if name.startswith("attnkit.viz") or name == "attnkit.functional"
+        for dep in _imports(name, rel, tree, modules)
+        if dep == "attnkit.inspect" or dep.startswith("attnkit.inspect.")
+    ]
+    assert not offenders, "\n".join(sorted(offenders))
+
+
+def test_no_module_imports_a_private_module_of_another_package():
+    """``attnkit.masks._kinds`` is the masks package's own: code outside masks/ reads ``attnkit.masks``
+    or its public modules (top-level private modules such as ``attnkit._validate`` serve everyone)."""
+    modules = _modules()
+    offenders = []
+    for name, (rel, tree) in modules.items():
+        package = name if _is_package(rel) else name.rsplit(".", 1)[0]
+        for dep in _imports(name, rel, tree, modules):
+            parts = dep.split(".")
+            for i, part in enumerate(parts):
+                if part.startswith("_") and not part.startswith("__"):
+                    owner = ".".join(parts[:i])
+                    if not (package == owner or package.startswith(owner + ".")):
+                        offenders.append(f"{rel} imports {dep}")
+                    break
+    assert not offenders, "\n".join(sorted(offenders))
+
+
+def test_no_module_is_hidden_by_a_function_of_its_package():
+    """``import attnkit.inspect.capturing as m`` gives the module: no package binds a submodule's
+    name to something else (``attnkit.inspect.capture`` is the function, its module ``capturing``)."""
+    import importlib
+
+    hidden = []
+    for name, (rel, _) in _modules().items():
+        if name.endswith("__main__") or "." not in name[len("attnkit") :]:
+            continue
+        parent, leaf = name.rsplit(".", 1)
+        module = importlib.import_module(name)
+        bound = getattr(importlib.import_module(parent), leaf, module)
+        if bound is not module:
+            hidden.append(f"{parent}.{leaf} is a {type(bound).__name__}, not the module {rel}")
+    assert not hidden, "\n".join(sorted(hidden))
 
 
 def test_files_hold_one_idea_each():
@@ -369,3 +427,24 @@ def test_tests_pin_kernels_through_the_registry():
         if flips.search(line) and not line.rstrip().endswith("# the staleness case itself")
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_one_hook_mechanism():
+    """The hook protocol (attention hooks, the call with its lse, head output hooks) is written once,
+    in nn/hooks.py, and both call sites (MultiHeadAttention, the transformers integration) run it;
+    inspect/ hooks a model only through inspect/sites.py (no tool keeps its own hooks)."""
+    sources = _sources()
+    runs_hooks = re.compile(r"for hook in tuple\(.*\.values\(\)\)")
+    protocol = [name for name, text in sources.items() if runs_hooks.search(text)]
+    assert protocol == ["nn/hooks.py"], protocol
+    for name in ("nn/attention.py", "integrations/transformers.py"):
+        assert "hook_points.run(" in sources[name] or "HOOK_POINTS.run(" in sources[name], name
+    registers = re.compile(r"register_(attention|lse|head_output)_hook\(|\.register\(|HOOK_POINTS")
+    hooking = sorted(
+        name
+        for name, text in sources.items()
+        if name.startswith("inspect/")
+        for line in text.splitlines()
+        if registers.search(line) and not line.lstrip().startswith(("#", ">>>", "``"))
+    )
+    assert set(hooking) == {"inspect/sites.py"}, hooking

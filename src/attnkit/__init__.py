@@ -110,7 +110,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from attnkit import score_mods as score_mods
     from attnkit import tutorial as tutorial
     from attnkit.functional import attention, attention_weights, attention_with_weights, explain
-    from attnkit.inspect.capture import capture
+    from attnkit.inspect.capturing import capture
     from attnkit.kernels import use_kernels
     from attnkit.nn import KVCache, MultiHeadAttention
     from attnkit.plan import PreparedMask, prepare

@@ -9,7 +9,7 @@ the result is ``(..., Hq, Lq, Dv)``. Rank-2 inputs ``(L, D)`` are one head.
 from __future__ import annotations
 
 import numbers
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -356,8 +356,6 @@ def explain(
     True
     """
     if stats:
-        from attnkit.inspect.stats import stats_call
-
         return registry.choose_stats(
             stats_call(
                 q, k, v, mask, scale=scale, attn_bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=score_mod
@@ -368,3 +366,15 @@ def explain(
         softcap=softcap, sinks=sinks, score_mod=score_mod,
     )  # fmt: skip
     return registry.choose(call, kernel)
+
+
+def stats_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, **kwargs: Any) -> Call:
+    """The validated 4-D call of :func:`attention_stats` (rank-2 and rank-3 inputs lifted, a bool
+    tensor mask with them)."""
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        if q.dim() == k.dim() == v.dim() and 2 <= q.dim() < 4:
+            lead = (1,) * (4 - q.dim())
+            q, k, v = (t.reshape(*lead, *t.shape) for t in (q, k, v))
+            if isinstance(mask, torch.Tensor) and mask.dim() < 4:
+                mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return make_call(q, k, v, mask=mask, return_lse=True, **kwargs)

@@ -83,7 +83,7 @@ def test_capture_leaves_outputs_bit_identical_and_no_hooks(model):
     for module in model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
         if isinstance(module, attnkit.MultiHeadAttention):
-            assert len(module._attention_hooks) == 0
+            assert not module.hook_points.hooks["attention"]
     model(ids, lengths)
     assert len(cap.weights) == 6  # nothing recorded outside the block
 

@@ -122,12 +122,12 @@ def test_empty_intervention_is_bit_identical_and_nothing_remains():
         before = model(ids)
         with intervene(model) as iv:
             same = model(ids)
-        assert torch.equal(before, same) and not iv._handles
+        assert torch.equal(before, same) and iv._sites is None
         with intervene(model, ablate={0: [0]}):
             model(ids)
         after = model(ids)
     assert torch.equal(before, after)
-    assert all(not b._head_output_hooks for b in model.blocks)
+    assert all(not b.hook_points for b in model.blocks)
 
 
 def _hf_pair(config, dtype):
@@ -368,3 +368,131 @@ def test_interventions_on_a_compiled_model():
     torch.testing.assert_close(inside, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after, plain, rtol=1e-5, atol=1e-5)
     assert (eager - plain).abs().max() > 1e-3
+
+
+def _first_order(model, projections, head_dim, clean, corrupt, metric, run):
+    """The first-order effect of patching each head, written here on an eager model: the clean and
+    corrupt inputs of the output projections recorded by hand, then ``d metric / d e[l, h]`` at 0 of the
+    corrupt run with ``z[l, h] + e[l, h] (z_clean - z_corrupt)[l, h]`` (autograd through the eager code)."""
+    stores = {}
+    with torch.no_grad():
+        for name, ids in (("clean", clean), ("corrupt", corrupt)):
+            store = []
+            handles = [
+                p.register_forward_pre_hook(lambda m, a, store=store: store.append(a[0].clone())) for p in projections
+            ]
+            run(model, ids)
+            for h in handles:
+                h.remove()
+            stores[name] = store
+    heads = stores["clean"][0].shape[-1] // head_dim
+    e = torch.zeros(len(projections), heads, dtype=torch.float64, requires_grad=True)
+
+    def change(layer, x):
+        delta = (stores["clean"][layer] - stores["corrupt"][layer]).view_as(x)
+        return x + e[layer].view(1, 1, -1, 1).to(x.dtype) * delta
+
+    handles = _by_hand(projections, head_dim, change)
+    value = metric(run(model, corrupt))
+    for h in handles:
+        h.remove()
+    (slope,) = torch.autograd.grad(value, e)
+    return slope, float(value.detach())
+
+
+def test_attribution_patching_equals_the_first_order_formula_on_attnkit_layers():
+    torch.manual_seed(5)
+    model = Tiny().double().eval()
+    clean, corrupt = torch.randint(0, 50, (2, 10)), torch.randint(0, 50, (2, 10))
+
+    def metric(logits):
+        return logits[:, -1, 7].sum() - logits[:, -1, 3].sum()
+
+    effects = head_effects(model, clean, corrupt, metric, method="atp")
+    slope, corrupt_value = _first_order(
+        model, [b.out_proj for b in model.blocks], HD, clean, corrupt, metric, lambda m, x: m(x)
+    )
+    assert effects.method == "atp" and effects.values.shape == (2, H)
+    assert effects.corrupt == pytest.approx(corrupt_value, rel=1e-9)
+    torch.testing.assert_close((effects.values.double() - effects.corrupt), slope, rtol=1e-5, atol=1e-6)
+    assert slope.abs().max() > 1e-2  # the heads matter
+    exact = head_effects(model, clean, corrupt, metric)  # and the estimate ranks as the sweep does here
+    top_atp = set(torch.topk((effects.values - effects.corrupt).abs().flatten(), 3).indices.tolist())
+    top_patch = set(torch.topk((exact.values - exact.corrupt).abs().flatten(), 3).indices.tolist())
+    assert len(top_atp & top_patch) >= 2, (effects.values, exact.values)
+
+
+def test_attribution_patching_on_a_transformers_model_equals_the_first_order_formula():
+    config = CONFIGS["llama (GQA)"]()
+    eager64, ours = _hf_pair(config, torch.float64)
+    ours = ours.double()
+    g = torch.Generator().manual_seed(9)
+    clean, corrupt = torch.randint(3, 61, (2, 9), generator=g), torch.randint(3, 61, (2, 9), generator=g)
+
+    def metric(logits):
+        return logits[:, -1, 5].sum()
+
+    def run(model, ids):
+        return model(input_ids=ids).logits
+
+    effects = head_effects(
+        ours, {"input_ids": clean}, {"input_ids": corrupt}, lambda out: metric(out.logits), method="atp"
+    )
+    slope, corrupt_value = _first_order(eager64, _o_projs(eager64), 8, clean, corrupt, metric, run)
+    # Llama's RMSNorm computes in float32 (also in a float64 model): the two models agree to float32's rounding
+    assert effects.corrupt == pytest.approx(corrupt_value, rel=1e-6)
+    torch.testing.assert_close(effects.values.double() - effects.corrupt, slope, rtol=1e-4, atol=1e-5)
+
+
+def test_attribution_patching_refuses_a_metric_that_is_not_a_differentiable_scalar():
+    model = Tiny().eval()
+    ids = torch.randint(0, 50, (1, 6))
+    with pytest.raises(ValueError, match="scalar tensor"):
+        head_effects(model, ids, ids, lambda logits: float(logits[0, -1, 0]), method="atp")
+    with pytest.raises(ValueError, match="'patch'"):
+        head_effects(model, ids, ids, lambda logits: logits[0, -1, 0], method="exact")
+
+
+def test_mean_ablation_over_real_positions_with_left_padding_equals_an_eager_hook():
+    """With ``attention_mask``, ``mode="mean"`` averages each sequence's real positions only; with left
+    padding that equals an eager model whose hook (written here) averages the unpadded positions."""
+    config = CONFIGS["llama (GQA)"]()
+    eager64, ours = _hf_pair(config, torch.float64)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 61, (2, 10), generator=g)
+    attention_mask = torch.ones(2, 10, dtype=torch.long)
+    attention_mask[1, :4] = 0  # left padding
+    real = attention_mask.bool()
+
+    def change(layer, x):
+        if layer != 1:
+            return x
+        out = x.clone()
+        for b in range(x.shape[0]):
+            out[b, :, 2] = x[b, real[b], 2].mean(dim=0)
+        return out
+
+    # float64 eager attention gives the left-padded rows NaN (two finfo.min added make -inf), which would reach
+    # the real rows through 0 * NaN; those rows reach nothing else, so they are set to 0 after each layer
+    calm = [
+        layer.register_forward_hook(
+            lambda m, a, out: (out[0].nan_to_num(0.0), *out[1:]) if isinstance(out, tuple) else out.nan_to_num(0.0)
+        )
+        for layer in eager64.model.layers
+    ]
+    with torch.no_grad():
+        with intervene(ours, ablate={1: [2]}, mode="mean", attention_mask=attention_mask):
+            got = ours(input_ids=ids, attention_mask=attention_mask).logits[real]
+        handles = _by_hand(_o_projs(eager64), 8, change) + calm
+        want = eager64(input_ids=ids, attention_mask=attention_mask).logits[real]
+        for h in handles:
+            h.remove()
+        with intervene(ours, ablate={1: [2]}, mode="mean"):  # every position: padding in the mean
+            padded = ours(input_ids=ids, attention_mask=attention_mask).logits[real]
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert (padded.double() - want).abs().max() > 1e-3  # padding changed the mean
+    with pytest.raises(ValueError, match="mode='mean'"):
+        intervene(ours, ablate={1: [2]}, attention_mask=attention_mask)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        with torch.no_grad(), intervene(ours, ablate={1: [2]}, mode="mean", attention_mask=attention_mask[:, :5]):
+            ours(input_ids=ids, attention_mask=attention_mask)

@@ -246,7 +246,7 @@ def test_capture_stats_mode_on_attnkit_layers():
 def test_capture_refuses_full_weights_of_a_long_input(monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["attnkit.inspect.capture"], "FULL_WEIGHTS_BUDGET", 1000)
+    monkeypatch.setattr(sys.modules["attnkit.inspect.capturing"], "FULL_WEIGHTS_BUDGET", 1000)
     model = torch.nn.Sequential(attnkit.MultiHeadAttention(8, 2))
     with pytest.raises(ValueError, match="mode='stats'"):
         with attnkit.capture(model):

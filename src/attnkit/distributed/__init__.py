@@ -291,7 +291,12 @@ class RingMultiHeadAttention(MultiHeadAttention):
                 positions = self.local_positions(q.shape[-2], q.device)
             q, k = self._rotate(q, positions), self._rotate(k, positions)
         mods = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=0.0)
-        self._run_attention_hooks(q, k, v, mask, mods)
+        if self.hook_points.hooks["lse"]:
+            raise AttnkitValueError(
+                "RingMultiHeadAttention gives no lse to hooks (each rank merges its shards' lse): roll out or "
+                "capture an attnkit.MultiHeadAttention with the same state dict on the whole sequence."
+            )
+        self.hook_points.before(self, q, k, v, mask, mods)
         out = ring_attention(
             q,
             k,
@@ -305,4 +310,4 @@ class RingMultiHeadAttention(MultiHeadAttention):
             timeout=self.timeout,
         )
         assert isinstance(out, torch.Tensor)
-        return self.out_proj(self.merge_heads(out)), None
+        return self.out_proj(self.merge_heads(self.hook_points.after(self, out))), None

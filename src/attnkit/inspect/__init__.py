@@ -1,10 +1,12 @@
-"""Seeing into attention: capture the weights of any model built from attnkit layers, and
-exact statistics of the weights at any length."""
+"""Seeing into attention: capture the weights of any model built from attnkit layers or run
+through the transformers integration, exact statistics of the weights at any length, attribution
+and interventions; every tool hooks the model's attention through :class:`Sites`."""
 
-from attnkit.inspect.capture import Capture, capture
-from attnkit.inspect.intervene import HeadEffects, Intervention, head_effects, intervene
+from attnkit.inspect.attribution import rollout
+from attnkit.inspect.capturing import Capture, capture
+from attnkit.inspect.interventions import HeadEffects, Intervention, head_effects, intervene
 from attnkit.inspect.kv import kv_scores
-from attnkit.inspect.rollout import rollout
+from attnkit.inspect.sites import Site, Sites
 from attnkit.inspect.stats import AttentionStats, attention_stats
 
 __all__ = [
@@ -12,6 +14,8 @@ __all__ = [
     "Capture",
     "HeadEffects",
     "Intervention",
+    "Site",
+    "Sites",
     "attention_stats",
     "capture",
     "head_effects",

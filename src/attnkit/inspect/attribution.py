@@ -22,7 +22,6 @@ the last layer, all but the chosen row). Calls with sinks, or a mask given as a 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from torch import nn
 
 from attnkit import functional
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
-from attnkit.inspect.capture import attention_layers
+from attnkit.inspect.sites import Site, Sites
 
 __all__ = ["METHODS", "rollout"]
 
@@ -58,63 +57,39 @@ class _Recorder:
     """Every attention call of ``model`` in this thread while the block is open, in call order."""
 
     def __init__(self, model: nn.Module, keep_outputs: bool):
-        self.model, self.keep_outputs = model, keep_outputs
         self.layers: list[_Layer] = []
-        self._handles: list = []
-        self._thread = threading.get_ident()
-        self._names = {id(m): name for name, m in model.named_modules()}
         self._pending: dict[int, _Layer] = {}
+        self._sites = Sites(model, "roll out")
+        self._sites.on("attention", self._attention)
+        if keep_outputs:  # the grad rule: each layer's head outputs and its kernel's lse
+            self._sites.on("lse", self._lse)
+            self._sites.on("head_output", self._output)
 
-    def _attention(self, module, q, k, v, mask, mods):
-        if threading.get_ident() != self._thread or id(module) not in self._names:
-            return
+    def _attention(self, site: Site, q, k, v, mask, mods):
         keep = {key: mods.get(key) for key in ("attn_bias", "softcap", "sinks", "scale") if mods.get(key) is not None}
         if keep.get("sinks") is not None:
             keep["sinks"] = keep["sinks"].detach()
-        layer = _Layer(self._names[id(module)] or type(module).__name__, q.detach(), k.detach(), v.detach(), mask, keep)
+        layer = _Layer(site.name, q.detach(), k.detach(), v.detach(), mask, keep)
         self.layers.append(layer)
-        self._pending[id(module)] = layer
+        self._pending[site.index] = layer
 
-    def _lse(self, module, lse):
-        layer = self._pending.get(id(module))
-        if layer is not None and threading.get_ident() == self._thread:
+    def _lse(self, site: Site, lse):
+        layer = self._pending.get(site.index)
+        if layer is not None:
             layer.lse = lse.detach()
 
-    def _output(self, module, out):
-        layer = self._pending.pop(id(module), None)
-        if layer is not None and threading.get_ident() == self._thread:
+    def _output(self, site: Site, out):
+        layer = self._pending.pop(site.index, None)
+        if layer is not None:
             layer.out = out
         return None
 
     def __enter__(self) -> _Recorder:
-        layers = attention_layers(self.model, "roll out")
-        if layers is not None:
-            for m in layers:
-                self._handles.append(
-                    m.register_attention_hook(
-                        lambda mod, q, k, v, mask, kw: self._attention(mod, q, k, v, mask, kw), with_kwargs=True
-                    )
-                )
-                if self.keep_outputs:  # the grad rule: each layer's head outputs and its kernel's lse
-                    self._handles.append(m.register_lse_hook(self._lse))
-                    self._handles.append(m.register_head_output_hook(self._output))
-        else:
-            from attnkit.integrations.transformers import (
-                register_attention_hook,
-                register_head_output_hook,
-                register_lse_hook,
-            )
-
-            self._handles.append(register_attention_hook(self._attention))
-            if self.keep_outputs:
-                self._handles.append(register_lse_hook(self._lse))
-                self._handles.append(register_head_output_hook(self._output))
+        self._sites.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._sites.__exit__(*exc)
 
 
 def _logits(output) -> torch.Tensor:

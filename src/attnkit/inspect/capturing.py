@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
 from attnkit import functional
 from attnkit._types import Index
-from attnkit._validate import AttnkitTypeError, AttnkitValueError
-from attnkit.nn import MultiHeadAttention
+from attnkit._validate import AttnkitValueError
+from attnkit.inspect.sites import Site, Sites
 
 #: Elements of ``(B, H, Lq, Lk)`` above which ``mode="weights"`` refuses to record a layer
 #: whole (256 MB of float32); ``mode="stats"`` and ``rows=`` have no such limit.
 FULL_WEIGHTS_BUDGET = 2**26
 
 MODES = ("weights", "stats", "heads")
-
-
-def attention_layers(model: nn.Module, what: str) -> list[MultiHeadAttention] | None:
-    """The :class:`attnkit.MultiHeadAttention` layers of ``model``, or None for a transformers model
-    run with ``attn_implementation="attnkit"`` (checked: its attention goes through the integration's
-    hooks); any other model is refused, naming ``what`` was asked of it."""
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if layers:
-        return layers
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "attnkit":
-        from attnkit.integrations.transformers import check_model
-
-        check_model(model)
-        return None
-    raise AttnkitValueError(
-        f"{type(model).__name__} has no attnkit.MultiHeadAttention layer to {what} (a transformers model must "
-        "be loaded with attn_implementation='attnkit' after `import attnkit.integrations.transformers`)."
-    )
 
 
 class Capture:
@@ -73,27 +53,15 @@ class Capture:
             raise AttnkitValueError(f"mode must be 'weights', 'stats' or 'heads', but got {mode!r}.")
         self.mode, self.rows, self.heads, self.topk, self.sink_tokens = mode, rows, heads, topk, sink_tokens
         self.tokens: list[str] | None = None  # labels for the notebook view (set it: cap.tokens = [...])
-        if not isinstance(model, nn.Module):
-            raise AttnkitTypeError(f"capture expects a torch.nn.Module, but got {type(model).__name__}.")
-        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-        self._hf_names = None
-        config = getattr(model, "config", None)
-        if not self.layers and getattr(config, "_attn_implementation", None) == "attnkit":
-            # a HuggingFace model run through attnkit.integrations.transformers
-            self._hf_names = {id(m): name for name, m in model.named_modules()}
-        elif not self.layers:
-            raise AttnkitValueError(
-                f"{type(model).__name__} has no attnkit.MultiHeadAttention layer to capture (a HuggingFace "
-                "model must be loaded with attn_implementation='attnkit' after "
-                "`import attnkit.integrations.transformers`)."
-            )
-        self._model = model
-        self._thread: int | None = None  # the thread that opened the block: only its calls are recorded
+        self._sites = Sites(model, "capture")
+        if mode == "heads":
+            self._sites.on("head_output", self._on_heads)
+        else:
+            self._sites.on("attention", self._on_call)
         self.weights: list[torch.Tensor] = []
         self.stats: list = []
         self.outputs: list[torch.Tensor] = []
         self.names: list[str] = []
-        self._handles: list = []
 
     def _record(self, name: str, q, k, v, mask, mods: dict) -> None:
         from attnkit.inspect.stats import attention_stats
@@ -116,71 +84,31 @@ class Capture:
                 self.weights.append(w.detach())
         self.names.append(name)
 
-    def _hook(self, name: str):
-        def hook(module, q, k, v, mask, kwargs):
-            if threading.get_ident() != self._thread:  # another thread's call of the same model
-                return
-            if getattr(module, "holds_a_shard", lambda: False)():
-                raise AttnkitValueError(
-                    f"layer {name!r} is a RingMultiHeadAttention over several ranks: each rank holds a shard of the "
-                    "sequence, so its weights are not this rank's to capture. Load its state dict into "
-                    "attnkit.MultiHeadAttention and capture that on the whole sequence."
-                )
-            mods = {key: kwargs.get(key) for key in ("attn_bias", "softcap", "sinks")}
-            if mods["sinks"] is not None:
-                mods["sinks"] = mods["sinks"].detach()
-            self._record(name, q, k, v, mask, mods)
+    def _on_call(self, site: Site, q, k, v, mask, mods: dict) -> None:
+        if getattr(site.module, "holds_a_shard", lambda: False)():
+            raise AttnkitValueError(
+                f"layer {site.name!r} is a RingMultiHeadAttention over several ranks: each rank holds a shard of the "
+                "sequence, so its weights are not this rank's to capture. Load its state dict into "
+                "attnkit.MultiHeadAttention and capture that on the whole sequence."
+            )
+        kept = {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale") if mods.get(key) is not None}
+        if "sinks" in kept:
+            kept["sinks"] = kept["sinks"].detach()
+        self._record(site.name, q, k, v, mask, kept)
 
-        return hook
-
-    def _hf_hook(self, module, q, k, v, mask, mods):
-        name = self._hf_names.get(id(module))
-        if name is None or threading.get_ident() != self._thread:  # another model's, or another thread's
-            return
-        self._record(name, q, k, v, mask, {key: mods[key] for key in ("attn_bias", "softcap", "sinks", "scale")})
-
-    def _heads_hook(self, name: str | None):
-        def hook(module, out):
-            if threading.get_ident() != self._thread:
-                return None
-            found = name if name is not None else self._hf_names.get(id(module))
-            if found is not None:  # (None: another model's attention)
-                self.outputs.append(out.detach())
-                self.names.append(found)
-            return None
-
-        return hook
+    def _on_heads(self, site: Site, out: torch.Tensor) -> None:
+        self.outputs.append(out.detach())
+        self.names.append(site.name)
 
     def __enter__(self) -> Capture:
-        self._thread = threading.get_ident()
-        if self._hf_names is not None:
-            from attnkit.integrations.transformers import (
-                check_model,
-                register_attention_hook,
-                register_head_output_hook,
-            )
-
-            check_model(self._model)  # a model that bypasses the interface would record nothing
-            if self.mode == "heads":
-                self._handles.append(register_head_output_hook(self._heads_hook(None)))
-            else:
-                self._handles.append(register_attention_hook(self._hf_hook))
-            return self
-        for name, layer in self.layers:
-            if self.mode == "heads":
-                self._handles.append(layer.register_head_output_hook(self._heads_hook(name or type(layer).__name__)))
-            else:
-                self._handles.append(
-                    layer.register_attention_hook(self._hook(name or type(layer).__name__), with_kwargs=True)
-                )
+        self._sites.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._sites.__exit__(*exc)
 
-    def _row_list(self, length: int) -> list[int]:
+    def rows_of(self, length: int) -> list[int]:
+        """The chosen query rows (``rows=``) as indices into ``length`` rows (none: ``[]``)."""
         if self.rows is None:
             return []
         if isinstance(self.rows, slice):
@@ -200,7 +128,7 @@ class Capture:
 
             length = self.stats[0].received.shape[-1]
             labels = [str(t) for t in tokens] if tokens is not None else [str(i) for i in range(length)]
-            rows = self._row_list(self.stats[0].entropy.shape[-1])
+            rows = self.rows_of(self.stats[0].entropy.shape[-1])
             try:
                 page = long_html(self.stats, labels, rows, self.weights if rows else [], names=self.names)
             except AttnkitValueError as error:

@@ -14,7 +14,6 @@ as ``capture`` names them (the module's name in the model).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ import torch
 from torch import nn
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
-from attnkit.inspect.capture import Capture, attention_layers, capture
+from attnkit.inspect.capturing import Capture, capture
+from attnkit.inspect.sites import Site, Sites
 
 __all__ = ["HeadEffects", "Intervention", "head_effects", "intervene"]
 
@@ -52,6 +52,20 @@ def _check_heads(heads: Any, what: str) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _check_attention_mask(mask: Any, mode: str) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if mode != "mean":
+        raise AttnkitValueError("attention_mask= chooses the positions mode='mean' averages: pass mode='mean' too.")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise AttnkitTypeError(
+            "attention_mask must be a (batch, length) tensor, 1 (or True) at real tokens and 0 at padding, as "
+            f"transformers takes it, but got {type(mask).__name__}"
+            f"{' of shape ' + str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else ''}."
+        )
+    return mask.bool()
+
+
 class Intervention:
     """The context manager :func:`intervene` returns; ``seen`` lists the layers it met, in call order."""
 
@@ -65,6 +79,7 @@ class Intervention:
         *,
         heads: dict | None = None,
         positions: Any = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise AttnkitTypeError(f"intervene expects a torch.nn.Module, but got {type(model).__name__}.")
@@ -94,11 +109,9 @@ class Intervention:
         if heads is not None and patch is None:
             raise AttnkitValueError("heads= chooses the heads to patch: give patch= (a Capture of mode='heads') too.")
         self.positions = positions
+        self.real = _check_attention_mask(attention_mask, mode)
         self.seen: list[str] = []
-        self._order: dict[int, int] = {}
-        self._names = {id(m): name for name, m in model.named_modules()}
-        self._thread: int | None = None
-        self._handles: list = []
+        self._sites: Sites | None = None
 
     @property
     def empty(self) -> bool:
@@ -110,13 +123,10 @@ class Intervention:
             layers |= set(self.patch_heads) if self.patch_heads is not None else set(range(len(self.patch.outputs)))
         return layers
 
-    def _hook(self, module, out: torch.Tensor) -> torch.Tensor | None:
-        if threading.get_ident() != self._thread or id(module) not in self._names:
-            return None  # another thread's call, or another model's attention
-        if id(module) not in self._order:
-            self._order[id(module)] = len(self._order)
-            self.seen.append(self._names[id(module)])
-        index, name = self._order[id(module)], self._names[id(module)]
+    def _hook(self, site: Site, out: torch.Tensor) -> torch.Tensor | None:
+        if site.index == len(self.seen):
+            self.seen.append(site.name)
+        index, name = site.index, site.name
         heads = out.shape[1]
 
         def chosen(table: dict, what: str) -> tuple[int, ...]:
@@ -154,7 +164,7 @@ class Intervention:
         if ablated:
             where = select(ablated)
             off = torch.zeros((), dtype=out.dtype, device=out.device)
-            out = torch.where(where, out.mean(dim=2, keepdim=True) if self.mode == "mean" else off, out)
+            out = torch.where(where, self._mean(out, index) if self.mode == "mean" else off, out)
         factors = [(h, f) for (layer, h), f in self.scale.items() if layer in (index, name)]
         if factors:
             bad = [h for h, _ in factors if h >= heads]
@@ -166,26 +176,33 @@ class Intervention:
             out = out * scale.view(heads, 1, 1)
         return out
 
+    def _mean(self, out: torch.Tensor, index: int) -> torch.Tensor:
+        """Each sequence's head outputs averaged over its query positions (``(B, H, 1, hd)``): the real
+        ones where an attention mask was given, every position otherwise."""
+        if self.real is None:
+            return out.mean(dim=2, keepdim=True)
+        real = self.real.to(out.device)
+        if real.shape != (out.shape[0], out.shape[2]):
+            raise AttnkitValueError(
+                f"attention_mask has shape {tuple(real.shape)}, but layer {index} was called on {out.shape[0]} "
+                f"sequence(s) of {out.shape[2]} queries: give the (batch, length) mask of this input."
+            )
+        weights = real.to(out.dtype).view(out.shape[0], 1, -1, 1)
+        count = weights.sum(dim=2, keepdim=True).clamp(min=1)
+        return (out * weights).sum(dim=2, keepdim=True) / count
+
     def __enter__(self) -> Intervention:
-        self._thread = threading.get_ident()
         if self.empty:
             return self  # nothing to change: no hook at all, outputs bit-identical
-        layers = attention_layers(self.model, "intervene on")
-        # eager code between the kernels: torch.compile runs it as it is on every call (call order,
-        # the opening thread) instead of tracing one call's decisions into a graph
-        hook = torch.compiler.disable(self._hook)
-        if layers is not None:
-            self._handles = [m.register_head_output_hook(hook) for m in layers]
-        else:
-            from attnkit.integrations.transformers import register_head_output_hook
-
-            self._handles = [register_head_output_hook(hook)]
+        self._sites = Sites(self.model, "intervene on")
+        self._sites.on("head_output", self._hook)
+        self._sites.__enter__()
         return self
 
     def __exit__(self, kind, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._sites is not None:
+            self._sites.__exit__(kind, *exc)
+            self._sites = None
         if kind is None and not self.empty:
             named = set(self.seen)
             called = len(self.seen)
@@ -210,11 +227,14 @@ def intervene(
     *,
     heads: dict | None = None,
     positions: Any = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> Intervention:
     """Change attention heads' outputs inside a ``with`` block; every kernel keeps running.
 
     - ``ablate={layer: [heads]}``: those heads' outputs become 0 (``mode="zero"``) or their mean
-      over the call's query positions (``mode="mean"``, padding positions included);
+      over each sequence's query positions (``mode="mean"``): its real positions where
+      ``attention_mask`` (``(batch, length)``, 1 at real tokens, as transformers takes it) is given,
+      every position (padding included) otherwise;
     - ``scale={(layer, head): factor}``: a head's output multiplied by ``factor``;
     - ``patch=clean``: a :func:`attnkit.capture` of ``mode="heads"`` taken on a clean input; its
       head outputs replace this run's at ``heads={layer: [heads]}`` (default: every head of every
@@ -233,19 +253,23 @@ def intervene(
     >>> with intervene(model, ablate={0: [1, 2]}):
     ...     y, _ = layer(x)
     """
-    return Intervention(model, ablate, scale, patch, mode, heads=heads, positions=positions)
+    return Intervention(
+        model, ablate, scale, patch, mode, heads=heads, positions=positions, attention_mask=attention_mask
+    )
 
 
 @dataclass(frozen=True)
 class HeadEffects:
-    """Activation patching of every head: ``values[layer, head]`` is ``metric`` of the corrupt run
-    with that head's output patched in from the clean run (all positions, or ``positions``);
-    ``clean`` and ``corrupt`` are the metric of the two runs unpatched."""
+    """Every head's effect on ``metric``: ``values[layer, head]`` is the metric of the corrupt run
+    with that head's output patched in from the clean run (all positions, or ``positions``):
+    measured (``method="patch"``) or estimated to first order (``method="atp"``); ``clean`` and
+    ``corrupt`` are the metric of the two runs unpatched."""
 
     values: torch.Tensor
     names: list[str]
     clean: float
     corrupt: float
+    method: str = "patch"
 
     def normalized(self) -> torch.Tensor:
         """``(values - corrupt) / (clean - corrupt)``: 1 where a head alone restores the clean metric."""
@@ -254,10 +278,15 @@ class HeadEffects:
             raise AttnkitValueError("the clean and corrupt runs give the same metric: nothing to normalise by.")
         return (self.values - self.corrupt) / span
 
-    def figure(self, title: str = "activation patching: metric with the head patched in") -> Any:
+    def figure(self, title: str | None = None) -> Any:
         """A matplotlib heatmap, layers down and heads across (diverging around the corrupt metric)."""
         import matplotlib.pyplot as plt
 
+        if title is None:
+            title = {
+                "patch": "activation patching: metric with the head patched in",
+                "atp": "attribution patching (first order): metric with the head patched in",
+            }[self.method]
         values = self.values.double()
         reach = float((values - self.corrupt).abs().max()) or 1.0
         fig, ax = plt.subplots(figsize=(1.2 + 0.45 * values.shape[1], 1.0 + 0.4 * values.shape[0]))
@@ -290,23 +319,11 @@ class HeadEffects:
         return self._html()
 
     def _html(self) -> str:
-        values = self.values.double()
-        reach = float((values - self.corrupt).abs().max()) or 1.0
-        rows = []
-        for i, name in enumerate(self.names):
-            cells = []
-            for h, value in enumerate(values[i].tolist()):
-                t = max(-1.0, min(1.0, (value - self.corrupt) / reach))
-                color = f"rgba(178,24,43,{t:.2f})" if t > 0 else f"rgba(33,102,172,{-t:.2f})"
-                tip = f"layer {i}, head {h}: {value:.4g}"
-                cells.append(f'<td title="{tip}" style="background:{color}">{value:.3g}</td>')
-            rows.append(f"<tr><th>{i}: {name}</th>{''.join(cells)}</tr>")
-        header = "".join(f"<th>{h}</th>" for h in range(values.shape[1]))
-        return (
-            '<div class="attnkit-head-effects"><table style="border-collapse:collapse;font:11px sans-serif">'
-            f"<caption>metric with each head patched in (clean {self.clean:.4g}, corrupt {self.corrupt:.4g})"
-            f"</caption><tr><th>layer \\ head</th>{header}</tr>{''.join(rows)}</table></div>"
-        )
+        from attnkit.viz.html import effects_table
+
+        estimate = " (first-order estimate)" if self.method == "atp" else ""
+        caption = f"metric with each head patched in{estimate} (clean {self.clean:.4g}, corrupt {self.corrupt:.4g})"
+        return effects_table(self.values.double().tolist(), self.names, self.corrupt, caption)
 
 
 def _run(model: nn.Module, inputs: Any):
@@ -324,13 +341,29 @@ def head_effects(
     metric: Callable[[Any], Any],
     *,
     positions: Any = None,
+    method: str = "patch",
 ) -> HeadEffects:
-    """Activation patching of every (layer, head), as TransformerLens's
-    ``get_act_patch_attn_head_out_all_pos``: run ``clean`` once recording every head's output,
-    then ``corrupt`` once per head with that head's clean output patched in, and ``metric(output)``
-    (a scalar) of each run. ``clean`` / ``corrupt``: the model's input (a tensor, a tuple of
-    arguments or a dict of keyword arguments), of the same batch size and length. Costs
-    ``layers x heads + 2`` forwards on the model's own kernels."""
+    """Every (layer, head)'s effect on ``metric`` when its output is patched from ``clean`` into
+    ``corrupt``. ``clean`` / ``corrupt``: the model's input (a tensor, a tuple of arguments or a
+    dict of keyword arguments), of the same batch size and length; ``metric(output)`` a scalar.
+
+    - ``method="patch"``: activation patching, as TransformerLens's
+      ``get_act_patch_attn_head_out_all_pos``: ``clean`` once recording every head's output, then
+      ``corrupt`` once per head with that head's clean output patched in (``layers x heads + 2``
+      forwards on the model's own kernels). Exact.
+    - ``method="atp"``: attribution patching (Nanda; Kramár et al.'s AtP): the first-order estimate
+      ``metric(corrupt) + sum((z_clean - z_corrupt) * d metric / d z_corrupt)`` over the head's
+      output ``z`` (its positions, or ``positions``), from one clean forward, one corrupt forward and
+      one backward, whatever the number of heads. Where patching a head changes the run a lot
+      (attention saturating, a head that switches what it attends to), the estimate can be far
+      from the measured value: check the heads it ranks first with ``method="patch"``.
+    """
+    if method not in ("patch", "atp"):
+        raise AttnkitValueError(
+            f"method must be 'patch' (activation patching) or 'atp' (attribution patching), not {method!r}."
+        )
+    if method == "atp":
+        return _attribution_patching(model, clean, corrupt, metric, positions)
     with torch.no_grad():
         with capture(model, mode="heads") as cap:
             clean_value = float(metric(_run(model, clean)))
@@ -342,3 +375,62 @@ def head_effects(
                 with intervene(model, patch=cap, heads={layer: [head]}, positions=positions):
                     table[layer, head] = float(metric(_run(model, corrupt)))
     return HeadEffects(table, list(cap.names), clean_value, corrupt_value)
+
+
+class _Tape:
+    """The head outputs of one run, in call order, kept in the autograd graph (the first made a
+    leaf that requires a gradient where nothing before it does), for ``d metric / d z``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self._sites = Sites(model, "attribute")
+        self._sites.on("head_output", self._hook)
+
+    def _hook(self, site: Site, out: torch.Tensor) -> torch.Tensor:
+        if not out.requires_grad:
+            out = out.detach().requires_grad_()
+        self.outputs.append(out)
+        return out
+
+    def __enter__(self) -> _Tape:
+        self._sites.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sites.__exit__(*exc)
+
+
+def _attribution_patching(model, clean, corrupt, metric, positions) -> HeadEffects:
+    with torch.no_grad(), capture(model, mode="heads") as cap:
+        clean_value = float(metric(_run(model, clean)))
+    with torch.enable_grad(), _Tape(model) as tape:
+        value = metric(_run(model, corrupt))
+    if len(tape.outputs) != len(cap.outputs):
+        raise AttnkitValueError(
+            f"the clean run called {len(cap.outputs)} attention layers and the corrupt run {len(tape.outputs)}: "
+            "attribution patching compares runs of the same model over inputs of the same shape."
+        )
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+        raise AttnkitValueError(
+            "metric must return a scalar tensor computed from the model's output (differentiable), "
+            f"but got {type(value).__name__} {tuple(value.shape) if isinstance(value, torch.Tensor) else ''}."
+        )
+    grads = torch.autograd.grad(value.reshape(()), tape.outputs, allow_unused=True)
+    table = torch.full((len(cap.outputs), max((o.shape[1] for o in cap.outputs), default=0)), float("nan"))
+    for layer, (z_clean, z_corrupt, grad) in enumerate(zip(cap.outputs, tape.outputs, grads)):
+        if z_clean.shape != z_corrupt.shape:
+            raise AttnkitValueError(
+                f"the clean run's heads of layer {layer} have shape {tuple(z_clean.shape)}, the corrupt run's "
+                f"{tuple(z_corrupt.shape)}: patch between inputs of the same batch size and length."
+            )
+        if grad is None:  # the metric does not depend on this layer
+            table[layer, : z_clean.shape[1]] = 0.0
+            continue
+        change = (z_clean.to(grad.dtype) - z_corrupt.detach()) * grad  # (B, H, Lq, hd)
+        if positions is not None:
+            rows = torch.zeros(change.shape[2], dtype=torch.bool, device=change.device)
+            rows[positions] = True
+            change = change * rows.view(1, 1, -1, 1)
+        table[layer, : change.shape[1]] = change.double().sum(dim=(0, 2, 3)).float()
+    corrupt_value = float(value.detach())
+    return HeadEffects(table + corrupt_value, list(cap.names), clean_value, corrupt_value, method="atp")

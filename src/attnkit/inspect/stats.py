@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from attnkit import functional
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
 from attnkit.bias import BiasLike
-from attnkit.call import Call, make_call
 from attnkit.kernels import registry
 from attnkit.kernels.contract import StatsRequest
 from attnkit.plan import MaskLike
@@ -170,7 +170,7 @@ def attention_stats(
     squeeze = q.dim() - 4 if isinstance(q, torch.Tensor) else 0
     if squeeze > 0:
         raise AttnkitValueError(f"attention_stats takes inputs of rank 2 to 4, but q has shape {tuple(q.shape)}.")
-    call = stats_call(
+    call = functional.stats_call(
         q, k, v, mask, scale=scale, attn_bias=attn_bias, softcap=softcap, sinks=sinks, score_mod=score_mod
     )
     lq, lk = call.q.shape[2], call.k.shape[2]
@@ -188,18 +188,6 @@ def attention_stats(
             lifted[f.name] = None if t is None else t.reshape(t.shape[4 - q.dim() :])
         stats = AttentionStats(**lifted)
     return stats
-
-
-def stats_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, **kwargs: Any) -> Call:
-    """The validated 4-D call of :func:`attention_stats` (rank-2 and rank-3 inputs lifted, a bool
-    tensor mask with them)."""
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        if q.dim() == k.dim() == v.dim() and 2 <= q.dim() < 4:
-            lead = (1,) * (4 - q.dim())
-            q, k, v = (t.reshape(*lead, *t.shape) for t in (q, k, v))
-            if isinstance(mask, torch.Tensor) and mask.dim() < 4:
-                mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    return make_call(q, k, v, mask=mask, return_lse=True, **kwargs)
 
 
 def _with_sink_entropy(call, out: dict) -> dict:

@@ -36,7 +36,6 @@ in :mod:`attnkit.integrations._transformers_compat` only.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +46,8 @@ from attnkit import bias as _bias
 from attnkit import masks
 from attnkit._types import Offset
 from attnkit._validate import AttnkitValueError
-from attnkit.functional import attention, attention_with_weights
 from attnkit.integrations import _transformers_compat as compat
+from attnkit.nn.hooks import HookPoints
 from attnkit.plan import PreparedMask, prepare
 
 __all__ = [
@@ -295,26 +294,13 @@ def attention_forward(
         "scale": scaling,
         "dropout_p": dropout,
     }
-    for hook in tuple(_attention_hooks.values()):
-        hook(module, query, key, value, mask, mods)
-    if kwargs.get("output_attentions") or _capturing_attentions():
-        out, weights = attention_with_weights(query, key, value, mask, **mods)
-    elif _lse_hooks:
-        (out, lse), weights = attention(query, key, value, mask, return_lse=True, **mods), None
-        for hook in tuple(_lse_hooks.values()):
-            hook(module, lse)
-    else:
-        out, weights = attention(query, key, value, mask, **mods), None
-    if _head_output_hooks:
-        from attnkit.nn.attention import run_head_output_hooks
-
-        out = run_head_output_hooks(tuple(_head_output_hooks.values()), module, out)
+    need_weights = bool(kwargs.get("output_attentions")) or _capturing_attentions()
+    out, weights = HOOK_POINTS.run(module, query, key, value, mask, mods, need_weights=need_weights)
     return out.transpose(1, 2).contiguous(), weights  # (B, Hq, Lq, D) -> (B, Lq, Hq, D)
 
 
-_attention_hooks: collections.OrderedDict = collections.OrderedDict()
-_head_output_hooks: collections.OrderedDict = collections.OrderedDict()
-_lse_hooks: collections.OrderedDict = collections.OrderedDict()
+#: The integration's hooks, one call site for every attention module it runs (:mod:`attnkit.nn.hooks`).
+HOOK_POINTS = HookPoints()
 
 
 def register_lse_hook(hook: Callable[..., None]) -> RemovableHandle:
@@ -322,9 +308,7 @@ def register_lse_hook(hook: Callable[..., None]) -> RemovableHandle:
     the row log-sum-exp ``lse: (B, Hq, Lq)`` the kernel computed (the call asks for it). The hook
     must not change it. :func:`attnkit.inspect.rollout` uses it. Returns a handle whose
     ``remove()`` unregisters the hook."""
-    handle = RemovableHandle(_lse_hooks)
-    _lse_hooks[handle.id] = hook
-    return handle
+    return HOOK_POINTS.register("lse", hook)
 
 
 def register_head_output_hook(hook: Callable[..., torch.Tensor | None]) -> RemovableHandle:
@@ -332,9 +316,7 @@ def register_head_output_hook(hook: Callable[..., torch.Tensor | None]) -> Remov
     outputs ``out: (B, Hq, Lq, D)`` before the model's output projection; a tensor it returns
     (same shape) replaces them. :func:`attnkit.inspect.intervene` uses it. Returns a handle whose
     ``remove()`` unregisters the hook."""
-    handle = RemovableHandle(_head_output_hooks)
-    _head_output_hooks[handle.id] = hook
-    return handle
+    return HOOK_POINTS.register("head_output", hook)
 
 
 def register_attention_hook(hook: Callable[..., None]) -> RemovableHandle:
@@ -345,9 +327,7 @@ def register_attention_hook(hook: Callable[..., None]) -> RemovableHandle:
     ``softcap``, ``sinks``, ``scale``, ``dropout_p``). :func:`attnkit.capture` uses it.
     Returns a handle whose ``remove()`` unregisters the hook.
     """
-    handle = RemovableHandle(_attention_hooks)
-    _attention_hooks[handle.id] = hook
-    return handle
+    return HOOK_POINTS.register("attention", hook)
 
 
 def _capturing_attentions() -> bool:

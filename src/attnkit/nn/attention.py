@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from attnkit import functional, masks
+from attnkit import masks
 from attnkit._types import Device, IntLike
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_dropout
 from attnkit.bias import BiasLike
+from attnkit.nn.hooks import HookPoints
 from attnkit.plan import MaskLike
 
 if TYPE_CHECKING:
@@ -29,21 +29,6 @@ def _split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``(B, L, H * d) -> (B, H, L, d)``."""
     b, length, width = x.shape
     return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
-
-
-def run_head_output_hooks(hooks: Sequence[Callable[..., Any]], module: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """``out`` through each ``hook(module, out)``: a returned tensor of ``out``'s shape replaces it."""
-    for hook in hooks:
-        new = hook(module, out)
-        if new is not None:
-            if not isinstance(new, torch.Tensor) or new.shape != out.shape:
-                got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-                raise AttnkitValueError(
-                    f"a head output hook returned {got}; it must return None or a tensor of the heads' "
-                    f"shape {tuple(out.shape)}."
-                )
-            out = new
-    return out
 
 
 def _positive_int(x, name: str) -> int:
@@ -144,9 +129,8 @@ class MultiHeadAttention(nn.Module):
                 f"rotary must be an nn.Module such as attnkit.nn.RotaryEmbedding, but got {type(rotary).__name__}."
             )
         self.rotary = rotary
-        self._attention_hooks: OrderedDict = OrderedDict()
-        self._head_output_hooks: OrderedDict = OrderedDict()
-        self._lse_hooks: OrderedDict = OrderedDict()
+        #: this layer's hooks (attention, lse, head output): :mod:`attnkit.nn.hooks`
+        self.hook_points = HookPoints()
 
     def register_head_output_hook(self, hook: Callable[..., torch.Tensor | None]) -> RemovableHandle:
         """Call ``hook(module, out)`` on every forward with the heads' outputs ``out: (B, num_heads,
@@ -163,9 +147,7 @@ class MultiHeadAttention(nn.Module):
         """
         if not callable(hook):
             raise AttnkitTypeError(f"hook must be callable as hook(module, out), but got {type(hook).__name__}.")
-        handle = RemovableHandle(self._head_output_hooks)
-        self._head_output_hooks[handle.id] = hook
-        return handle
+        return self.hook_points.register("head_output", hook)
 
     def register_lse_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(module, lse)`` on every forward with the attention's row log-sum-exp ``lse:
@@ -177,12 +159,7 @@ class MultiHeadAttention(nn.Module):
         """
         if not callable(hook):
             raise AttnkitTypeError(f"hook must be callable as hook(module, lse), but got {type(hook).__name__}.")
-        handle = RemovableHandle(self._lse_hooks)
-        self._lse_hooks[handle.id] = hook
-        return handle
-
-    def _run_head_output_hooks(self, out: torch.Tensor) -> torch.Tensor:
-        return run_head_output_hooks(tuple(self._head_output_hooks.values()), self, out)
+        return self.hook_points.register("lse", hook)
 
     def register_attention_hook(self, hook: Callable[..., None], *, with_kwargs: bool = False) -> RemovableHandle:
         """Call ``hook(module, q, k, v, mask)`` on every forward, just before attention.
@@ -209,16 +186,9 @@ class MultiHeadAttention(nn.Module):
             raise AttnkitTypeError(
                 f"hook must be callable as hook(module, q, k, v, mask), but got {type(hook).__name__}."
             )
-        handle = RemovableHandle(self._attention_hooks)
-        self._attention_hooks[handle.id] = (hook, bool(with_kwargs))
-        return handle
-
-    def _run_attention_hooks(self, q, k, v, mask, kwargs: dict) -> None:
-        for hook, with_kwargs in tuple(self._attention_hooks.values()):
-            if with_kwargs:
-                hook(self, q, k, v, mask, dict(kwargs))
-            else:
-                hook(self, q, k, v, mask)
+        if with_kwargs:
+            return self.hook_points.register("attention", hook)
+        return self.hook_points.register("attention", lambda module, q, k, v, mask, kwargs: hook(module, q, k, v, mask))
 
     def extra_repr(self) -> str:
         extra = f"d_model={self.d_model}, num_heads={self.num_heads}"
@@ -409,17 +379,7 @@ class MultiHeadAttention(nn.Module):
                 q, k = self._rotate(q, positions), self._rotate(k, positions)
         p = self._dropout_p() if self.training else 0.0
         mods: dict[str, Any] = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=p)
-        self._run_attention_hooks(q, k, v, mask, mods)
-        if need_weights:
-            out, weights = functional.attention_with_weights(q, k, v, mask, **mods)
-        elif self._lse_hooks:
-            (out, lse), weights = functional.attention(q, k, v, mask, return_lse=True, **mods), None
-            for hook in tuple(self._lse_hooks.values()):
-                hook(self, lse)
-        else:
-            out, weights = functional.attention(q, k, v, mask, **mods), None
-        if self._head_output_hooks:
-            out = self._run_head_output_hooks(out)
+        out, weights = self.hook_points.run(self, q, k, v, mask, mods, need_weights=need_weights)
         out = self.out_proj(self.merge_heads(out))  # (B, H, Lq, hd) -> (B, Lq, d_model)
         if unbatched:
             out = out[0]

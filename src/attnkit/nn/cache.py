@@ -334,10 +334,8 @@ class KVCache:
 def _slot_causal(mask) -> bool:
     """Whether ``mask`` is plain ``masks.causal()``: defined by the order of the entries alone, so it
     holds over a compressed cache's slots as over positions."""
-    from attnkit.masks._kinds import Causal
-
     return (
-        isinstance(mask, Causal)
+        isinstance(mask, masks.Causal)
         and mask.align == "bottom_right"
         and isinstance(mask.q_offset, int) and mask.q_offset == 0
         and isinstance(mask.kv_offset, int) and mask.kv_offset == 0

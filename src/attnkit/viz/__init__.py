@@ -9,7 +9,7 @@ they raise an error that says so. :func:`widget` (a live view in a notebook) nee
 from attnkit.viz.grid import attention_grid
 from attnkit.viz.heatmap import visualize_attention
 from attnkit.viz.html import attention_html, save_html
-from attnkit.viz.relevance import relevance
+from attnkit.viz.shaded import relevance
 from attnkit.viz.widgets import widget
 
 __all__ = ["attention_grid", "attention_html", "relevance", "save_html", "visualize_attention", "widget"]

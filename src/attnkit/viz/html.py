@@ -301,3 +301,20 @@ def save_html(path: PathLike, weights: ArrayLike, tokens: Sequence[str], **kwarg
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(attention_html(weights, tokens, **kwargs), encoding="utf-8")
     return path
+
+
+def effects_table(values: Sequence[Sequence[float]], names: Sequence[str], base: float, caption: str) -> str:
+    """A table of one value per (layer, head) (``values``, layers down), each cell shaded by its
+    distance from ``base`` (red above, blue below, the largest distance full): head effects."""
+    reach = max((abs(v - base) for row in values for v in row), default=0.0) or 1.0
+    rows = []
+    for i, (name, row) in enumerate(zip(names, values)):
+        cells = []
+        for h, value in enumerate(row):
+            t = max(-1.0, min(1.0, (value - base) / reach))
+            color = f"rgba(178,24,43,{t:.2f})" if t > 0 else f"rgba(33,102,172,{-t:.2f})"
+            tip = html.escape(f"layer {i}, head {h}: {value:.4g}", quote=True)
+            cells.append(f'<td title="{tip}" style="background:{color}">{value:.3g}</td>')
+        rows.append(f"<tr><th>{i}: {html.escape(str(name))}</th>{''.join(cells)}</tr>")
+    header = "".join(f"<th>{h}</th>" for h in range(max((len(r) for r in values), default=0)))
+    return fill(asset("head_effects.html"), caption=html.escape(caption), header=header, rows="\n".join(rows))

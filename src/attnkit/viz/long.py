@@ -14,7 +14,7 @@ import html
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -24,8 +24,19 @@ from attnkit._validate import AttnkitValueError
 from attnkit.viz.heatmap import as_array, new_figure
 from attnkit.viz.html import asset, fill, font_face, printable, script_json
 
-if TYPE_CHECKING:
-    from attnkit.inspect import AttentionStats
+
+@runtime_checkable
+class StatsView(Protocol):
+    """What the views read of one layer's statistics (an :class:`attnkit.inspect.AttentionStats`
+    has it): ``entropy (B, H, Lq)`` in nats, ``received (B, H, Lk)``, and ``head_summary()`` (a value
+    per head of entropy, sink mass, mean distance and largest weight). viz reads it by its shape and
+    imports nothing of inspect."""
+
+    entropy: torch.Tensor
+    received: torch.Tensor
+
+    def head_summary(self) -> dict[str, torch.Tensor]: ...
+
 
 #: The largest page :func:`long_html` writes (bytes).
 MAX_PAGE_BYTES = 10 * 2**20
@@ -60,7 +71,7 @@ def bin_profile(values: np.ndarray, bins: int, how: str = "max") -> tuple[np.nda
 
 
 def long_data(
-    stats: Sequence[AttentionStats],
+    stats: Sequence[StatsView],
     tokens: Sequence[str],
     rows: Sequence[int],
     row_weights: Sequence[torch.Tensor],
@@ -108,7 +119,7 @@ def long_data(
 
 
 def long_html(
-    stats: Sequence[AttentionStats],
+    stats: Sequence[StatsView],
     tokens: Sequence[str],
     rows: Sequence[int],
     row_weights: Sequence[torch.Tensor],
@@ -133,7 +144,7 @@ def long_html(
 
 def save_long_html(
     path: PathLike,
-    stats: Sequence[AttentionStats],
+    stats: Sequence[StatsView],
     tokens: Sequence[str],
     rows: Sequence[int],
     row_weights: Sequence[torch.Tensor],
@@ -147,7 +158,7 @@ def save_long_html(
 
 def long_figures(
     folder: PathLike,
-    stats: Sequence[AttentionStats],
+    stats: Sequence[StatsView],
     tokens: Sequence[str],
     rows: Sequence[int],
     row_weights: Sequence[torch.Tensor],

@@ -23,7 +23,7 @@ import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.viz.html import asset, cut_labels, fill, font_face
-from attnkit.viz.long import BITS, DECADES, bin_profile, log_bytes
+from attnkit.viz.long import BITS, DECADES, StatsView, bin_profile, log_bytes
 
 __all__ = ["MAX_WEIGHTS", "static_view", "widget"]
 
@@ -210,6 +210,12 @@ def _stats_source(stats: Sequence, rows: Sequence[int], row_weights: Sequence[to
     return summary, lk, view, keys
 
 
+def _is_capture(source: object) -> bool:
+    """An :class:`attnkit.Capture`, read by its shape (viz imports nothing of inspect): what it
+    recorded (``mode``, ``stats``, ``weights``, ``rows``, ``heads``, ``names``) and ``rows_of``."""
+    return all(hasattr(source, name) for name in ("mode", "stats", "weights", "rows", "heads", "names", "rows_of"))
+
+
 def widget(
     source: Any,
     tokens: Sequence[object] | None = None,
@@ -232,20 +238,17 @@ def widget(
     Returns an ``anywidget.AnyWidget``: display it (the last line of a cell); ``w.select(layer,
     head)`` or a click picks a head, ``w.selected`` reads the pick.
     """
-    from attnkit.inspect.capture import Capture
-    from attnkit.inspect.stats import AttentionStats
-
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 8:
         raise AttnkitValueError(f"bins must be an int >= 8, but got {bins!r}.")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
         raise AttnkitValueError(f"batch must be a non-negative int, but got {batch!r}.")
     rows: list[int] = []
     row_weights: list[torch.Tensor] = []
-    if isinstance(source, Capture):
-        tokens = source.tokens if tokens is None else tokens
+    if _is_capture(source):
+        tokens = getattr(source, "tokens", None) if tokens is None else tokens
         names = source.names if names is None else names
         if source.mode == "stats" and source.stats:
-            stats, rows = list(source.stats), source._row_list(source.stats[0].entropy.shape[-1])
+            stats, rows = list(source.stats), source.rows_of(source.stats[0].entropy.shape[-1])
             row_weights = list(source.weights) if rows else []
         elif source.mode == "weights" and source.weights and source.rows is None and source.heads is None:
             stats, weights = None, list(source.weights)
@@ -254,10 +257,10 @@ def widget(
                 f"this capture (mode={source.mode!r}, {len(source.names)} layers) holds nothing the widget draws: "
                 "capture mode='weights' without rows=/heads=, or mode='stats', and run the model inside the block."
             )
-    elif isinstance(source, AttentionStats) or (
-        isinstance(source, (list, tuple)) and source and all(isinstance(s, AttentionStats) for s in source)
+    elif isinstance(source, StatsView) or (
+        isinstance(source, (list, tuple)) and source and all(isinstance(s, StatsView) for s in source)
     ):
-        stats = [source] if isinstance(source, AttentionStats) else list(source)
+        stats = [source] if isinstance(source, StatsView) else list(source)
     elif isinstance(source, torch.Tensor) or (
         isinstance(source, (list, tuple)) and source and all(isinstance(w, torch.Tensor) for w in source)
     ):
