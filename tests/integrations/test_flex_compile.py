@@ -11,6 +11,7 @@ from _oracle import assert_oracle
 from torch.nn.attention import flex_attention as torch_flex
 
 from attnkit import flex
+from attnkit.masks._codes import EMPTY
 
 L = 384
 
@@ -65,8 +66,9 @@ def _check(out, q, k, v, allowed, score_mod=None, grads=None, factor=2.0, grad_f
 
 class _Visits:
     """A torch.compile backend that runs the captured graph as it is and records, per call, how many
-    blocks the block-sparse operator in it is handed (the sum of the ``kv_num`` graph input: the
-    plan's kept blocks per row of blocks), and whether that input comes from outside the graph."""
+    blocks the block-sparse operator in it is handed as graph inputs (from outside the graph): the
+    sum of the plan's ``kv_num`` (the native engine's operands) or, where the PyTorch engine runs
+    (``ATTNKIT_NATIVE=0``), the non-empty entries of the plan's block ``codes``."""
 
     def __init__(self):
         self.kept: list[int] = []
@@ -76,9 +78,13 @@ class _Visits:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "attnkit" in str(n.target)]
         at = [i for i, n in enumerate(placeholders) if n.name.endswith("kv_num")]
+        codes = [i for i, n in enumerate(placeholders) if n.name.endswith("plan_codes")]
 
         def run(*args):
-            self.kept += [int(args[i].sum()) for i in at]
+            if at:
+                self.kept += [int(args[i].sum()) for i in at]
+            else:
+                self.kept += [int((args[i] != EMPTY).sum()) for i in codes]
             return gm(*args)
 
         return run
