@@ -152,3 +152,29 @@ def test_bad_inputs_are_refused_with_their_values():
         kv_scores(q, k, v, cached, method="snapkv", window=8)
     observed = kv_scores(q, k, v, cached, method="observed")  # every query: the mask as it is
     torch.testing.assert_close(observed, kv_scores(q, k, v, masks.causal(), method="observed"))
+
+
+def test_knorm_is_minus_each_keys_norm_and_reads_no_query():
+    """kvpress's KnormPress: ``-keys.norm(dim=-1)``; the queries (and the mask) do not enter."""
+    q, k, v = _problem(2, 4, 2, 120, seed=9)
+    got = kv_scores(q, k, v, masks.causal(), method="knorm")
+    gold = -k.double().norm(dim=-1)
+    naive = -torch.sqrt((k * k).sum(-1))
+    assert_oracle(got, gold, naive, what="knorm")
+    assert torch.equal(got, kv_scores(torch.randn_like(q), k, v, None, method="knorm"))
+    assert kv_scores(q.double(), k.double(), v.double(), method="knorm").dtype == torch.float64
+
+
+def test_layer_budgets_average_the_share():
+    from attnkit.nn import layer_budgets
+
+    for keep, layers in ((0.25, 4), (0.5, 6), (0.1, 2)):
+        pyramid = layer_budgets(keep, layers, "pyramid")
+        assert sum(pyramid) / layers == pytest.approx(keep)
+        assert pyramid == sorted(pyramid, reverse=True) and pyramid[-1] == pytest.approx(keep / 20)
+        assert layer_budgets(keep, layers) == [keep] * layers
+    assert max(layer_budgets(0.9, 3, "pyramid")) == 1.0  # cut to 1
+    with pytest.raises(ValueError, match="shape must be one of"):
+        layer_budgets(0.5, 3, "adaptive")
+    with pytest.raises(ValueError, match="keep must be a share"):
+        layer_budgets(1.5, 3)

@@ -33,8 +33,8 @@ from attnkit.plan import MaskLike
 
 __all__ = ["METHODS", "kv_scores"]
 
-#: The scoring methods :func:`kv_scores` knows.
-METHODS = ("snapkv", "tova", "observed")
+#: The scoring methods :func:`kv_scores` knows (``knorm`` reads the keys alone: query-agnostic).
+METHODS = ("snapkv", "tova", "observed", "knorm")
 
 
 def kv_scores(
@@ -55,8 +55,10 @@ def kv_scores(
     for :func:`attnkit.attention` (``mask`` for the whole ``Lq x Lk`` problem; ``None`` means no
     mask, kvpress's prefill uses ``masks.causal()``); ``attn_bias``, ``softcap``, ``sinks`` and
     ``score_mod`` pass through. ``method``: ``"snapkv"`` (the last ``window`` queries, pooled
-    over ``kernel_size`` keys), ``"tova"`` (the last query) or ``"observed"`` (every query).
-    Memory is O(B x H x (Lq + Lk)); float32 (float64 for float64 inputs).
+    over ``kernel_size`` keys), ``"tova"`` (the last query), ``"observed"`` (every query) or
+    ``"knorm"`` (the keys alone: minus each key's L2 norm, kvpress's ``KnormPress``; no query is
+    read, so the score holds for any question asked later). Memory is O(B x H x (Lq + Lk));
+    float32 (float64 for float64 inputs).
 
     >>> import torch, attnkit
     >>> from attnkit.inspect import kv_scores
@@ -75,6 +77,8 @@ def kv_scores(
     if hkv == 0 or h % hkv:
         raise AttnkitValueError(f"q's {h} heads must be a multiple of k's {hkv} heads (GQA).")
     groups = h // hkv
+    if method == "knorm":
+        return -k.to(torch.float64 if k.dtype == torch.float64 else torch.float32).norm(dim=-1)
     if method == "snapkv":
         window = check_nonnegative_int(window, "window")
         kernel_size = check_nonnegative_int(kernel_size, "kernel_size")

@@ -29,7 +29,7 @@ from attnkit import masks
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
 from attnkit.models._weights import ShippedWeights
 from attnkit.models.training import Trainer, loop, warmup_times_cosine
-from attnkit.nn import KVCache, MultiHeadAttention, RotaryEmbedding
+from attnkit.nn import KVCache, MultiHeadAttention, RotaryEmbedding, layer_budgets
 
 __all__ = ["Config", "RecallLM", "Task", "accuracy", "compressed_recall", "make_batch", "train", "WEIGHTS"]
 
@@ -320,6 +320,7 @@ def compressed_recall(
     batch_size: int = 8,
     pairs: int = 8,
     window: int = 64,
+    budgets: str = "uniform",
 ) -> dict:
     """First-query accuracy with the text's KV cache compressed, against the full cache.
 
@@ -327,7 +328,8 @@ def compressed_recall(
     the question into per-layer caches (the prefill); every layer's keys are scored on the way by
     :func:`attnkit.inspect.kv_scores` (``window`` queries for SnapKV) or by a baseline
     (:data:`BASELINES`), each cache is compressed to each share of ``keep``
-    (:meth:`KVCache.compress`), and the question ``? key`` is decoded over it. The question is
+    (:meth:`KVCache.compress`; ``budgets="pyramid"`` spreads the share over the layers as
+    :func:`attnkit.nn.layer_budgets` does), and the question ``? key`` is decoded over it. The question is
     not seen when the keys are scored (question-agnostic compression, as kvpress measures it).
 
     Returns ``{"full": accuracy, method: {keep: accuracy, ...}, ...}``.
@@ -379,8 +381,8 @@ def compressed_recall(
         for name in methods:
             for share in keep:
                 smaller = [c.clone() for c in caches]
-                for cache, found in zip(smaller, scores):
-                    cache.compress(share, found[name])
+                for cache, found, own in zip(smaller, scores, layer_budgets(share, len(caches), budgets)):
+                    cache.compress(own, found[name])
                 right[name][share] += ask(smaller)
     return {name: (hits / n if name == "full" else {s: h / n for s, h in hits.items()}) for name, hits in right.items()}
 

@@ -340,3 +340,32 @@ def _slot_causal(mask) -> bool:
         and isinstance(mask.q_offset, int) and mask.q_offset == 0
         and isinstance(mask.kv_offset, int) and mask.kv_offset == 0
     )  # fmt: skip
+
+
+#: How :func:`layer_budgets` spreads a cache budget over the layers.
+BUDGETS = ("uniform", "pyramid")
+
+
+def layer_budgets(keep: float, num_layers: int, shape: str = "uniform", *, beta: float = 20.0) -> list[float]:
+    """The share of its entries each layer's cache keeps, averaging ``keep`` over ``num_layers``
+    layers: ``"uniform"`` gives every layer ``keep``; ``"pyramid"`` (PyramidKV, Cai et al. 2024)
+    gives the first layer most and the last ``keep / beta``, in equal steps (lower layers attend
+    broadly, upper ones to a few entries). Shares above 1 are cut to 1 (their excess is not moved).
+
+    >>> tuple(round(x, 2) for x in layer_budgets(0.25, 4, "pyramid"))
+    (0.49, 0.33, 0.17, 0.01)
+    """
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
+        raise AttnkitValueError(f"keep must be a share in (0, 1], but got {keep!r}.")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise AttnkitValueError(f"num_layers must be a positive int, but got {num_layers!r}.")
+    if shape not in BUDGETS:
+        raise AttnkitValueError(f"shape must be one of {BUDGETS}, but got {shape!r}.")
+    if shape == "uniform" or num_layers == 1:
+        return [float(keep)] * num_layers
+    if not beta >= 1.0:
+        raise AttnkitValueError(f"beta must be >= 1 (the last layer keeps keep / beta), but got {beta!r}.")
+    low = keep / beta
+    high = 2 * keep - low
+    step = (high - low) / (num_layers - 1)
+    return [min(1.0, high - i * step) for i in range(num_layers)]
