@@ -325,21 +325,73 @@ def rollout(name: str) -> str:
 
 def kv_compress(name: str) -> str:
     d = _load(name)
-    methods = ("snapkv", "tova", "observed", "random", "recent")
+    methods = tuple(d.get("methods", ("snapkv", "tova", "observed", "random", "recent")))
     keep = list(d["rows"][0][methods[0]]) if d["rows"] else []
     shares = " / ".join(f"{float(k):.0%}" for k in keep)
     rows = [
-        [f"{r['L']:,}", r["texts"], f"{r['full']:.1%}"] + [" / ".join(f"{r[m][k]:.1%}" for k in keep) for m in methods]
+        [f"{r['L']:,}", r.get("budgets", "uniform"), r["texts"], f"{r['full']:.1%}"]
+        + [" / ".join(f"{r[m][k]:.1%}" for k in keep) for m in methods]
         for r in d["rows"]
     ]
     m = d.get("machine", {})
     head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads; `{d.get('command', '')}`.*\n\n"
-    return head + _table(["text length", "texts", "full cache", *(f"{m} {shares}" for m in methods)], rows)
+    columns = ["text length", "layer budgets", "texts", "full cache", *(f"{m} {shares}" for m in methods)]
+    return head + _table(columns, rows)
+
+
+def models(name: str) -> str:
+    d = _load(name)
+    rows = [
+        [
+            r["model"],
+            r["case"],
+            r["dtype"],
+            f"{r['sdpa_s'] * 1e3:.1f}",
+            f"{r['attnkit_s'] * 1e3:.1f}",
+            f"{r['ratio']:.2f}x",
+        ]
+        for r in d["rows"]
+    ]
+    m = d.get("machine", {})
+    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads; `{d.get('command', '')}`.*\n\n"
+    return head + _table(["model", "case", "dtype", "sdpa ms", "attnkit ms", "attnkit / sdpa"], rows)
+
+
+def torch_flex_tests(name: str) -> str:
+    d = _load(name)["summary"]
+    counts = d["counts"]
+    kinds = ("passed", "failed", "fails on torch itself", "not applicable", "skipped")
+    machine = d.get("machine", {})
+    head = (
+        f"*{', '.join(d.get('files', []))}; torch {machine.get('torch', '?')}, {machine.get('cpu', '?')}; "
+        f"{d.get('minutes', '?')} minutes.*\n\n"
+    )
+    out = head + _table(
+        ["outcome", "tests"], [[k, counts.get(k, 0)] for k in kinds] + [["total", sum(counts.values())]]
+    )
+
+    def listed(title: str, groups: dict) -> str:
+        if not groups:
+            return ""
+        lines = [f"- {why} ({len(ids)}: `{ids[0].split('::')[-1]}`{', ...' if len(ids) > 1 else ''})"
+                 for why, ids in groups.items()]  # fmt: skip
+        return f"\n\n{title}:\n\n" + "\n".join(lines)
+
+    out += listed("Failed, by the first line of the error", d.get("failures", {}))
+    out += listed("Failing on torch's own FlexAttention too", d.get("fails_on_torch_itself", {}))
+    out += listed("Not applicable", d.get("not_applicable", {}))
+    skipped = d.get("skipped_because", {})
+    if skipped:
+        out += "\n\nSkipped by the tests themselves:\n\n" + "\n".join(f"- {k}: {v}" for k, v in skipped.items())
+    return out
 
 
 TABLES = {
     "masks": masks,
     "kv_compress": kv_compress,
+    "kv_budgets": kv_compress,
+    "models": models,
+    "torch_flex_tests": torch_flex_tests,
     "rollout": rollout,
     "cpu": cpu,
     "cpu_4096": cpu,
