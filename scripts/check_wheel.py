@@ -90,7 +90,20 @@ def native_tests(workdir: Path) -> None:
         assert f"the wheel's {level} build" in name and info.startswith(width), (name, info, done.stderr[-2000:])
         assert "widened to float32" in info  # neither has AVX512-BF16: bfloat16 on widened tiles
         tests = [str(REPO / "tests" / "kernels" / name) for name in ("test_native.py", "test_nan.py")]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-n", "2", "--dist", "worksteal", *tests]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            "-n",
+            "2",
+            "--dist",
+            "worksteal",
+            *tests,
+        ]
         print(f"{level}: {' '.join(cmd[3:])}", flush=True)
         done = subprocess.run(cmd, env=env, cwd=workdir, timeout=3600)
         assert done.returncode == 0, f"the native tests failed on the wheel's {level} build"
