@@ -10,6 +10,8 @@ several processes started by torchrun, a GPU, or a model directory the reader ha
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -179,3 +181,35 @@ def test_make_docs_fails_on_a_broken_link_and_a_broken_anchor(tmp_path):
     )  # fmt: skip
     assert done.returncode != 0
     assert "no-such-page.md" in done.stderr and "no-such-section" in done.stderr
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_table_the_docs_name_renders():
+    """Each ``<!-- bench: NAME -->`` of the docs names a renderer, and each result file that is there
+    renders without error (a missing one renders as "No results yet", never as a crash)."""
+    hooks = _hooks()
+    named = {m for page in PAGES for m in hooks.PLACEHOLDER.findall((ROOT / page).read_text(encoding="utf-8"))}
+    assert named <= set(hooks.TABLES), named - set(hooks.TABLES)
+    for name in sorted(named):
+        assert hooks.render(name).strip(), name
+
+
+def test_the_torch_flex_tests_table_shows_every_count_the_runner_wrote(tmp_path, monkeypatch):
+    """The table of PyTorch's own Flex tests shows each outcome's count as the runner wrote it (its keys,
+    "fails on torch" included), and a total that is their sum."""
+    hooks = _hooks()
+    counts = {"passed": 7, "failed": 2, "fails on torch": 3, "not applicable": 4, "skipped": 5, "xfailed": 6}
+    summary = {"counts": counts, "machine": {}, "files": ["a.py"], "minutes": 1.0}
+    (tmp_path / "torch_flex_tests.json").write_text(json.dumps({"summary": summary, "tests": {}}))
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    rows = dict(re.findall(r"^\| ([a-z ]+) \| (\d+) \|$", hooks.render("torch_flex_tests"), re.M))
+    assert rows == {
+        "passed": "7", "failed": "2", "fails on torch itself": "3", "not applicable": "4", "skipped": "5",
+        "xfailed": "6", "total": "27",
+    }  # fmt: skip
