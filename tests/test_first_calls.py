@@ -108,6 +108,16 @@ def f(q, k, v):
     return flex_attention(q, k, v, block_mask=create_block_mask(lambda b, h, x, y: x >= y, None, None, L, L))
 check(f(q, k, v), q, k, v, CAUSAL)
 """,
+    "compiled first, then eager, then compiled again: no recompile": """
+import attnkit
+from torch._dynamo.testing import CompileCounter
+counter = CompileCounter()
+f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, attnkit.masks.causal()), backend=counter)
+check(f(q, k, v), q, k, v, CAUSAL)
+check(attnkit.attention(q, k, v, attnkit.masks.causal()), q, k, v, CAUSAL)  # the first eager call
+check(f(q, k, v), q, k, v, CAUSAL)
+assert counter.frame_count == 1, f"{counter.frame_count} compiles: the first eager call changed a guarded state"
+""",
     "capture": """
 import attnkit
 mha = attnkit.MultiHeadAttention(32, 2)

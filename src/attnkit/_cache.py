@@ -193,7 +193,12 @@ def _library(obj: object) -> bool:
 
 
 #: Objects whose key is being made on this thread (a class whose method reads the class itself).
-_MAKING = threading.local()
+class _Making(threading.local):
+    def __init__(self) -> None:  # once per thread: the set is always there (no guard sees it appear)
+        self.ids: set[int] = set()
+
+
+_MAKING = _Making()
 #: At most this many attributes of one user class or instance are keyed (more: no fingerprint).
 FINGERPRINT_ATTRIBUTES = 64
 
@@ -276,9 +281,7 @@ def _has_storage(t: torch.Tensor) -> bool:
 def _following(x: object, make) -> Hashable:
     """``make()``, the key of ``x``, unless it is being made on this thread already (a class whose
     method reads the class): then a marker of the object, which its outer key contains in full."""
-    making = getattr(_MAKING, "ids", None)
-    if making is None:
-        making = _MAKING.ids = set()
+    making = _MAKING.ids
     if id(x) in making:
         return ("cycle", getattr(x, "__qualname__", type(x).__qualname__))
     making.add(id(x))

@@ -217,15 +217,17 @@ def unregister_kernel(kernel: Kernel | str) -> None:
 #: Per thread: the kernels :func:`use_kernels` allows and whether their preferences are asked,
 #: innermost last. Thread-local (not a ContextVar: torch.compile reads a thread's local state and
 #: guards on it), so a block in one thread never changes another thread's choice.
-_LOCAL = threading.local()
+class _Local(threading.local):
+    def __init__(self) -> None:  # run once in each thread that reads it: the stack is always there,
+        self.stack: list[tuple[tuple[Kernel, ...], bool]] = []  # so no compile guard sees it appear
+
+
+_LOCAL = _Local()
 
 
 def _active_stack() -> list[tuple[tuple[Kernel, ...], bool]]:
     """This thread's use_kernels entries, innermost last."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    return stack
+    return _LOCAL.stack
 
 
 @contextlib.contextmanager
