@@ -15,7 +15,8 @@ ratio moves although attnkit's time does not. And the fastest round of each tree
 (``best new / best base``): this machine's timing moves in steps between processes (the
 same tree and case run 30% apart in two processes), and those steps only ever slow a
 process down, so the fastest process of each tree is the one least disturbed. A case is
-flagged slower only when all three say so. Writes ``benchmarks/results/compare_<script>.json``.
+flagged slower only when all three say so. Writes ``benchmarks/results/compare_<script>.json``
+(or ``--out``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> int:
     parser.add_argument("base")
     parser.add_argument("--script", default="core.py")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/compare_<script>.json")
     args, rest = parser.parse_known_args()  # the rest (after --) goes to the script
     script_args = [a for a in rest if a != "--"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +119,7 @@ def main() -> int:
             f"{r['case']:<{width}}  {r['base_ratio']:>8.3f}  {r['new_ratio']:>8.3f}  {r['new_vs_base']:>8.3f}x"
             f"  {r['time_new_vs_base']:>13.3f}x  {r['best_new_vs_base']:>13.3f}x{flag}"
         )
-    out = RESULTS / f"compare_{Path(args.script).stem}.json"
+    out = args.out or RESULTS / f"compare_{Path(args.script).stem}.json"
     out.write_text(
         json.dumps({"base": args.base, "rounds": args.rounds, "script_args": script_args, "rows": rows}, indent=1)
         + "\n"

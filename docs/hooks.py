@@ -391,6 +391,7 @@ def torch_flex_tests(name: str) -> str:
 
 TABLES = {
     "masks": masks,
+    "masks_4096_recheck": masks,
     "kv_compress": kv_compress,
     "kv_budgets": kv_compress,
     "models": models,
@@ -410,6 +411,8 @@ TABLES = {
     "compare_core": compare,
     "compare_cpu": compare,
     "compare_cpu_masked": compare,
+    "compare_cpu_wave48": compare,
+    "compare_cpu_wave48_rerun": compare,
     "distributed": distributed,
     "long_context": long_context,
     "accuracy": accuracy,
