@@ -38,15 +38,36 @@ KEY_LENGTHS = (1, 2, 7, 64, 127, 300, 2049, 5000)
     ],
 )
 def test_an_unmasked_calls_choice_does_not_depend_on_its_key_length(b, hq, hkv, lq, dtype, grad):
-    """Where SDPA takes an unmasked rank-4 call at one key length, it takes it at every one: the
-    choice LEAN_ANY_LENGTH keeps without Lk is the registry's for any Lk."""
+    """Where SDPA or the native row path takes an unmasked rank-4 call at one key length, it takes it
+    at every one: the choice LEAN_ANY_LENGTH keeps without Lk is the registry's for any Lk."""
     assert fastpath.builtin_registry()
     chosen = set()
     for lk in KEY_LENGTHS:
         q = torch.empty(b, hq, lq, 16, dtype=dtype).requires_grad_(grad)
         k = torch.empty(b, hkv, lk, 16, dtype=dtype)
-        chosen.add(attnkit.explain(q, k, k).kernel)
-    assert len(chosen) == 1 or "sdpa" not in chosen, chosen
+        plan = attnkit.explain(q, k, k)
+        chosen.add((plan.kernel, "row path" in str(plan)))
+    kept_any_length = {c for c in chosen if c[0] == "sdpa" or c[1]}
+    assert len(chosen) == 1 or not kept_any_length, chosen
+
+
+def test_a_grouped_decoding_step_over_a_growing_cache_takes_the_row_path_and_the_formula():
+    """One float32 query per K/V group over every key (a decoding step of a GQA model with no padding)
+    runs on the native row path at every cache length, through the fast path's any-length runner,
+    and equals the float64 formula (TESTING.md's rule)."""
+    if not native_build.available():
+        pytest.skip(native_build.status()[1])
+    from _oracle import assert_oracle, gold_and_naive
+
+    q, keys, values = randn(3, 8, 1, 64), randn(3, 2, 700, 64), randn(3, 2, 700, 64)
+    for lk in (1, 2, 64, 65, 300, 700, 513):
+        k, v = keys[:, :, :lk], values[:, :, :lk]
+        assert "row path" in str(attnkit.explain(q, k, v)), attnkit.explain(q, k, v)
+        with torch.no_grad():
+            out = attnkit.attention(q, k, v)
+        ke, ve = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        assert_oracle(out, *gold_and_naive(q, ke, ve), what=f"Lk={lk}")
+    assert "row path" in str(attnkit.explain(q, keys, values, masks.causal()))  # a causal mask hides nothing here
 
 
 def test_a_padding_masks_choice_does_not_depend_on_its_lengths():

@@ -176,6 +176,12 @@ class Kernel:
         dropout or lse) without validating or choosing again. None: no such shortcut."""
         return None
 
+    def any_length_runner(self, call: Call) -> Runner | None:
+        """Optionally, a runner for every later call of this unmasked rank-4 call's signature at any
+        key length (a decoding step over a growing cache), valid only where the registry would choose
+        this kernel for any Lk (see :mod:`attnkit.kernels.fastpath`). None: no such shortcut."""
+        return None
+
     def limit_runner(self, call: Call) -> LimitRunner | None:
         """Optionally, a function ``(q, k, v, limits) -> out`` that runs every later call of this
         call's signature whose mask differs from this one only in each sequence's key limit (a

@@ -12,7 +12,8 @@ cache                           key
                                 devices, the mask's value key (or a PreparedMask's ``uid``), the
                                 scale (by its bits), autograd and inference mode, the registry's
                                 state (its version and the innermost ``use_kernels``)
-:data:`LEAN_ANY_LENGTH`         the same without Lk, for unmasked rank-4 calls SDPA runs
+:data:`LEAN_ANY_LENGTH`         the same without Lk, for unmasked rank-4 calls SDPA or the native
+                                row path runs (the row path takes Lk as every sequence's limit)
 :data:`LEAN_LIMITS`             the same with a padding mask's lengths left out (their count
                                 kept): its runner takes them per call (``Kernel.limit_runner``)
 ==============================  ===============================================================
@@ -21,9 +22,10 @@ The invariant the last two rely on (:func:`builtin_registry`, tested in
 ``tests/kernels/test_fastpath.py``): with attnkit's own kernels registered as they are and no
 ``use_kernels`` active, the choice of an unmasked rank-4 call does not depend on its key length
 when SDPA takes it (every kernel before SDPA in the priority list declines or refuses it for a
-reason that does not read Lk), and the choice of a call whose mask only cuts keys does not depend
-on the cut when the native engine's row path takes it (at most ``FEW_ROWS`` queries: it takes
-them whatever the limits). Entries are made only where that holds.
+reason that does not read Lk) or when the native engine's row path takes it (at most ``FEW_ROWS``
+queries over grouped K/V heads: it takes them whatever Lk), and the choice of a call whose mask
+only cuts keys does not depend on the cut when the native engine's row path takes it (at most
+``FEW_ROWS`` queries: it takes them whatever the limits). Entries are made only where that holds.
 
 A mask whose value cannot be keyed (a ``from_fn`` predicate over state that cannot be
 fingerprinted, a tensor mask) never takes the fast path: it is validated, chosen and prepared on
@@ -155,8 +157,10 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, sc
     if made is None:
         return None
     LEAN.put(key, made)
-    if any_length is not None and chosen.name == "sdpa" and builtin_registry():
-        LEAN_ANY_LENGTH.put(any_length, made)
+    if any_length is not None and builtin_registry():
+        any_length_runner = chosen.any_length_runner(call)
+        if any_length_runner is not None:
+            LEAN_ANY_LENGTH.put(any_length, any_length_runner)
     if limit_free is not None and builtin_registry():
         by_limits = chosen.limit_runner(call)
         if by_limits is not None:

@@ -215,6 +215,12 @@ class SDPAKernel(Kernel):
             return True, f"dense mask: Lq*Lk={call.pairs} is small"
         return True, "dense mask"
 
+    def any_length_runner(self, call: Call) -> Runner | None:
+        # an unmasked rank-4 call's runner reads every key as it comes (see runner): any Lk
+        if call.mask is not None or call.shapes.rank != 4:
+            return None
+        return self.runner(call)
+
     def runner(self, call: Call) -> Runner | None:
         if call.bias is not None or call.dropout_p > 0.0:
             return None
