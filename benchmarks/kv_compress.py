@@ -63,6 +63,11 @@ def main() -> None:
         for budgets in args.budgets:
             start = time.perf_counter()
             batch = max(1, min(16, 65536 // length))
+            print(
+                f"L={length}, {budgets} budgets: {args.texts} texts in batches of {batch}, {len(methods)} methods "
+                f"x {len(args.keep)} shares ...",
+                flush=True,
+            )
             found = compressed_recall(
                 model, length, keep=args.keep, methods=methods, n=args.texts, seed=args.seed, batch_size=batch,
                 budgets=budgets,

@@ -90,6 +90,54 @@ def _stats(length, heads, g):
     )  # fmt: skip
 
 
+def test_rows_combine_into_one_profile_their_mean_or_sum():
+    """select_rows: the chosen query rows' weights combined over the keys (mean or sum) as the float64
+    formula from the captured weights; negative rows count from the end; the keys it favours."""
+    model = _model()
+    with attnkit.capture(model) as cap, torch.no_grad():
+        _run(model, torch.randn(1, 9, 16))
+    w = widget(cap)
+    w.select(0, 1)
+    assert "selection" not in w.detail
+    w.select_rows([2, -1, 4])
+    p = cap.weights[0][0, 1].double()
+    d = w.detail["selection"]
+    assert d["rows"] == [2, 4, 8] and d["how"] == "mean" and d["binSize"] == 1
+    np.testing.assert_allclose(d["weights"], p[[2, 4, 8]].mean(0).numpy(), rtol=1e-3)
+    assert d["top"][0]["position"] == int(p[[2, 4, 8]].mean(0).argmax())
+    w.select_rows([2, 4, 8], how="sum")
+    np.testing.assert_allclose(w.detail["selection"]["weights"], p[[2, 4, 8]].sum(0).numpy(), rtol=1e-3)
+    w.select(1, 3)  # another head keeps the rows
+    np.testing.assert_allclose(
+        w.detail["selection"]["weights"], cap.weights[1][0, 3].double()[[2, 4, 8]].sum(0).numpy(), rtol=1e-3
+    )
+    w.select_rows([])
+    assert "selection" not in w.detail
+    with pytest.raises(ValueError, match=r"rows \[9\] are out of range for 9 query rows"):
+        w.select_rows([9])
+    with pytest.raises(ValueError, match="'mean' or 'sum'"):
+        w.select_rows([1], how="max")
+    with pytest.raises(TypeError, match="sequence of ints"):
+        w.select_rows([1.5])
+
+
+def test_captured_rows_combine_at_long_context_and_others_are_refused():
+    model = _model()
+    with attnkit.capture(model, mode="stats", rows=[-1, 100, 7]) as cap, torch.no_grad():
+        _run(model, torch.randn(1, 3000, 16))
+    w = widget(cap, bins=500)
+    w.select(1, 0)
+    w.select_rows([100, -1])
+    d = w.detail["selection"]
+    rows = cap.weights[1][0, 0].double()  # the captured rows, in the order rows= gave them: -1, 100, 7
+    want = rows[[0, 1]].mean(0)
+    assert d["rows"] == [100, 2999] and d["binSize"] == 6
+    np.testing.assert_allclose(d["weights"], want.view(500, 6).amax(-1).numpy(), rtol=1e-3)
+    assert d["top"][0]["position"] == int(want.argmax())
+    with pytest.raises(ValueError, match=r"rows \[5\] were not captured.*\[7, 100, 2999\]"):
+        w.select_rows([5, 7])
+
+
 def test_widget_state_fits_the_notebook_budgets():
     g = torch.Generator().manual_seed(0)
     weights = torch.softmax(torch.randn(6, 12, 512, 512, generator=g), -1)
@@ -218,6 +266,66 @@ def test_widget_front_end_draws_long_context_profiles(browser, tmp_path):
     assert f"(position {w.detail['topReceived'][0]['position']})" in tops[0].text
     browser.find_element(By.CSS_SELECTOR, "button.ak-back").click()
     assert browser.execute_script("return window.sets")[-1] == ["selected", [-1, -1]]
+    assert not severe_logs(browser)
+
+
+def test_widget_front_end_combines_clicked_rows(browser, tmp_path):
+    """Clicks on the heatmap's rows (shift: a range) set the rows to combine; the view draws the
+    combined profile with its mean/sum choice, and a click on "clear rows" empties the selection."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    w = widget(torch.softmax(torch.randn(1, 2, 8, 8), -1), list("abcdefgh"))
+    w.select(0, 1)
+    _open(browser, tmp_path, w)
+    browser.execute_script("window.push('detail', arguments[0])", w.detail)
+    canvas = browser.find_element(By.CSS_SELECTOR, "canvas.ak-heatmap")
+    cell = int(canvas.get_attribute("height")) // 8
+    top = -int(canvas.get_attribute("height")) // 2  # offsets are from the canvas's centre
+
+    def row(i):
+        return top + i * cell + cell // 2
+
+    ActionChains(browser).move_to_element_with_offset(canvas, 0, row(2)).click().perform()
+    assert browser.execute_script("return window.sets")[-1] == ["rows", [2]]
+    ActionChains(browser).move_to_element_with_offset(canvas, 0, row(5)).key_down(Keys.SHIFT).click().key_up(
+        Keys.SHIFT
+    ).perform()
+    assert browser.execute_script("return window.sets")[-1] == ["rows", [2, 3, 4, 5]]
+    w.select_rows([2, 3, 4, 5])  # what the kernel does on that change
+    browser.execute_script("window.push('detail', arguments[0])", w.detail)
+    titles = [h.text for h in browser.find_elements(By.CSS_SELECTOR, ".ak-detail h4")]
+    assert any(t.startswith("mean of the weights of 4 rows (2 (c), 3 (d)") for t in titles), titles
+    line = browser.find_element(By.CSS_SELECTOR, "svg.ak-profile polyline")
+    assert len(line.get_attribute("points").split()) == 8  # one point per key
+    tops = browser.find_elements(By.CSS_SELECTOR, "ol.ak-top li")
+    assert f"(position {w.detail['selection']['top'][0]['position']})" in tops[0].text
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element(By.CSS_SELECTOR, "select.ak-combine")).select_by_value("sum")
+    assert browser.execute_script("return window.sets")[-1] == ["combine", "sum"]
+    browser.find_element(By.CSS_SELECTOR, "button.ak-clear").click()
+    assert browser.execute_script("return window.sets")[-1] == ["rows", []]
+    assert not severe_logs(browser)
+
+
+def test_widget_front_end_ticks_captured_rows_to_combine(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    model = _model()
+    with attnkit.capture(model, mode="stats", rows=[-1, 10]) as cap, torch.no_grad():
+        _run(model, torch.randn(1, 600, 16))
+    w = widget(cap, bins=200)
+    w.select(0, 0)
+    _open(browser, tmp_path, w)
+    browser.execute_script("window.push('detail', arguments[0])", w.detail)
+    boxes = browser.find_elements(By.CSS_SELECTOR, "input.ak-row-pick")
+    assert [b.get_attribute("data-row") for b in boxes] == ["599", "10"]
+    boxes[1].click()
+    assert browser.execute_script("return window.sets")[-1] == ["rows", [10]]
+    boxes[0].click()
+    assert browser.execute_script("return window.sets")[-1] == ["rows", [10, 599]]
     assert not severe_logs(browser)
 
 

@@ -55,16 +55,20 @@ def _widget_class() -> type:
         _css = traitlets.Unicode(asset("widget.css")).tag(sync=True)
         data = traitlets.Dict().tag(sync=True)
         selected = traitlets.List(traitlets.Int(), default_value=[-1, -1]).tag(sync=True)
+        #: Query rows whose weights are combined into one profile (clicks on the heatmap's rows,
+        #: or the captured rows' boxes at long context), and how: "mean" or "sum".
+        rows = traitlets.List(traitlets.Int(), default_value=[]).tag(sync=True)
+        combine = traitlets.Unicode("mean").tag(sync=True)
         detail = traitlets.Dict().tag(sync=True)
 
-        def __init__(self, data: dict, view: Callable[[int, int], dict], css: str = "", **kwargs: Any):
+        def __init__(self, data: dict, view: Callable[..., dict], css: str = "", **kwargs: Any):
             super().__init__(data=data, **kwargs)
             self._css = css + asset("widget.css")
             self._view = view
-            self.observe(self._picked, names="selected")
+            self.observe(self._picked, names=["selected", "rows", "combine"])
 
         def _picked(self, change) -> None:
-            layer, head = change["new"]
+            layer, head = self.selected
             if layer < 0:
                 self.detail = {}
                 return
@@ -73,11 +77,35 @@ def _widget_class() -> type:
                     f"no head ({layer}, {head}): this widget has {self.data['layers']} layers of "
                     f"{self.data['heads']} heads."
                 )
-            self.detail = self._view(layer, head)
+            self.detail = self._view(layer, head, list(self.rows), self.combine)
 
         def select(self, layer: int, head: int) -> None:
             """Show ``head`` of ``layer`` (as a click on its cell does)."""
             self.selected = [int(layer), int(head)]
+
+        def select_rows(self, rows: Sequence[int], how: str = "mean") -> None:
+            """Combine the weights of query ``rows`` (positions; negative ones count from the end) into
+            one profile over the keys, their ``"mean"`` or ``"sum"`` (as clicks on the heatmap's rows
+            do); ``[]`` clears the selection. At long context only the rows the capture kept
+            (``capture(..., rows=)``) have weights to combine."""
+            if how not in ("mean", "sum"):
+                raise AttnkitValueError(f"how must be 'mean' or 'sum', but got {how!r}.")
+            if isinstance(rows, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
+                raise AttnkitTypeError(f"rows must be a sequence of ints (query positions), but got {rows!r}.")
+            queries = self.data["queries"]
+            bad = [r for r in rows if not -queries <= r < queries]
+            if bad:
+                raise AttnkitValueError(f"rows {bad} are out of range for {queries} query rows.")
+            chosen = sorted({r % queries for r in rows})
+            kept = self.data.get("rowsKept")
+            if kept is not None and not set(chosen) <= set(kept):
+                raise AttnkitValueError(
+                    f"rows {sorted(set(chosen) - set(kept))} were not captured: at long context the widget has the "
+                    f"weights of the rows the capture kept ({kept}); capture rows= those you want to combine."
+                )
+            with self.hold_trait_notifications():
+                self.combine = how
+                self.rows = chosen
 
         def _ipython_display_(self) -> None:
             """Two outputs: the grid as a static picture (what an exported notebook, nbconvert's HTML
@@ -168,14 +196,25 @@ def _weights_source(weights: Sequence[torch.Tensor], tokens, batch: int):
         "sink_mass": [m[..., 0].mean(-1).tolist() for m in mats],
     }
 
-    def view(layer: int, head: int) -> dict:
+    def view(layer: int, head: int, rows: Sequence[int] = (), how: str = "mean") -> dict:
         values, (hi,) = log_bytes(mats[layer][head].reshape(1, -1).numpy())
-        return {
+        out = {
             "kind": "weights", "layer": layer, "head": head, "rows": lq, "cols": lk, "hi": hi, "decades": DECADES,
             "bytes": base64.b64encode(values.tobytes()).decode("ascii"), "queryTokens": queries, "keyTokens": keys,
         }  # fmt: skip
+        if rows:
+            out["selection"] = _selection(mats[layer][head][list(rows)].numpy(), rows, how, keys, lk + 1)
+        return out
 
-    return summary, lk, view, keys
+    return summary, lk, lq, view, keys
+
+
+def _selection(weights: np.ndarray, rows: Sequence[int], how: str, keys: list[str], bins: int) -> dict:
+    """The combined profile of query ``rows``' weights ``(len(rows), Lk)``: their mean or sum over the
+    keys, binned (the largest of each bin) past ``bins`` keys, and the keys it favours."""
+    combined = weights.sum(0) if how == "sum" else weights.mean(0)
+    points, size = _binned(combined, bins)
+    return {"rows": [int(r) for r in rows], "how": how, "weights": points, "binSize": size, "top": _top(combined, keys)}
 
 
 def _stats_source(stats: Sequence, rows: Sequence[int], row_weights: Sequence[torch.Tensor], tokens, batch, bins):
@@ -190,7 +229,7 @@ def _stats_source(stats: Sequence, rows: Sequence[int], row_weights: Sequence[to
             summary[name].append([float(x) * scale for x in found[name]])
     rows = [int(r) % lq for r in rows]
 
-    def view(layer: int, head: int) -> dict:
+    def view(layer: int, head: int, chosen: Sequence[int] = (), how: str = "mean") -> dict:
         s = stats[layer]
         b = min(batch, s.received.shape[0] - 1)
         received = s.received[b, head].double().numpy()
@@ -205,9 +244,13 @@ def _stats_source(stats: Sequence, rows: Sequence[int], row_weights: Sequence[to
             w = row_weights[layer][b, head, i].double().numpy()
             out["rowWeights"].append(_binned(w, bins)[0])
             out["rowTop"].append(_top(w, keys))
+        if chosen:
+            at = [rows.index(r) for r in chosen]  # select_rows admits captured rows only
+            picked = row_weights[layer][b, head][at].double().numpy()
+            out["selection"] = _selection(picked, chosen, how, keys, bins)
         return out
 
-    return summary, lk, view, keys
+    return summary, lk, lq, view, keys
 
 
 def _is_capture(source: object) -> bool:
@@ -236,7 +279,11 @@ def widget(
     binned. Needs the ``widget`` extra (``pip install 'attnkit[widget]'``).
 
     Returns an ``anywidget.AnyWidget``: display it (the last line of a cell); ``w.select(layer,
-    head)`` or a click picks a head, ``w.selected`` reads the pick.
+    head)`` or a click picks a head, ``w.selected`` reads the pick. Several query rows combine into
+    one profile over the keys, their mean or sum (what a sentence or a phrase looks at): click rows
+    of the heatmap (shift-click for a range), tick the captured rows at long context, or
+    ``w.select_rows([3, 4, 5], how="sum")``; ``w.detail["selection"]`` holds the profile and the
+    keys it favours.
     """
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 8:
         raise AttnkitValueError(f"bins must be an int >= 8, but got {bins!r}.")
@@ -283,20 +330,22 @@ def widget(
     if stats is not None:
         if batch >= stats[0].received.shape[0]:
             raise AttnkitValueError(f"batch={batch}, but the statistics hold {stats[0].received.shape[0]} sequences.")
-        summary, length, view, keys = _stats_source(stats, rows, row_weights, tokens, batch, bins)
+        summary, length, queries, view, keys = _stats_source(stats, rows, row_weights, tokens, batch, bins)
         heads = stats[0].entropy.shape[-2]
     else:
         if len({tuple(w.shape[1:]) for w in weights}) != 1:
             raise AttnkitValueError("every layer's weights must have the same (H, Lq, Lk) shape.")
         if batch >= weights[0].shape[0]:
             raise AttnkitValueError(f"batch={batch}, but the weights hold {weights[0].shape[0]} sequences.")
-        summary, length, view, keys = _weights_source(weights, tokens, batch)
+        summary, length, queries, view, keys = _weights_source(weights, tokens, batch)
         heads = weights[0].shape[1]
     names = [str(n) for n in names] if names is not None else [f"layer {i}" for i in range(layers)]
     if len(names) != layers:
         raise AttnkitValueError(f"got {len(names)} layer names for {layers} layers.")
     data = {
-        "title": str(title), "layers": layers, "heads": int(heads), "length": int(length),
+        "title": str(title), "layers": layers, "heads": int(heads), "length": int(length), "queries": int(queries),
         "layerNames": names, "summary": summary, "staticId": uuid.uuid4().hex[:12],
     }  # fmt: skip
+    if stats is not None:  # at long context only the captured rows have weights to combine
+        data["rowsKept"] = sorted({int(r) % queries for r in rows})
     return _widget_class()(data, view, css=font_face(" ".join(keys[:20000])))

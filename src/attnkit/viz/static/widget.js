@@ -1,6 +1,7 @@
 // attnkit.viz.widget: the layer x head grid, one head's weights or statistics, in a notebook (anywidget).
-// The model holds `data` (static: the grid), `selected` ([layer, head], [-1, -1] for the grid alone)
-// and `detail` (the selected head's view, computed in Python when `selected` changes).
+// The model holds `data` (static: the grid), `selected` ([layer, head], [-1, -1] for the grid alone),
+// `rows` and `combine` (query rows whose weights are combined into one profile, "mean" or "sum") and
+// `detail` (the selected head's view, computed in Python when any of those change).
 const METRICS = {
   entropy: "entropy (bits)", max_weight: "largest weight", sink_mass: "first-token mass", mean_distance: "mean distance",
 };
@@ -57,7 +58,19 @@ function grid(root, data, model) {
   return draw;
 }
 
-function heatmap(panel, data, d) {
+// the rows of the selection after a click on row i (shift: the range from the last row clicked)
+let lastRow = -1;
+function toggled(chosen, i, range) {
+  const set = new Set(chosen);
+  if (range && lastRow >= 0) {
+    for (let r = Math.min(lastRow, i); r <= Math.max(lastRow, i); r++) set.add(r);
+  } else if (set.has(i)) set.delete(i);
+  else set.add(i);
+  lastRow = i;
+  return [...set].sort((a, b) => a - b);
+}
+
+function heatmap(panel, data, d, model) {
   const rows = d.rows, cols = d.cols, values = bytes(d.bytes);
   const cell = Math.max(1, Math.min(12, Math.floor(480 / Math.max(rows, cols))));
   const canvas = el("canvas", { class: "ak-heatmap", width: cols * cell, height: rows * cell });
@@ -68,7 +81,10 @@ function heatmap(panel, data, d) {
       ctx.fillRect(j * cell, i * cell, cell, cell);
     }
   }
-  const tip = el("div", { class: "ak-tip" }, "hover over a cell: query → key, weight");
+  const chosen = model.get("rows") || [];
+  ctx.strokeStyle = "#d33";
+  for (const i of chosen) if (i < rows) ctx.strokeRect(0.5, i * cell + 0.5, cols * cell - 1, Math.max(cell - 1, 1));
+  const tip = el("div", { class: "ak-tip" }, "hover over a cell: query → key, weight; click rows to combine them (shift: a range)");
   canvas.addEventListener("mousemove", (e) => {
     const r = canvas.getBoundingClientRect();
     const i = Math.floor((e.clientY - r.top) / cell), j = Math.floor((e.clientX - r.left) / cell);
@@ -76,7 +92,33 @@ function heatmap(panel, data, d) {
     const b = values[i * cols + j], w = b ? Math.pow(10, d.hi - d.decades + (b - 1) / 254 * d.decades) : 0;
     tip.textContent = `${d.queryTokens[i]} → ${d.keyTokens[j]}: ${w.toPrecision(3)}`;
   });
+  canvas.addEventListener("click", (e) => {
+    const r = canvas.getBoundingClientRect(), i = Math.floor((e.clientY - r.top) / cell);
+    if (i < 0 || i >= rows) return;
+    model.set("rows", toggled(model.get("rows") || [], i, e.shiftKey));
+    model.save_changes();
+  });
   panel.append(canvas, tip);
+}
+
+// the combined profile of the chosen rows (their mean or sum over the keys) and the keys it favours
+function selection(panel, d, model, names) {
+  const s = d.selection;
+  if (!s) return;
+  const how = el("select", { class: "ak-combine" });
+  for (const name of ["mean", "sum"]) how.append(el("option", { value: name }, name));
+  how.value = s.how;
+  how.addEventListener("change", () => { model.set("combine", how.value); model.save_changes(); });
+  const clear = el("button", { class: "ak-clear" }, "clear rows");
+  clear.addEventListener("click", () => { model.set("rows", []); model.save_changes(); });
+  const shown = s.rows.length > 6 ? `${s.rows.slice(0, 6).map(names).join(", ")}, ...` : s.rows.map(names).join(", ");
+  const box = el("div", { class: "ak-selection" });
+  box.append(el("label", {}, "rows combined by "), how, clear);
+  panel.append(box);
+  const per = s.binSize > 1 ? ` (${s.binSize} tokens per point: the largest)` : "";
+  profile(panel, `${s.how} of the weights of ${s.rows.length} rows (${shown})${per}`, s.weights, false, undefined,
+    s.binSize, "key position");
+  topList(panel, `where the ${s.rows.length} rows look together`, s.top);
 }
 
 function ticks(lo, hi, count) {  // round numbers spanning [lo, hi]
@@ -153,7 +195,8 @@ function detail(root, data, model) {
     back.addEventListener("click", () => { model.set("selected", [-1, -1]); model.save_changes(); });
     panel.append(el("h3", { class: "ak-title" }, `${data.layerNames[d.layer]} · head ${d.head}`), back);
     if (d.kind === "weights") {
-      heatmap(panel, data, d);
+      heatmap(panel, data, d, model);
+      selection(panel, d, model, (r) => `${r} (${d.queryTokens[r]})`);
       return;
     }
     const per = d.binSize > 1 ? ` (${d.binSize} tokens per point: the largest)` : "";
@@ -161,11 +204,26 @@ function detail(root, data, model) {
     topList(panel, "keys that receive the most", d.topReceived);
     profile(panel, `entropy of each query's weights (bits)${d.binSize > 1 ? `, ${d.binSize} rows per point: the mean` : ""}`,
       d.entropy, false, undefined, d.binSize, "query position");
+    const chosen = new Set(model.get("rows") || []);
     d.rows.forEach((r, i) => {
       profile(panel, `weights of query row ${r} (${d.rowTokens[i]}), log scale${per}`, d.rowWeights[i], true,
         Math.floor(r / d.binSize), d.binSize, "key position");
+      if (d.rows.length > 1) {  // rows to combine: a box each
+        const box = el("input", { type: "checkbox", class: "ak-row-pick", "data-row": r });
+        box.checked = chosen.has(r);
+        box.addEventListener("change", () => {
+          const now = new Set(model.get("rows") || []);
+          if (box.checked) now.add(r); else now.delete(r);
+          model.set("rows", [...now].sort((a, b) => a - b));
+          model.save_changes();
+        });
+        const label = el("label", { class: "ak-row-label" });
+        label.append(box, document.createTextNode(` combine row ${r}`));
+        panel.append(label);
+      }
       topList(panel, `where row ${r} looks`, d.rowTop[i]);
     });
+    selection(panel, d, model, (r) => `${r} (${d.rowTokens[d.rows.indexOf(r)]})`);
   };
 }
 
