@@ -394,6 +394,7 @@ TABLES = {
     "masks_4096_recheck": masks,
     "kv_compress": kv_compress,
     "kv_budgets": kv_compress,
+    "kv_budgets_32k": kv_compress,
     "models": models,
     "torch_flex_tests": torch_flex_tests,
     "rollout": rollout,
