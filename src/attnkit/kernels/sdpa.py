@@ -28,6 +28,20 @@ __all__ = ["SMALL_PAIRS", "SDPAKernel", "by_limit", "sdpa"]
 SMALL_PAIRS = 256 * 256
 
 
+def _every_key(call: Call) -> Runner:
+    """The runner of a rank-4 call that sees every key as it comes (no mask, or none that hides
+    anything): over one key the exact path, else SDPA over them all. It reads Lk from its inputs, so
+    the fast path keeps it for any key length."""
+    scale, gqa = call.scale, _grouped(call.shapes.hq, call.shapes.hkv)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[-2] == 1:
+            return _own_keys(q, k, v, 1, scale, 0.0)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+    return run
+
+
 def _grouped(hq, hkv) -> bool:
     """Whether K/V heads are shared (GQA), as a Python bool: with dynamic shapes under torch.compile
     the comparison is symbolic, and SDPA's ``enable_gqa`` takes a bool (the branch guards on it)."""
@@ -216,10 +230,11 @@ class SDPAKernel(Kernel):
         return True, "dense mask"
 
     def any_length_runner(self, call: Call) -> Runner | None:
-        # an unmasked rank-4 call's runner reads every key as it comes (see runner): any Lk
-        if call.mask is not None or call.shapes.rank != 4:
+        # an unmasked rank-4 call's runner reads every key as it comes: any Lk
+        if call.mask is not None or call.shapes.rank != 4 or call.bias is not None or call.dropout_p > 0.0:
             return None
-        return self.runner(call)
+        run = _every_key(call)
+        return first_derivative_only(run, self) if call.backward else run
 
     def runner(self, call: Call) -> Runner | None:
         if call.bias is not None or call.dropout_p > 0.0:
@@ -231,6 +246,7 @@ class SDPAKernel(Kernel):
                 return None  # a tensor's values are not part of the signature: made on every call
             return _dense_runner(self, call)
         gqa = _grouped(shapes.hq, shapes.hkv)
+        run: Runner
         if how == "limits":
             limits = call.limits
             assert limits is not None
@@ -238,13 +254,7 @@ class SDPAKernel(Kernel):
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return by_limit(q, k, v, limits, scale=scale)
         elif shapes.rank == 4 and (how in ("plain", "all") or (how == "limit" and call.shared_key_limit() is None)):
-            # no mask (or none that hides anything): every key as it comes, so the fast path keeps this
-            # runner for any Lk (over one key the exact path, else SDPA over them all)
-
-            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                if k.shape[-2] == 1:
-                    return _own_keys(q, k, v, 1, scale, 0.0)
-                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            run = _every_key(call)  # no mask (or none that hides anything): every key as it comes
         elif how == "limit":
             limit = call.shared_key_limit()
             assert limit is not None
