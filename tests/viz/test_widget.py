@@ -349,3 +349,17 @@ def test_the_widgets_output_carries_a_static_grid_the_live_view_hides(browser, t
     open_widget(browser, tmp_path / "widget.html", state, asset("widget.js"), w._css, before=picture)
     assert len(browser.find_elements(By.CSS_SELECTOR, "td.ak-cell")) == 6
     assert not browser.find_element(By.CSS_SELECTOR, ".attnkit-static").is_displayed()
+
+
+def test_counts_of_one_are_singular(browser, tmp_path):
+    """One layer of one head over one token reads "1 layer × 1 head, 1 token", in the live header and
+    in the static picture an export shows."""
+    from selenium.webdriver.common.by import By
+
+    from attnkit.viz.widgets import static_view
+
+    w = widget(torch.ones(1, 1, 1, 1), ["x"])
+    assert "1 layer &times; 1 head, 1 token," in static_view(w.data)
+    _open(browser, tmp_path, w)
+    assert browser.find_element(By.CSS_SELECTOR, ".ak-head").text.endswith("— 1 layer × 1 head, 1 token")
+    assert not severe_logs(browser)

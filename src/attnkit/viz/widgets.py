@@ -151,11 +151,16 @@ def static_view(data: dict) -> str:
     names = {"entropy": "entropy (bits)", "max_weight": "largest weight", "sink_mass": "first-token mass"}
     return fill(
         asset("widget_static.html"),
-        id=data["staticId"], title=html.escape(data["title"]), layers=str(layers), heads=str(heads),
-        length=f"{data['length']:,}", metric=names.get(metric, metric.replace("_", " ")),
-        alt=html.escape(f"{data['title']}: {metric} per head, {layers} layers x {heads} heads"),
+        id=data["staticId"], title=html.escape(data["title"]), layers=_plural(layers, "layer"),
+        heads=_plural(heads, "head"), length=_plural(data["length"], "token"),
+        metric=names.get(metric, metric.replace("_", " ")),
+        alt=html.escape(f"{data['title']}: {metric} per head, {_plural(layers, 'layer')} x {_plural(heads, 'head')}"),
         png=base64.b64encode(buffer.getvalue()).decode("ascii"),
     )  # fmt: skip
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def _labels(tokens: Sequence[object] | None, length: int) -> list[str]:

@@ -6,6 +6,8 @@ const METRICS = {
   entropy: "entropy (bits)", max_weight: "largest weight", sink_mass: "first-token mass", mean_distance: "mean distance",
 };
 
+function plural(n, word) { return `${n.toLocaleString("en-US")} ${word}${n === 1 ? "" : "s"}`; }
+
 function el(tag, attrs, text) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
@@ -232,7 +234,7 @@ function render({ model, el: root }) {
   // the static view the output carries for exports and viewers without a widget manager: hidden once this renders
   if (data.staticId) document.querySelectorAll(`.attnkit-static-${data.staticId}`).forEach((n) => { n.style.display = "none"; });
   root.classList.add("attnkit-widget");
-  root.append(el("div", { class: "ak-head" }, `${data.title} — ${data.layers} layers × ${data.heads} heads, ${data.length} tokens`));
+  root.append(el("div", { class: "ak-head" }, `${data.title} — ${plural(data.layers, "layer")} × ${plural(data.heads, "head")}, ${plural(data.length, "token")}`));
   const drawGrid = grid(root, data, model);
   const drawDetail = detail(root, data, model);
   drawGrid();
