@@ -77,12 +77,48 @@ def test_a_padding_masks_choice_does_not_depend_on_its_lengths():
     if not native_build.available():
         pytest.skip(native_build.status()[1])
     assert fastpath.builtin_registry()
-    lk = 96
-    for lq, (b, hq, hkv) in itertools.product((1, 2, native.few_rows()), ((1, 4, 4), (3, 8, 2), (2, 2, 1))):
+    shapes = itertools.product((1, 2, native.few_rows()), ((1, 4, 4), (3, 8, 2), (2, 2, 1)), (8, 96, 1000))
+    for lq, (b, hq, hkv), lk in shapes:  # LEAN_LIMITS leaves Lk out too (a growing cache)
         q, k = torch.empty(b, hq, lq, 16), torch.empty(b, hkv, lk, 16)
-        draws = [[0] * b, [lk] * b, [1] * b, list(range(1, b + 1)), [lk // 2] * b, [lk - i for i in range(b)]]
+        draws = [[0] * b, [1] * b, list(range(1, b + 1)), [lk // 2] * b, [lk - 1 - i for i in range(b)]]
         chosen = {attnkit.explain(q, k, k, masks.padding(torch.tensor(n))).kernel for n in draws}
-        assert chosen == {"native"}, (lq, b, hq, hkv, chosen)
+        assert chosen == {"native"}, (lq, b, hq, hkv, lk, chosen)
+        # every key of every sequence: the fast path serves it as no mask, and the registry agrees
+        assert attnkit.explain(q, k, k, masks.padding(torch.tensor([lk] * b))).kernel == attnkit.explain(q, k, k).kernel
+
+
+def test_decoding_over_a_growing_kv_cache_validates_once(monkeypatch):
+    """A MultiHeadAttention decoding one token a step into a KVCache with a causal mask: the step's
+    mask is the cache's lengths alone, so after the first step the fast path serves every later one
+    (no call validated or chosen again, nothing prepared) while the cache grows; the answers are the
+    float64 formula's."""
+    if not native_build.available():
+        pytest.skip(native_build.status()[1])
+    from _oracle import assert_oracle, gold_and_naive
+
+    from attnkit.kernels import fastpath as lean
+
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4).eval()
+    cache = attnkit.KVCache(batch_size=3, num_kv_heads=4, max_len=64, head_dim=8)
+    made = []
+    real = lean.make_call
+    monkeypatch.setattr(lean, "make_call", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    seen = []
+    hook = mha.register_attention_hook(lambda module, q, k, v, mask: seen.append((q, k, v, mask)))
+    with torch.no_grad():
+        mha(randn(3, 20, 32), mask=masks.causal(), cache=cache)  # the prompt
+        for step in range(10):
+            mha(randn(3, 1, 32), mask=masks.causal(), cache=cache)
+            if step == 0:
+                made.clear()  # the first decoding step validates and chooses
+    hook.remove()
+    assert not made, f"{len(made)} decoding steps were validated again"
+    for q, k, v, mask in seen[2:]:
+        lk = k.shape[2]
+        assert mask.limit_only() and mask.key_limit_values() == (lk,) * 3  # every stored entry, nothing else
+        out = attnkit.attention(q, k, v, mask)
+        assert_oracle(out, *gold_and_naive(q, k, v), what=f"Lk={lk}")
 
 
 def test_the_fast_path_serves_what_the_full_path_computes():

@@ -15,7 +15,8 @@ cache                           key
 :data:`LEAN_ANY_LENGTH`         the same without Lk, for unmasked rank-4 calls SDPA or the native
                                 row path runs (the row path takes Lk as every sequence's limit)
 :data:`LEAN_LIMITS`             the same with a padding mask's lengths left out (their count
-                                kept): its runner takes them per call (``Kernel.limit_runner``)
+                                kept), and Lk: its runner takes them per call
+                                (``Kernel.limit_runner``), reading Lk from its inputs
 ==============================  ===============================================================
 
 The invariant the last two rely on (:func:`builtin_registry`, tested in
@@ -24,8 +25,10 @@ The invariant the last two rely on (:func:`builtin_registry`, tested in
 when SDPA takes it (every kernel before SDPA in the priority list declines or refuses it for a
 reason that does not read Lk) or when the native engine's row path takes it (at most ``FEW_ROWS``
 queries over grouped K/V heads: it takes them whatever Lk), and the choice of a call whose mask
-only cuts keys does not depend on the cut when the native engine's row path takes it (at most
-``FEW_ROWS`` queries: it takes them whatever the limits). Entries are made only where that holds.
+only cuts keys does not depend on the cut or on Lk when the native engine's row path takes it (at
+most ``FEW_ROWS`` queries: it takes them whatever the limits that cut something; limits that cut
+nothing, every one equal to Lk, are served as no mask, as the registry chooses for them). Entries
+are made only where that holds.
 
 A mask whose value cannot be keyed (a ``from_fn`` predicate over state that cannot be
 fingerprinted, a tensor mask) never takes the fast path: it is validated, chosen and prepared on
@@ -121,12 +124,14 @@ def _any_length(key: tuple, q, k, v) -> tuple | None:
     return (key[0], k.shape[:2] + k.shape[3:], v.shape[:2] + v.shape[3:], *key[3:])
 
 
-def _limit_free(key: tuple, mask) -> tuple | None:
-    """``key`` with a padding mask's lengths left out (``Mask.limit_free_key``), or None."""
+def _limit_free(key: tuple, mask, q, k, v) -> tuple | None:
+    """``key`` with a padding mask's lengths left out (``Mask.limit_free_key``) and the key length
+    too (a decoding step over a growing cache), or None."""
     if not isinstance(mask, _masks.Mask):
         return None
     free = mask.limit_free_key()
-    return None if free is None else (*key[:9], free, *key[10:])
+    any_length = None if free is None else _any_length(key, q, k, v)
+    return None if any_length is None else (*any_length[:9], free, *any_length[10:])
 
 
 def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: float | None) -> Runner | None:
@@ -142,12 +147,15 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, sc
         found = LEAN_ANY_LENGTH.get(any_length)
         if found is not None:
             return found
-    limit_free = _limit_free(key, mask)
+    limit_free = _limit_free(key, mask, q, k, v)
     if limit_free is not None:
+        assert isinstance(mask, _masks.Mask), "a padding mask (_limit_free)"
+        lq, lk = q.shape[-2], k.shape[-2]
+        values = mask.key_limit_values()
+        if values and all(n == lk for n in values):  # every key of every sequence: as no mask
+            return runner(q, k, v, None, scale)
         by_limits = LEAN_LIMITS.get(limit_free)
         if by_limits is not None:
-            assert isinstance(mask, _masks.Mask), "a padding mask (_limit_free)"
-            lq, lk = q.shape[-2], k.shape[-2]
             mask.check_values(lq, lk)  # the lengths are all that differ: their checks, as the full path's
             limits = clamped_limits(mask, lk)
             return lambda q, k, v: by_limits(q, k, v, limits)

@@ -419,6 +419,17 @@ class Cached(Mask):
     def limit_only(self):
         return self.mask is None
 
+    def key_limit_values(self):
+        if self.mask is None and self.lengths.device.type == "cpu" and self.lengths.numel() <= SMALL_LENGTHS:
+            return tuple(self.lengths.tolist())
+        return None
+
+    def limit_free_key(self):
+        # with no inner mask the lengths decide alone (``start`` places queries no mask reads)
+        if self.mask is None and self.lengths.device.type == "cpu" and self.lengths.numel() <= SMALL_LENGTHS:
+            return ("cached without lengths", self.batch_size, self.lengths.dtype)
+        return None
+
     def positions(self, q_len, kv_len, device=None):
         device = device or self.start.device
         q = self.start.to(device)[:, None] + torch.arange(q_len, device=device)  # (B, Lq): after each fill

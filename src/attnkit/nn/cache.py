@@ -307,7 +307,20 @@ class KVCache:
                 "aligned with them. A compressed cache takes mask=None or masks.causal() (new tokens see every "
                 "kept entry); reset() it, or keep an uncompressed clone() for other masks."
             )
+        if mask is not None and _slot_causal(mask) and self._one_entry_each():
+            # a decoding step: each sequence's one new query sits at its last entry, so the causal mask
+            # hides exactly the entries past each sequence's length: the limits alone, which the fast
+            # path serves without preparing anything (the lengths are all that change between steps)
+            mask = None
         return masks.cached(mask, self._start, self.lengths)
+
+    def _one_entry_each(self) -> bool:
+        """Whether the latest append added exactly one entry to every sequence (read on the host where
+        that costs no device sync; False elsewhere)."""
+        fills = self._fills()
+        if fills is None:
+            return False
+        return all(n - s == 1 for n, s in zip(fills, self._start.tolist()))
 
     def bias(self, attn_bias: BiasLike) -> BiasLike:
         """``attn_bias`` aligned like :meth:`mask`: query i of sequence b at position ``start[b] + i``

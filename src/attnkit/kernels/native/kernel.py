@@ -113,7 +113,7 @@ def limit_plan(call: Call) -> tuple | None:
     if isinstance(call.mask, PreparedMask) or call.form not in (Form.LIMIT, Form.LIMITS, Form.ALL, Form.NONE):
         return None
     limits = call.limits
-    if limits is None and _few_rows_over_every_key(call):
+    if limits is None and call.form in (Form.NONE, Form.ALL) and _few_rows_over_every_key(call):
         limits = (call.shapes.lk,) * call.shapes.batch[0]  # every key of every sequence
     if limits is None:
         return None
@@ -166,7 +166,6 @@ def _few_rows_over_every_key(call: Call) -> bool:
     return (
         _few_rows(call)
         and call.form in (Form.NONE, Form.ALL)
-        and call.limits is None
         and s.hkv < s.hq
         and call.q.dtype == torch.float32
         and s.lk > 0
@@ -178,7 +177,9 @@ def _few_rows_by_limit(call: Call) -> bool:
     FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), or
     one that sees every key where :func:`_few_rows_over_every_key` says so; no modification or
     dropout, eager."""
-    return _few_rows(call) and (call.limits is not None or _few_rows_over_every_key(call))
+    if call.form is Form.ALL or call.limits is None:  # every key seen: as with no mask
+        return _few_rows_over_every_key(call)
+    return _few_rows(call)
 
 
 def backward(
@@ -396,14 +397,13 @@ class NativeKernel(Kernel):
     def limit_runner(self, call: Call) -> LimitRunner | None:
         if call.backward or not _few_rows_by_limit(call):
             return None
-        planned = limit_plan(call)
-        assert planned is not None, "a mask of key limits (_few_rows_by_limit)"
-        dense, scale = planned[:4], call.scale
+        scale, lq = call.scale, call.shapes.lq
         bq, bk = BLOCK_SIZE
         op = torch.ops.attnkit.native_forward
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple) -> torch.Tensor:
             kv_limit = torch.tensor(limits, dtype=torch.int64)
+            dense = _dense_plan(lq, k.shape[2])  # any key length: a growing cache's
             with torch._C._AutoDispatchBelowAutograd():  # no gradient asked for (the signature says so)
                 return op(q, k, v, *dense, kv_limit, None, bq, bk, scale, 0.0)[0]
 
