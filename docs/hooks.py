@@ -405,6 +405,7 @@ TABLES = {
     "cpu_4096_flex": cpu,
     "cpu_long": cpu,
     "core": core,
+    "core_xeon": core,
     "mods": mods,
     "compile": compile_,
     "gym": gym,
