@@ -213,6 +213,8 @@ def test_decoding_steps_with_a_new_padding_mask_each_share_one_runner_and_stay_e
         assert len(fastpath.LEAN_LIMITS) == (1 if native else 0)
         with pytest.raises(ValueError, match="Lk=40"):
             attnkit.attention(q, k, v, masks.padding(torch.tensor([41, 1, 1])))
+        with pytest.raises(ValueError, match="Lk=40"):  # past Lk everywhere: not "every key", an error
+            attnkit.attention(q, k, v, masks.padding(torch.tensor([41, 41, 41])))
         # a longer cache (a growing one) is served by the same entry: the key length is read per call
         k2, v2 = randn(3, 2, 50, 16), randn(3, 2, 50, 16)
         mask = masks.padding(torch.tensor([50, 9, 20]))

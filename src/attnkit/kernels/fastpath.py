@@ -151,14 +151,14 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, sc
     if limit_free is not None:
         assert isinstance(mask, _masks.Mask), "a padding mask (_limit_free)"
         lq, lk = q.shape[-2], k.shape[-2]
-        values = mask.key_limit_values()
-        if values and all(n == lk for n in values):  # every key of every sequence: as no mask
+        every = clamped_limits(mask, lk)
+        if every and all(n == lk for n in every):  # every key of every sequence: as no mask
+            mask.check_values(lq, lk)  # lengths past Lk raise, as on the full path
             return runner(q, k, v, None, scale)
         by_limits = LEAN_LIMITS.get(limit_free)
         if by_limits is not None:
             mask.check_values(lq, lk)  # the lengths are all that differ: their checks, as the full path's
-            limits = clamped_limits(mask, lk)
-            return lambda q, k, v: by_limits(q, k, v, limits)
+            return lambda q, k, v: by_limits(q, k, v, every)
     call = make_call(q, k, v, mask=mask, scale=scale)  # raises as the full path does
     chosen = registry.choose(call).chosen
     made = chosen.runner(call)
