@@ -419,13 +419,9 @@ class Cached(Mask):
     def limit_only(self):
         return self.mask is None
 
-    def key_limit_values(self):
-        if self.mask is None and self.lengths.device.type == "cpu" and self.lengths.numel() <= SMALL_LENGTHS:
-            return tuple(self.lengths.tolist())
-        return None
-
     def limit_free_key(self):
-        # with no inner mask the lengths decide alone (``start`` places queries no mask reads)
+        # with no inner mask the lengths decide alone (``start`` places queries no mask reads), read on
+        # the host where they are few and there
         if self.mask is None and self.lengths.device.type == "cpu" and self.lengths.numel() <= SMALL_LENGTHS:
             return ("cached without lengths", self.batch_size, self.lengths.dtype)
         return None

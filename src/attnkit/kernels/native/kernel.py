@@ -113,7 +113,7 @@ def limit_plan(call: Call) -> tuple | None:
     if isinstance(call.mask, PreparedMask) or call.form not in (Form.LIMIT, Form.LIMITS, Form.ALL, Form.NONE):
         return None
     limits = call.limits
-    if limits is None and call.form in (Form.NONE, Form.ALL) and _few_rows_over_every_key(call):
+    if limits is None and _few_rows_over_every_key(call):
         limits = (call.shapes.lk,) * call.shapes.batch[0]  # every key of every sequence
     if limits is None:
         return None
@@ -162,14 +162,12 @@ def _few_rows_over_every_key(call: Call) -> bool:
     inputs are float32. The row path reads each key once for the group's query heads; SDPA's
     ``enable_gqa`` reads it once per query head (measured on an Intel Xeon at 512-8192 keys: 0.5-0.9x
     SDPA's time with groups of 4; without groups, or in bfloat16, SDPA's vectorised GEMV is faster)."""
-    s = call.shapes
-    return (
-        _few_rows(call)
-        and call.form in (Form.NONE, Form.ALL)
-        and s.hkv < s.hq
-        and call.q.dtype == torch.float32
-        and s.lk > 0
-    )
+    return _few_rows(call) and _grouped_float32_over_every_key(call) and call.shapes.lk > 0
+
+
+def _grouped_float32_over_every_key(call: Call) -> bool:
+    """A call that sees every key, over shared K/V heads, in float32 (asked without the engine)."""
+    return call.form in (Form.NONE, Form.ALL) and call.shapes.hkv < call.shapes.hq and call.q.dtype == torch.float32
 
 
 def _few_rows_by_limit(call: Call) -> bool:
@@ -180,6 +178,21 @@ def _few_rows_by_limit(call: Call) -> bool:
     if call.form is Form.ALL or call.limits is None:  # every key seen: as with no mask
         return _few_rows_over_every_key(call)
     return _few_rows(call)
+
+
+def _row_path(call: Call) -> LimitRunner:
+    """``(q, k, v, limits) -> out``: the row path over each sequence's first ``limits`` keys, at any
+    key length (a growing cache's), with no gradient (the fast path's signatures say so)."""
+    scale, lq = call.scale, call.shapes.lq
+    bq, bk = BLOCK_SIZE
+    op = torch.ops.attnkit.native_forward
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple) -> torch.Tensor:
+        kv_limit = torch.tensor(limits, dtype=torch.int64)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(q, k, v, *_dense_plan(lq, k.shape[2]), kv_limit, None, bq, bk, scale, 0.0)[0]
+
+    return run
 
 
 def backward(
@@ -243,10 +256,7 @@ def _worth_loading(call: Call) -> bool:
             and not call.mods
             and call.dropout_p == 0.0
             and not isinstance(call.mask, PreparedMask)
-            and (
-                call.limits is not None
-                or (call.form in (Form.NONE, Form.ALL) and s.hkv < s.hq and call.q.dtype == torch.float32)
-            )
+            and (call.limits is not None or _grouped_float32_over_every_key(call))
         )
     if call.mods or call.return_lse or sparsity.rows_of(call) >= MIN_QUERIES:
         return True
@@ -381,33 +391,13 @@ class NativeKernel(Kernel):
     def any_length_runner(self, call: Call) -> Runner | None:
         if call.mask is not None or call.backward or not _few_rows_over_every_key(call):
             return None
-        scale, lq, b = call.scale, call.shapes.lq, call.shapes.batch[0]
-        bq, bk = BLOCK_SIZE
-        op = torch.ops.attnkit.native_forward
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            lk = k.shape[2]
-            dense = _dense_plan(lq, lk)
-            kv_limit = torch.full((b,), lk, dtype=torch.int64)  # every key of every sequence
-            with torch._C._AutoDispatchBelowAutograd():  # no gradient asked for (the signature says so)
-                return op(q, k, v, *dense, kv_limit, None, bq, bk, scale, 0.0)[0]
-
-        return run
+        by_limits = _row_path(call)
+        return lambda q, k, v: by_limits(q, k, v, (k.shape[2],) * q.shape[0])  # every key of every sequence
 
     def limit_runner(self, call: Call) -> LimitRunner | None:
         if call.backward or not _few_rows_by_limit(call):
             return None
-        scale, lq = call.scale, call.shapes.lq
-        bq, bk = BLOCK_SIZE
-        op = torch.ops.attnkit.native_forward
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple) -> torch.Tensor:
-            kv_limit = torch.tensor(limits, dtype=torch.int64)
-            dense = _dense_plan(lq, k.shape[2])  # any key length: a growing cache's
-            with torch._C._AutoDispatchBelowAutograd():  # no gradient asked for (the signature says so)
-                return op(q, k, v, *dense, kv_limit, None, bq, bk, scale, 0.0)[0]
-
-        return run
+        return _row_path(call)
 
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = call.shapes
