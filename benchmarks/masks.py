@@ -34,7 +34,7 @@ import torch
 from core import median_ms  # benchmarks/core.py: interleaved medians
 
 import attnkit
-from attnkit import masks
+from attnkit import _cache, masks
 from attnkit.flex import create_block_mask as attnkit_block_mask
 
 RESULTS = Path(__file__).parent / "results"
@@ -170,6 +170,8 @@ def run(args) -> dict:
         _flush(rows[-len(times) :])
         if length <= args.gym_max:
             rows.extend(_gym(length, torch_flex, repeats, args))
+    for length in args.gym_lengths:
+        rows.extend(_catalogue(length, torch_flex, args))
     return {"machine": machine.describe(), "shape": {"H": H, "D": D, "dtype": "float32"}, "rows": rows}
 
 
@@ -213,6 +215,59 @@ def _gym(length: int, torch_flex, repeats: int, args) -> list[dict]:
     return out
 
 
+def _catalogue(length: int, torch_flex, args) -> list[dict]:
+    """Every mask of attention-gym's catalogue (tests/_gym.py) at ``length``: attnkit's
+    ``create_block_mask`` with its caches cleared before each call (nothing answers from a cache),
+    torch's ``create_block_mask`` compiled (``_compile=True``, warm: its compile time is recorded)
+    and eager (up to ``--gym-eager-max``). Medians of ``--gym-repeats`` interleaved calls."""
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from _gym import catalogue  # the catalogue the tests check, at any length
+    except ImportError:
+        print("attention-gym is not installed (pip install attn-gym): the catalogue is skipped", file=sys.stderr)
+        return []
+    out = []
+    for name, make in catalogue(length).items():
+        if args.gym_only and name not in args.gym_only:
+            continue
+        fn, lq, lk, *lead = make()
+        b, h = lead or (None, None)
+
+        def ours(fn=fn, b=b, h=h, lq=lq, lk=lk):
+            _cache.clear()  # every cache attnkit keeps: the mask is made from nothing
+            return attnkit_block_mask(fn, b, h, lq, lk)
+
+        cases = {"attnkit": ours}
+        row = {"group": "attention-gym catalogue", "kind": name, "B": b or 1, "H": h or 1, "L": length}
+        if torch_flex is not None and not args.no_compile:
+            start = time.perf_counter()
+            torch_flex(fn, b, h, lq, lk, device="cpu", _compile=True)
+            row["torch_compile_s"] = round(time.perf_counter() - start, 1)
+            cases["torch compiled"] = lambda fn=fn, b=b, h=h, lq=lq, lk=lk: torch_flex(
+                fn, b, h, lq, lk, device="cpu", _compile=True
+            )
+        if torch_flex is not None and length <= args.gym_eager_max:
+            cases["torch eager"] = lambda fn=fn, b=b, h=h, lq=lq, lk=lk: torch_flex(fn, b, h, lq, lk, device="cpu")
+        times = median_ms(cases, args.gym_repeats)
+        row["attnkit_ms"] = round(times["attnkit"], 2)
+        for who, key in (("torch compiled", "torch_compiled_ms"), ("torch eager", "torch_eager_ms")):
+            if who in times:
+                row[key] = round(times[who], 2)
+                row[key.replace("_ms", "_over_attnkit")] = round(times[who] / times["attnkit"], 2)
+        torch._dynamo.reset()  # each mask's compiled graph is its own: none kept for the next
+        out.append(row)
+        compiled = eager = "-"
+        if "torch_compiled_ms" in row:
+            compiled = f"{row['torch_compiled_ms']:9.2f} ms ({row['torch_compiled_ms'] / row['attnkit_ms']:5.2f}x)"
+        if "torch_eager_ms" in row:
+            eager = f"{row['torch_eager_ms']:9.2f} ms"
+        ours_ms = row["attnkit_ms"]
+        print(
+            f"L={length:6d} {name:24s} attnkit {ours_ms:9.2f} ms  torch compiled {compiled}  eager {eager}", flush=True
+        )
+    return out
+
+
 def _torch_flex():
     try:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -242,11 +297,16 @@ def _flush(rows) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--torch-max", type=int, default=16384, help="longest L to time torch's create_block_mask at")
     parser.add_argument("--forward-max", type=int, default=16384, help="longest L to time a forward at")
     parser.add_argument("--gym-max", type=int, default=16384)
+    parser.add_argument("--gym-lengths", type=int, nargs="*", default=[4096, 16384],
+                        help="lengths to time attention-gym's whole catalogue at")  # fmt: skip
+    parser.add_argument("--gym-only", nargs="*", default=[], help="only these masks of the catalogue")
+    parser.add_argument("--gym-repeats", type=int, default=5)
+    parser.add_argument("--gym-eager-max", type=int, default=4096, help="longest L to time torch's eager at")
     parser.add_argument("--no-compile", action="store_true", help="skip torch's _compile=True (minutes to compile)")
     parser.add_argument("--out", type=Path, default=RESULTS / "masks.json")
     args = parser.parse_args()

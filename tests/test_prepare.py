@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._python_dispatch
+from torch.nn.attention import flex_attention
 from _oracle import ALL_KERNELS, assert_oracle, dense_of, gold_and_naive, mask_kinds, naive_attention, randn
 
 import attnkit
@@ -195,8 +196,9 @@ def test_partial_bits_follow_from_the_parameters(lq, lk, block_size, monkeypatch
 
 
 def test_each_mask_is_evaluated_in_the_form_it_has(monkeypatch):
-    """Ranges for structured "&", tiles for "|" and unsorted document ids, rows of blocks for
-    predicates written for one pair; each equal to the formula."""
+    """Ranges for structured "&", tiles for "|", unsorted document ids and predicates (written for
+    one pair too: all partial tiles under one torch.vmap), rows of blocks for a BlockMask's
+    mask_mod; each equal to the formula."""
     from attnkit import _bits
 
     seen = []
@@ -216,7 +218,10 @@ def test_each_mask_is_evaluated_in_the_form_it_has(monkeypatch):
         "_by_ranges": masks.document(torch.arange(200) // 70) & masks.causal(),
         "_by_tiles": masks.sliding_window(3, 3) | masks.causal(),
         "_by_tiles ": masks.document(shuffled),
-        "_by_rows": masks.from_fn(one_pair),
+        "_by_tiles  ": masks.from_fn(one_pair),
+        "_by_rows": masks.from_block_mask(
+            flex_attention.create_block_mask(one_pair, None, None, 200, 200, device="cpu", BLOCK_SIZE=16)
+        ),
     }
     for form, mask in cases.items():
         seen.clear()

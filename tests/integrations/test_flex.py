@@ -19,6 +19,8 @@ from _oracle import assert_oracle
 attn_gym = pytest.importorskip("attn_gym")
 flex_module = pytest.importorskip("torch.nn.attention.flex_attention")
 
+from _gym import catalogue  # noqa: E402  (tests/_gym.py: attention-gym's masks)
+
 import attnkit  # noqa: E402
 from attnkit import flex  # noqa: E402
 
@@ -52,62 +54,7 @@ def formula(q, k, v, mask_mod, score_mod, scale=None):
 # --- the catalogue: each entry builds (mask_mod, Q_LEN, KV_LEN) --------------------------------------
 
 M = attn_gym.masks
-
-
-def _offsets(*cuts):
-    return torch.tensor([0, *cuts, L], dtype=torch.int32)
-
-
-def _vsa():
-    """VSA's per-(sequence, head) top-k tiles, from its own coarse scores: a map per head."""
-    torch.manual_seed(1)
-    qq, kk = torch.randn(2, 4, L, 16), torch.randn(2, 4, L, 16)
-    topk = M.compute_vsa_topk_indices(qq, kk, tile_numel=64, top_k=2)
-    return M.generate_vsa_mask_mod(topk, tile_numel=64), L, L, 2, 4
-
-
-def _jetspec_tree():
-    ancestors = M.build_tree_ancestor_matrix([-1, 0, 0, 1, 1, 2, 2, 3] * 4, device="cpu")
-    nodes = ancestors.shape[0]  # queries: the tree's nodes; keys: a prefix, then the nodes
-    return M.generate_jetspec_tree_causal_mask_mod(L - nodes, ancestors), nodes, L
-
-
-MASKS = {
-    "causal": lambda: (M.causal_mask, L, L),
-    "sliding_window": lambda: (M.generate_sliding_window(48), L, L),
-    "prefix_lm": lambda: (M.generate_prefix_lm_mask(70), L, L),
-    "document": lambda: (M.generate_doc_mask_mod(M.causal_mask, _offsets(70, 180)), L, L),
-    "packed_causal_document": lambda: (M.generate_packed_causal_doc_mask_mod(_offsets(50, 130, 200)), L, L),
-    "dilated_sliding_window": lambda: (M.generate_dilated_sliding_window(64, 2), L, L),
-    "global_sliding_window": lambda: (
-        M.generate_global_sliding_window(32, torch.arange(L) % 97 == 0),
-        L,
-        L,
-    ),
-    "natten": lambda: (M.generate_natten(16, 16, 5, 5), L, L),
-    "tiled_natten": lambda: (M.generate_tiled_natten(16, 16, 5, 5, 4, 4), L, L),
-    "morton_natten": lambda: (M.generate_morton_natten(16, 16, 5, 5), L, L),
-    "block_diffusion": lambda: (M.generate_block_diffusion_mask(L // 2, 16), L, L),
-    "vision_cross_attention": lambda: (
-        M.generate_vision_cross_attention_mask_mod(torch.tensor([[0, 100], [60, 200], [150, 256]]), 64),
-        L,
-        3 * 64,
-    ),
-    "jetspec_training": lambda: (M.generate_jetspec_training_mask_mod(96, 16), L - 96, L),
-    "jetspec_tree_causal": _jetspec_tree,
-    "shared_prefix": lambda: (
-        # documents 1 and 2 continue document 0 (their shared prefix); 3 continues itself
-        M.generate_shared_prefix_mask_mod(_offsets(60, 150, 200), torch.tensor([0, 0, 0, 3], dtype=torch.int32)),
-        L,
-        L,
-    ),
-    "sta_2d": lambda: (M.generate_sta_mask_mod_2d((16, 16), (8, 8), (4, 4)), L, L),
-    "sta_3d": lambda: (M.generate_sta_mask_mod_3d((4, 8, 8), (2, 4, 4), (2, 4, 4)), L, L),
-    "svg_spatial_head": lambda: (M.generate_spatial_head_mask_mod(16, 4, 60, 1, round_width=16), L, L),
-    "svg_temporal_head": lambda: (M.generate_temporal_head_mask_mod(16, 4, 60, 1), L, L),
-    "batchify": lambda: (M.batchify_mask_mod(M.causal_mask, 100), L, L),
-    "vsa": _vsa,
-}
+MASKS = catalogue(L)
 
 D = attn_gym.mods
 

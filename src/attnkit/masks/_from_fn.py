@@ -5,6 +5,7 @@ else under ``torch.vmap``, one pair at a time (FlexAttention's semantics)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -15,9 +16,11 @@ from attnkit._validate import (
     AttnkitTypeError,
     AttnkitValueError,
     check_nonnegative_int,
+    compiling,
     short,
 )
 from attnkit.masks._base import Mask, values_of
+from attnkit.masks._intervals import Interval, Unsupported, block_bounds
 from attnkit.masks._positions import at_sequence, indexed_positions
 
 __all__ = ["FromFn"]
@@ -48,6 +51,69 @@ def _evaluate(fn, b, h, qi, ki):
             "operations on b, h, q_idx and kv_idx (comparisons, arithmetic, where, indexing a captured tensor), "
             "with no host reads (.item(), .numpy(), bool())."
         ) from err
+
+
+#: Tiles of at least this many pairs in all are first judged by index ranges (:func:`_tiles_by_ranges`).
+RANGES_FROM = 1 << 15
+
+
+def _tiles_by_ranges(fn, shape, b, h, qi, ki, group: int = 16):
+    """Allowed pairs of tiles ``shape = (T, X, Y)`` from the predicate on the index ranges of its
+    ``group x group`` parts (:mod:`._intervals`: every index tensor's min and max over a part), the
+    parts left undecided evaluated pair by pair; None where the ranges cannot be taken."""
+    t, x, y = shape
+    gx, gy = min(group, x), min(group, y)
+    if x % gx or y % gy:
+        return None
+
+    def ranges(v):
+        v = v.view(*(1,) * (3 - v.dim()), *v.shape)
+        lo = hi = v
+        if v.shape[1] > 1:
+            lo, hi = (z.unflatten(1, (x // gx, gx)) for z in (lo, hi))
+            lo, hi = lo.amin(2), hi.amax(2)
+        if v.shape[2] > 1:
+            lo, hi = (z.unflatten(2, (y // gy, gy)) for z in (lo, hi))
+            lo, hi = lo.amin(3), hi.amax(3)
+        return Interval(lo.unsqueeze(1), hi.unsqueeze(1))  # (T', 1, X', Y'): four dims, as blocks
+
+    try:
+        out = block_bounds(fn, *(ranges(v) for v in (b, h, qi, ki)))
+    except Unsupported:
+        return None
+    sure, maybe = torch.broadcast_tensors(out.lo, out.hi)
+    sure, maybe = sure.expand(t, 1, x // gx, y // gy)[:, 0], maybe.expand(t, 1, x // gx, y // gy)[:, 0]
+    parts = sure.unsqueeze(-1).unsqueeze(-1).expand(t, x // gx, y // gy, gx, gy).clone()
+    where = (sure != maybe).nonzero()
+    if where.shape[0]:
+        ti, xi, yi = where.unbind(1)
+
+        def gathered(v):
+            v = v.expand(shape).unflatten(1, (x // gx, gx)).unflatten(3, (y // gy, gy)).transpose(2, 3)
+            return v[ti, xi, yi]  # (N, gx, gy)
+
+        flat = [gathered(v) for v in (b, h, qi, ki)]
+        exact, _ = broadcast_proved(fn, *flat)
+        if not (isinstance(exact, torch.Tensor) and exact.dtype == torch.bool and exact.shape == flat[0].shape):
+            exact = _flat_pairs(fn, flat[0].shape, *flat)
+            if exact is None:
+                return None
+        parts[ti, xi, yi] = exact
+    return parts.transpose(2, 3).reshape(shape)
+
+
+def _flat_pairs(fn, shape, b, h, qi, ki):
+    """``fn`` under one torch.vmap over every pair of the broadcast ``shape`` (None where it fails
+    there or returns something else than one bool per pair: the caller evaluates by rows and says why)."""
+    flat = [x.expand(shape).reshape(-1) for x in (b, h, qi, ki)]
+    try:
+        with indexing_per_pair():
+            out = torch.vmap(fn)(*flat)
+    except Exception:  # noqa: BLE001 - evaluated again by rows, where the error is explained
+        return None
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool or out.shape != flat[0].shape:
+        return None
+    return out.view(shape)
 
 
 def _per_pair(fn, b, h, qi, ki):
@@ -137,10 +203,14 @@ class FromFn(Mask):
 
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         qi, ki = q_idx + at_sequence(self.q_offset, b), kv_idx + at_sequence(self.kv_offset, b)
-        out, _ = broadcast_proved(self.fn, b, h, qi, ki)  # None: per row of blocks (elements), one pair at a time
-        if out is None:
-            return None
         shape = broadcast(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        if len(shape) == 3 and math.prod(shape) >= RANGES_FROM and not compiling():
+            out = _tiles_by_ranges(self.fn, shape, b, h, qi, ki)
+            if out is not None:
+                return out
+        out, _ = broadcast_proved(self.fn, b, h, qi, ki)
+        if out is None:  # one pair at a time, every pair of the tiles under one torch.vmap
+            return None if compiling() else _flat_pairs(self.fn, shape, b, h, qi, ki)
         try:
             fits = isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() <= 3
             fits = fits and broadcast(out.shape, shape) == shape
@@ -149,6 +219,76 @@ class FromFn(Mask):
         return out.expand(shape) if fits else None
 
     def block_codes(self, b):
+        codes = self._codes_by_ranges(b)
+        return codes if codes is not None else self._codes_by_rows(b)
+
+    def _codes_by_ranges(self, b, grid: int = 64, chunk_pairs: int = 1 << 22):
+        """Codes from the predicate run once on the index ranges of every ``grid``-sized part of
+        the blocks (:mod:`._intervals`); the parts it leaves undecided evaluated pair by pair, in
+        batches of ``chunk_pairs``; None where the predicate leaves the expression language (or
+        is being traced)."""
+        if b.nq == 0 or b.nk == 0 or torch.compiler.is_compiling():
+            return None
+        dev = b.device
+        sq = grid if b.bq > grid and b.bq % grid == 0 else b.bq  # finer parts: tighter ranges
+        sk = grid if b.bk > grid and b.bk % grid == 0 else b.bk
+        nq, nk = -(-b.q_len // sq), -(-b.keys // sk)
+        q0, k0 = torch.arange(nq, device=dev) * sq, torch.arange(nk, device=dev) * sk
+        q_off, k_off = per_seq(self.q_offset, dev), per_seq(self.kv_offset, dev)
+        q = Interval(q0.view(1, 1, -1, 1) + q_off, (q0 + sq).clamp(max=b.q_len).sub(1).view(1, 1, -1, 1) + q_off)
+        kv = Interval(k0.view(1, 1, 1, -1) + k_off, (k0 + sk).clamp(max=b.keys).sub(1).view(1, 1, 1, -1) + k_off)
+        bs = torch.arange(self.batch_size or 1, device=dev).view(-1, 1, 1, 1)
+        hs = torch.arange(self.num_heads or 1, device=dev).view(1, -1, 1, 1)
+        try:
+            out = block_bounds(self.fn, Interval(bs, bs), Interval(hs, hs), q, kv)
+        except Unsupported:
+            return None
+        sure, maybe = (as4d(x) for x in torch.broadcast_tensors(out.lo, out.hi))
+        sure, maybe = (x.expand(*x.shape[:2], nq, nk) for x in (sure, maybe))
+        full, empty = sure.clone(), ~maybe
+        where = (sure != maybe).nonzero()  # (N, 4): the parts the ranges leave undecided
+        step = max(1, chunk_pairs // (sq * sk))
+        q_in, k_in = torch.arange(sq, device=dev), torch.arange(sk, device=dev)
+        if where.shape[0] == 0:
+            return b.code(*(self._blocks_of_parts(x, b, sq, sk) for x in (full, empty)))
+        bi, hi, qi, ki = (where[:, i] for i in range(4))
+        q_idx = (qi.view(-1, 1) * sq + q_in).clamp(max=b.q_len - 1)  # a short last part repeats its
+        kv_idx = (ki.view(-1, 1) * sk + k_in).clamp(max=b.keys - 1)  # last index (the same min / max)
+        # witnesses first: each undecided part's first row and first column, pair by pair; a part
+        # where they hold an allowed and a hidden pair is partial, with no other pair evaluated
+        row = self._pairs(bi, hi, q_idx[:, :1], kv_idx)
+        col = self._pairs(bi, hi, q_idx, kv_idx[:, :1])
+        if row is None or col is None:
+            return None
+        seen = torch.cat([row.flatten(1), col.flatten(1)], dim=1)
+        mixed = seen.any(dim=1) & ~seen.all(dim=1)
+        full[bi[mixed], hi[mixed], qi[mixed], ki[mixed]] = False
+        empty[bi[mixed], hi[mixed], qi[mixed], ki[mixed]] = False
+        rest = (~mixed).nonzero().view(-1)
+        for start in range(0, rest.shape[0], step):
+            at = rest[start : start + step]
+            pairs = self._pairs(bi[at], hi[at], q_idx[at], kv_idx[at])
+            if pairs is None:
+                return None
+            pairs = pairs.flatten(1)
+            full[bi[at], hi[at], qi[at], ki[at]] = pairs.all(dim=1)
+            empty[bi[at], hi[at], qi[at], ki[at]] = ~pairs.any(dim=1)
+        return b.code(*(self._blocks_of_parts(x, b, sq, sk) for x in (full, empty)))
+
+    @staticmethod
+    def _blocks_of_parts(x, b, sq, sk):
+        """A block is full (empty) where every part of it is; a missing part of a short last block counts as both."""
+        rq, rk = b.bq // sq, b.bk // sk
+        pad = (0, b.nk * rk - x.shape[-1], 0, b.nq * rq - x.shape[-2])
+        x = torch.nn.functional.pad(x, pad, value=True).view(*x.shape[:2], b.nq, rq, b.nk, rk)
+        return x.all(dim=-1).all(dim=-2)
+
+    def _pairs(self, b, h, q_idx, kv_idx):
+        """Allowed pairs of T tiles: ``b``, ``h`` ``(T,)``, ``q_idx`` ``(T, tq)``, ``kv_idx`` ``(T, tk)``
+        (before the offsets) -> ``(T, tq, tk)`` (:meth:`tiles`)."""
+        return self.tiles(b.view(-1, 1, 1), h.view(-1, 1, 1), q_idx[:, :, None], kv_idx[:, None, :], 0, 0)
+
+    def _codes_by_rows(self, b):
         rows = []
         k_len = b.keys
         pad = -k_len % b.bk
