@@ -52,6 +52,8 @@ def _ints(children):
         st.tuples(st.just("clamp"), children, st.integers(-10, 10), st.integers(10, 60)),
         st.tuples(st.just("shr"), children, st.integers(0, 3)),
         st.tuples(st.just("bitand"), children, st.integers(0, 15)),
+        st.tuples(st.sampled_from(["bitand2", "bitor", "bitxor"]), children, children),
+        st.tuples(st.just("shl"), children, st.integers(0, 3)),
         st.tuples(st.just("where"), _bools(children), children, children),
         st.tuples(st.just("float_div"), children, st.sampled_from([2.0, 3.5, -4.0])),
     )
@@ -125,6 +127,11 @@ def value(node, b, h, q, kv):
         return x >> args[1]
     if kind == "bitand":
         return x & args[1]
+    if kind in ("bitand2", "bitor", "bitxor"):
+        y = _tensor(value(args[1], b, h, q, kv))
+        return {"bitand2": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor}[kind](x, y)
+    if kind == "shl":
+        return x << args[1]
     if kind == "float_div":
         return torch.floor(x.double() / args[1]).long()
     raise AssertionError(kind)
@@ -178,3 +185,47 @@ def test_random_predicates_block_maps_by_ranges_equal_pair_by_pair(tree, lq, lk,
         _cache.clear()  # made again, not read from the plan cache
         prepared = attnkit.prepare(masks.from_fn(fn, batch_size=B, num_heads=H), lq, lk, block_size=blocks)
     assert torch.equal(prepared.materialize().expand_as(allowed), allowed)
+
+
+def _per_pair(fn, lq, lk):
+    """fn over every (b, h, q, kv) under torch.vmap, one pair at a time: (B, H, lq, lk)."""
+    f = torch.vmap(fn, in_dims=(None, None, None, 0))
+    f = torch.vmap(f, in_dims=(None, None, 0, None))
+    f = torch.vmap(f, in_dims=(None, 0, None, None))
+    f = torch.vmap(f, in_dims=(0, None, None, None))
+    return f(torch.arange(B), torch.arange(H), torch.arange(lq), torch.arange(lk))
+
+
+@given(INTS, st.integers(1, 60), st.integers(1, 60), st.integers(1, 9), st.integers(1, 9))
+def test_the_ranges_of_random_integer_expressions_hold_every_value(tree, lq, lk, sq, sk):
+    """Soundness of the interval rules themselves: over parts of ``sq x sk`` pairs, every value the
+    expression takes lies within the bounds its ranges give."""
+    from attnkit.masks._intervals import Interval, Unsupported, block_bounds
+
+    note(repr(tree))
+    values = _per_pair(lambda b, h, q, kv: _tensor(value(tree, b, h, q, kv)).long() + 0 * q, lq, lk)
+    got = {}
+
+    def keep(b, h, q, kv):
+        got["out"] = _tensor(value(tree, b, h, q, kv))
+        return q >= kv  # a bool for block_bounds; the expression's own bounds are kept above
+
+    nq, nk = -(-lq // sq), -(-lk // sk)
+    q0, k0 = torch.arange(nq) * sq, torch.arange(nk) * sk
+    q = Interval(q0.view(1, 1, -1, 1), (q0 + sq).clamp(max=lq).sub(1).view(1, 1, -1, 1))
+    kv = Interval(k0.view(1, 1, 1, -1), (k0 + sk).clamp(max=lk).sub(1).view(1, 1, 1, -1))
+    bs, hs = torch.arange(B).view(-1, 1, 1, 1), torch.arange(H).view(1, -1, 1, 1)
+    try:
+        block_bounds(keep, Interval(bs, bs), Interval(hs, hs), q, kv)
+    except Unsupported:
+        event("outside the language")
+        return
+    out = got["out"]
+    out = out if isinstance(out, Interval) else Interval(out, out)  # a constant: its own bounds
+    lo, hi = (torch.as_tensor(x).long().expand(B, H, nq, nk) for x in (out.lo, out.hi))
+    padded = torch.nn.functional.pad(values.double(), (0, nk * sk - lk, 0, nq * sq - lq), value=float("nan"))
+    parts = padded.unflatten(-1, (nk, sk)).unflatten(2, (nq, sq)).transpose(3, 4).flatten(-2)  # (B, H, nq, nk, sq*sk)
+    real = ~parts.isnan()
+    low = torch.where(real, parts, float("inf")).amin(-1)
+    high = torch.where(real, parts, float("-inf")).amax(-1)
+    assert bool((lo.double() <= low).all()) and bool((high <= hi.double()).all())

@@ -307,18 +307,30 @@ def _bits(a, b, op: str):
     if a.dtype.is_floating_point or b.dtype.is_floating_point or a.dtype == torch.bool or b.dtype == torch.bool:
         raise Unsupported(f"bitwise {op} of {a.dtype} and {b.dtype}")
     fn = {"and": torch.bitwise_and, "or": torch.bitwise_or, "xor": torch.bitwise_xor}[op]
-    exact = fn(a.lo, b.lo)
-    points = (a.lo == a.hi) & (b.lo == b.hi)
+    # known bits: above the highest bit that varies in either range, every value shares lo's bits
+    low = _smear((a.lo.long() ^ a.hi.long()) | (b.lo.long() ^ b.hi.long()))
     nonneg = (a.lo >= 0) & (b.lo >= 0)
-    if not bool((points | nonneg).all()):
+    if not bool(((low == 0) | nonneg).all()):
         raise Unsupported(f"bitwise {op} of ranges that may be negative")
-    if op == "and":  # 0 <= a & b <= min(a, b)
-        lo, hi = torch.zeros_like(exact), torch.minimum(a.hi, b.hi).to(exact.dtype)
-    elif op == "or":  # max(a, b) <= a | b <= a + b
-        lo, hi = torch.maximum(a.lo, b.lo).to(exact.dtype), (a.hi + b.hi).to(exact.dtype)
-    else:  # 0 <= a ^ b <= a + b
-        lo, hi = torch.zeros_like(exact), (a.hi + b.hi).to(exact.dtype)
-    return Interval(torch.where(points, exact, lo), torch.where(points, exact, hi))
+    fixed = fn(a.lo, b.lo)
+    low = low.to(fixed.dtype)
+    fixed = fixed & ~low  # single values (low == 0): exact, negative ones too
+    top = fixed | low
+    if op == "and":  # the low bits anywhere from none to all; for non-negative ranges, never above either
+        lo, hi = fixed, torch.where(nonneg, torch.minimum(top, torch.minimum(a.hi, b.hi).to(fixed.dtype)), top)
+    elif op == "or":  # for non-negative ranges, at least either operand and at most their sum
+        lo = torch.where(nonneg, torch.maximum(fixed, torch.maximum(a.lo, b.lo).to(fixed.dtype)), fixed)
+        hi = torch.where(nonneg, torch.minimum(top, (a.hi + b.hi).to(fixed.dtype)), top)
+    else:
+        lo, hi = fixed, top
+    return Interval(lo, hi)
+
+
+def _smear(d: torch.Tensor) -> torch.Tensor:
+    """Every bit at or below the highest set bit of ``d`` (non-negative int64) set."""
+    for shift in (1, 2, 4, 8, 16, 32):
+        d = d | (d >> shift)
+    return d
 
 
 def _invert(a):
