@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._python_dispatch
-from torch.nn.attention import flex_attention
 from _oracle import ALL_KERNELS, assert_oracle, dense_of, gold_and_naive, mask_kinds, naive_attention, randn
+from torch.nn.attention import flex_attention
 
 import attnkit
 from attnkit import bias, masks
