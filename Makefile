@@ -67,11 +67,15 @@ $(VENV_NEXT)/.installed: pyproject.toml
 	$(VENV_NEXT)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts recbole==1.2.1
 	touch $@
 
-# what the first pass leaves to make test (CI time): the engine's builds for other CPUs (the same
-# compiler either way), the figures and the browser (matplotlib and Chromium, no attention kernel),
-# the docs' examples (make test runs them; make docs builds the pages), the architecture tests (they read
-# attnkit's source, the same on any torch)
-NOT_ON_TORCH_NEXT := -k "not vector_widths" --ignore=tests/viz --ignore=tests/test_docs.py --ignore=tests/test_architecture.py
+# what the first pass leaves to make test (CI time): the engine's builds for other CPUs and its cache
+# (the same compiler and files either way), the figures and the browser (matplotlib and Chromium, no
+# attention kernel), the docs' examples (make test runs them; make docs builds the pages), the
+# architecture tests (they read attnkit's source, the same on any torch), the trained applications and
+# the CLI (their attention is the kernels' own, tested here), the packaging checks and the fuzz
+# properties' small CI budget
+NOT_ON_TORCH_NEXT := -k "not vector_widths" --ignore=tests/viz --ignore=tests/test_docs.py \
+	--ignore=tests/test_architecture.py --ignore=tests/apps --ignore=tests/test_package.py --ignore=tests/fuzz \
+	--ignore=tests/kernels/test_native_build.py --ignore=tests/kernels/test_native_store.py
 test-torch: $(VENV_NEXT)/.installed
 	$(VENV_NEXT)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
 	ATTNKIT_NATIVE=0 $(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal \
@@ -117,8 +121,8 @@ lint: $(VENV)/.test-installed
 docs: $(VENV)/.test-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # not --quiet: mkdocs counts only the warnings it logs
 
-# the wheel (with the native engine compiled once per x86-64 level: setup.py), tagged manylinux by auditwheel
-# (scripts/build_wheel.py, with progress), installed non-editable into a fresh venv outside the repository:
+# the wheel (built the standard way, pip wheel ., with the native engine compiled once per x86-64 level: setup.py),
+# tagged manylinux by auditwheel (scripts/build_wheel.py, with progress), installed non-editable into a fresh venv outside the repository:
 # on a PATH without compilers, the first call loads the wheel's engine and explain names it, and the native
 # tests pass on its AVX2 and AVX-512 builds (ATTNKIT_NATIVE_ISA; scripts/check_wheel.py, two workers);
 # the quick start with no extras, then `attnkit show`. make wheel-only builds the wheel and stops there.
@@ -139,12 +143,11 @@ wheel: wheel-only
 	$(WHEEL_PIP) "$$(ls $(WHEEL_DIR)/dist/*.whl)[viz,models]"
 	cd $(WHEEL_DIR) && venv/bin/attnkit show "The cat sat." --out shown && test -s shown/attention.html
 
-# a wheel built the standard way (pip wheel ., isolated: build_backend/attnkit_build.py puts the tested torch into
-# the build environment) carries the engine: its manifest and its three builds are in the wheel (about 1 minute)
+# the wheel as built the standard way (pip wheel ., isolated: build_backend/attnkit_build.py puts the tested torch
+# into the build environment; make wheel-only builds it so) carries the engine: its manifest and its three builds
 wheel-standard: $(VENV)/.test-installed
-	rm -rf build/wheel-standard
-	$(BIN)/python -m pip wheel --disable-pip-version-check --no-deps -w build/wheel-standard .
-	$(BIN)/python scripts/check_wheel.py --contents "$$(ls build/wheel-standard/attnkit-*.whl)"
+	@test -n "$$(ls $(WHEEL_DIR)/raw/attnkit-*.whl 2>/dev/null)" || $(MAKE) wheel-only
+	$(BIN)/python scripts/check_wheel.py --contents "$$(ls $(WHEEL_DIR)/raw/attnkit-*.whl)"
 
 # make fuzz FUZZ_MINUTES=10: the fuzz suite (tests/fuzz) with fresh seeds until the time is up
 FUZZ_MINUTES ?= 10

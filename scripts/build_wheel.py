@@ -1,8 +1,10 @@
 """Build attnkit's wheel as ``make wheel`` does, with progress, and make it a manylinux wheel.
 
-1. ``python -m build --wheel --no-isolation`` beside the running PyTorch (the engine is compiled
-   against it, once per x86-64 level: a minute or more on two cores); its ``attnkit:`` lines are
-   shown as they come, the rest kept in ``OUTDIR/build.log``, and a line every 30 s while it runs;
+1. ``pip wheel --no-deps .``: the standard, isolated build a user's pip runs (its build environment
+   gets the tested PyTorch from build_backend/attnkit_build.py; the engine is compiled against it,
+   once per x86-64 level: a minute or more on two cores), left in ``OUTDIR/raw`` as built (what
+   ``make wheel-standard`` checks); its ``attnkit:`` lines are shown as they come, the rest kept in
+   ``OUTDIR/build.log``, and a line every 30 s while it runs;
 2. ``auditwheel repair``: the wheel tagged ``manylinux_2_X`` for the oldest glibc its libraries need
    (PyPI takes no ``linux_x86_64`` wheel), PyTorch's own libraries (libtorch, libc10, its OpenMP)
    left out: the engine is loaded into a process that has loaded them already.
@@ -32,9 +34,10 @@ def _say(text: str) -> None:
 def build(outdir: Path) -> Path:
     raw = outdir / "raw"
     log = outdir / "build.log"
-    _say(f"building the wheel (python -m build --wheel --no-isolation; the full log: {log})")
+    _say(f"building the wheel (pip wheel --no-deps ., isolated; the full log: {log})")
     started = time.monotonic()
-    cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(raw), str(ROOT)]
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    cmd = [*pip, "wheel", "-v", "--no-deps", "-w", str(raw), str(ROOT)]  # -v: the build's own lines
     with open(log, "w") as out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         done = threading.Event()
 
