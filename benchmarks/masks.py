@@ -218,7 +218,7 @@ def _gym(length: int, torch_flex, repeats: int, args) -> list[dict]:
 def _catalogue(length: int, torch_flex, args) -> list[dict]:
     """Every mask of attention-gym's catalogue (tests/_gym.py) at ``length``: attnkit's
     ``create_block_mask`` with its caches cleared before each call (nothing answers from a cache),
-    torch's ``create_block_mask`` compiled (``_compile=True``, warm: its compile time is recorded)
+    ``torch.compile(create_block_mask)`` (warm: its compile time is recorded)
     and eager (up to ``--gym-eager-max``). Medians of ``--gym-repeats`` interleaved calls."""
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -240,11 +240,12 @@ def _catalogue(length: int, torch_flex, args) -> list[dict]:
         cases = {"attnkit": ours}
         row = {"group": "attention-gym catalogue", "kind": name, "B": b or 1, "H": h or 1, "L": length}
         if torch_flex is not None and not args.no_compile:
+            compiled = torch.compile(torch_flex)  # as torch's docs advise (the _compile flag is deprecated)
             start = time.perf_counter()
-            torch_flex(fn, b, h, lq, lk, device="cpu", _compile=True)
+            compiled(fn, b, h, lq, lk, device="cpu")
             row["torch_compile_s"] = round(time.perf_counter() - start, 1)
-            cases["torch compiled"] = lambda fn=fn, b=b, h=h, lq=lq, lk=lk: torch_flex(
-                fn, b, h, lq, lk, device="cpu", _compile=True
+            cases["torch compiled"] = lambda fn=fn, b=b, h=h, lq=lq, lk=lk, c=compiled: c(
+                fn, b, h, lq, lk, device="cpu"
             )
         if torch_flex is not None and length <= args.gym_eager_max:
             cases["torch eager"] = lambda fn=fn, b=b, h=h, lq=lq, lk=lk: torch_flex(fn, b, h, lq, lk, device="cpu")
@@ -257,6 +258,8 @@ def _catalogue(length: int, torch_flex, args) -> list[dict]:
         torch._dynamo.reset()  # each mask's compiled graph is its own: none kept for the next
         out.append(row)
         compiled = eager = "-"
+        if "torch_compiled_error" in row:
+            compiled = "fails to compile"
         if "torch_compiled_ms" in row:
             compiled = f"{row['torch_compiled_ms']:9.2f} ms ({row['torch_compiled_ms'] / row['attnkit_ms']:5.2f}x)"
         if "torch_eager_ms" in row:

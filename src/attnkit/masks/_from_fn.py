@@ -88,17 +88,27 @@ def _tiles_by_ranges(fn, shape, b, h, qi, ki, group: int = 16):
     if where.shape[0]:
         ti, xi, yi = where.unbind(1)
 
-        def gathered(v):
-            v = v.expand(shape).unflatten(1, (x // gx, gx)).unflatten(3, (y // gy, gy)).transpose(2, 3)
-            return v[ti, xi, yi]  # (N, gx, gy)
+        def gathered(v):  # (N, gx or 1, gy or 1): each index along its own dims only
+            v = v.view(*(1,) * (3 - v.dim()), *v.shape)
+            at = [ti if v.shape[0] > 1 else torch.zeros_like(ti)]  # a tensor: every index advanced, (N, ...) first
+            if v.shape[1] > 1:
+                v, at = v.unflatten(1, (x // gx, gx)), [*at, xi, slice(None)]
+            else:
+                at = [*at, slice(None)]
+            if v.shape[-1] > 1:
+                v, at = v.unflatten(-1, (y // gy, gy)), [*at, yi, slice(None)]
+            else:
+                at = [*at, slice(None)]
+            return v[tuple(at)]
 
         flat = [gathered(v) for v in (b, h, qi, ki)]
+        wanted = (where.shape[0], gx, gy)
         exact, _ = broadcast_proved(fn, *flat)
-        if not (isinstance(exact, torch.Tensor) and exact.dtype == torch.bool and exact.shape == flat[0].shape):
-            exact = _flat_pairs(fn, flat[0].shape, *flat)
+        if not (isinstance(exact, torch.Tensor) and exact.dtype == torch.bool and exact.dim() <= 3):
+            exact = _flat_pairs(fn, wanted, *flat)
             if exact is None:
                 return None
-        parts[ti, xi, yi] = exact
+        parts[ti, xi, yi] = exact.expand(wanted)
     return parts.transpose(2, 3).reshape(shape)
 
 

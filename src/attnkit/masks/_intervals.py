@@ -64,11 +64,14 @@ class Interval:
 
     __hash__ = object.__hash__
 
-    def __init__(self, lo: torch.Tensor, hi: torch.Tensor):
+    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, bits: tuple[torch.Tensor, torch.Tensor] | None = None):
         if lo.dtype.is_floating_point:  # a NaN endpoint bounds nothing: that block's range is everything
             bad = lo.isnan() | hi.isnan()
             lo, hi = lo.masked_fill(bad, -math.inf), hi.masked_fill(bad, math.inf)
         self.lo, self.hi = lo, hi
+        #: integers after bit operations: ``(must, may)``, the bits every value has / any value may
+        #: have (int64); tighter than the range where bits vary apart (Morton codes)
+        self.bits = bits
 
     # what a predicate may read without depending on the values
     @property
@@ -147,7 +150,8 @@ def _lifted(*xs) -> list[Interval]:
         missing = most - _pair_dims(iv.lo)
         if missing and iv.lo.dim() >= BLOCK_DIMS:
             shape = lambda t, m=missing: t.view(*t.shape[:BLOCK_DIMS], *(1,) * m, *t.shape[BLOCK_DIMS:])  # noqa: E731
-            iv = Interval(shape(iv.lo), shape(iv.hi))
+            bits = None if iv.bits is None else (shape(iv.bits[0]), shape(iv.bits[1]))
+            iv = Interval(shape(iv.lo), shape(iv.hi), bits)
         out.append(iv)
     return out
 
@@ -306,24 +310,37 @@ def _bits(a, b, op: str):
         return Interval(sure, ~never)
     if a.dtype.is_floating_point or b.dtype.is_floating_point or a.dtype == torch.bool or b.dtype == torch.bool:
         raise Unsupported(f"bitwise {op} of {a.dtype} and {b.dtype}")
-    fn = {"and": torch.bitwise_and, "or": torch.bitwise_or, "xor": torch.bitwise_xor}[op]
-    # known bits: above the highest bit that varies in either range, every value shares lo's bits
-    low = _smear((a.lo.long() ^ a.hi.long()) | (b.lo.long() ^ b.hi.long()))
+    # known bits: above the highest bit that varies in a range, every value shares lo's bits
     nonneg = (a.lo >= 0) & (b.lo >= 0)
-    if not bool(((low == 0) | nonneg).all()):
+    if not bool(((a.lo == a.hi) & (b.lo == b.hi) | nonneg).all()):
         raise Unsupported(f"bitwise {op} of ranges that may be negative")
-    fixed = fn(a.lo, b.lo)
-    low = low.to(fixed.dtype)
-    fixed = fixed & ~low  # single values (low == 0): exact, negative ones too
-    top = fixed | low
-    if op == "and":  # the low bits anywhere from none to all; for non-negative ranges, never above either
-        lo, hi = fixed, torch.where(nonneg, torch.minimum(top, torch.minimum(a.hi, b.hi).to(fixed.dtype)), top)
-    elif op == "or":  # for non-negative ranges, at least either operand and at most their sum
-        lo = torch.where(nonneg, torch.maximum(fixed, torch.maximum(a.lo, b.lo).to(fixed.dtype)), fixed)
-        hi = torch.where(nonneg, torch.minimum(top, (a.hi + b.hi).to(fixed.dtype)), top)
-    else:
-        lo, hi = fixed, top
-    return Interval(lo, hi)
+    (must_a, may_a), (must_b, may_b) = _known(a), _known(b)
+    if op == "and":
+        must, may = must_a & must_b, may_a & may_b
+    elif op == "or":
+        must, may = must_a | must_b, may_a | may_b
+    else:  # a bit is known where it is known in both
+        must = (must_a & ~may_b) | (~may_a & must_b)
+        may = (may_a | may_b) & ~(must_a & must_b)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    lo, hi = must, may  # single values (negative ones too): exact; else non-negative, and must <= x <= may
+    if op == "and":  # never above either operand
+        hi = torch.where(nonneg, torch.minimum(hi, torch.minimum(a.hi, b.hi).long()), hi)
+    elif op == "or":  # at least either operand, at most their sum
+        lo = torch.where(nonneg, torch.maximum(lo, torch.maximum(a.lo, b.lo).long()), lo)
+        hi = torch.where(nonneg, torch.minimum(hi, (a.hi + b.hi).long()), hi)
+    return Interval(lo.to(dtype), hi.to(dtype), (must, may))
+
+
+def _known(iv: Interval) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(must, may)`` bits of an integer interval (non-negative, or a single value): its own where
+    bit operations made it, else from its range."""
+    if iv.bits is not None:
+        return iv.bits
+    lo, hi = iv.lo.long(), iv.hi.long()
+    low = _smear(lo ^ hi)
+    fixed = lo & ~low
+    return fixed, fixed | low
 
 
 def _smear(d: torch.Tensor) -> torch.Tensor:
@@ -347,7 +364,10 @@ def _shift(a, b, left: bool):
     if a.dtype.is_floating_point or a.dtype == torch.bool or not b.point() or bool((b.lo < 0).any()):
         raise Unsupported("a shift other than an integer range by a fixed non-negative amount")
     fn = torch.bitwise_left_shift if left else torch.bitwise_right_shift
-    return Interval(fn(a.lo, b.lo), fn(a.hi, b.lo))  # monotone (no overflow at index sizes)
+    bits = None
+    if a.bits is not None and bool((a.lo >= 0).all()):  # the known bits move with the value
+        bits = (fn(a.bits[0], b.lo.long()), fn(a.bits[1], b.lo.long()))
+    return Interval(fn(a.lo, b.lo), fn(a.hi, b.lo), bits)  # monotone (no overflow at index sizes)
 
 
 def _minimum(a, b):
