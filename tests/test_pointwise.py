@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from _oracle import assert_oracle
+from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 import attnkit
 from attnkit import masks
@@ -60,7 +61,14 @@ PROVED = {
     "an index into a captured table": lambda b, h, q, kv: (DOCS[q] == DOCS[kv]) & (q >= kv),
     "a 2-d table by (head, distance)": lambda b, h, q, kv: REL[h, q - kv + L] > 0,
     "casts and clamps": lambda b, h, q, kv: (q.float() * 0.5).long().clamp(max=50) >= kv.clamp(min=3),
+    # torch's and_masks / or_masks start from b.new_ones(()) / b.new_zeros(()): a constant of a given size
+    "torch's and_masks and or_masks": and_masks(lambda b, h, q, kv: q >= kv, or_masks(noop_mask, lambda *a: q0(a))),
 }
+
+
+def q0(args):
+    return args[2] == 0
+
 
 UNPROVED = {
     "a reduction over the tile": (lambda b, h, q, kv: (q >= kv) | torch.any(kv == G), "any is not elementwise"),
@@ -70,6 +78,7 @@ UNPROVED = {
     "a view": (lambda b, h, q, kv: (q >= kv).reshape(-1).view(1, 1, L, L), "reshape is not elementwise"),
     "an in-place write": (lambda b, h, q, kv: q.clone().add_(0) >= kv, "in place"),
     "a partial index": (lambda b, h, q, kv: REL[h][..., 0] > 0, "indexes 1 of the 2 dimensions"),
+    "a constant shaped like an index": (lambda b, h, q, kv: q.new_zeros(q.shape) <= kv, "reads the shape"),
 }
 
 

@@ -60,7 +60,10 @@ ELEMENTWISE = frozenset(
 HARMLESS_ATTRIBUTES = frozenset(
     {"dtype", "device", "layout", "requires_grad", "is_cuda", "is_cpu", "is_meta", "is_leaf", "grad_fn"}
 )
-HARMLESS_METHODS = frozenset({"is_floating_point", "is_complex", "element_size", "get_device"})
+HARMLESS_METHODS = frozenset(
+    # new_zeros(size) and the like: a constant of the given size (reading a shape is refused on its own)
+    {"is_floating_point", "is_complex", "element_size", "get_device", "new_zeros", "new_ones", "new_full"}
+)
 
 
 def _name(func) -> str:
