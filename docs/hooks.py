@@ -289,6 +289,8 @@ def masks(name: str) -> str:
     d = _load(name)
     rows = []
     for r in d["rows"]:
+        if "prepare_ms" not in r:  # attention-gym's catalogue: its own table (masks_gym)
+            continue
         share = f"{r['share_of_forward']:.1%}" if "share_of_forward" in r else "-"
         share2 = f"{r['share_of_fwd_bwd']:.1%}" if "share_of_fwd_bwd" in r else "-"
         rows.append([r["L"], r["B"], r["kind"], round(r["prepare_ms"], 2), share, share2, r.get("first_call_s", "")])
@@ -296,6 +298,29 @@ def masks(name: str) -> str:
     head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}.*\n\n"
     return head + _table(
         ["L", "B", "mask (made new each call)", "make ms", "of a forward", "of fwd+bwd", "first call s"], rows
+    )
+
+
+def masks_gym(name: str) -> str:
+    """attention-gym's catalogue: attnkit's create_block_mask against torch's, compiled and eager."""
+    d = _load(name)
+    rows = []
+    for r in d["rows"]:
+        if "attnkit_ms" not in r:
+            continue
+        if "torch_compiled_ms" in r:
+            compiled = f"{r['torch_compiled_ms']:.2f}"
+            ratio = f"{r['attnkit_ms'] / r['torch_compiled_ms']:.2f}x"
+        else:
+            compiled, ratio = ("fails to compile", "-") if "torch_compiled_error" in r else ("-", "-")
+        eager = f"{r['torch_eager_ms']:.1f}" if "torch_eager_ms" in r else "-"
+        ours = f"{r['attnkit_ms']:.2f}"
+        rows.append([r["L"], r["kind"], ours, compiled, ratio, eager, r.get("torch_compile_s", "-")])
+    m = d.get("machine", {})
+    head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}.*\n\n"
+    return head + _table(
+        ["L", "mask", "attnkit ms", "torch compiled ms", "attnkit / compiled", "torch eager ms", "torch compile s"],
+        rows,
     )
 
 
@@ -392,6 +417,7 @@ def torch_flex_tests(name: str) -> str:
 TABLES = {
     "masks": masks,
     "masks_4096_recheck": masks,
+    "masks_gym": masks_gym,
     "kv_compress": kv_compress,
     "kv_budgets": kv_compress,
     "kv_budgets_32k": kv_compress,

@@ -97,9 +97,9 @@ def test_ranges_decide_every_block_but_the_edges():
     evaluated = []
     pairs = mask._pairs
 
-    def counting(b, h, q_idx, kv_idx):
+    def counting(b, h, q_idx, kv_idx, **how):
         evaluated.append(q_idx.shape[0] * q_idx.shape[1] * kv_idx.shape[1])
-        return pairs(b, h, q_idx, kv_idx)
+        return pairs(b, h, q_idx, kv_idx, **how)
 
     mask._pairs = counting
     codes = by_ranges(mask, 1024, 1024, 128, 64)

@@ -103,13 +103,22 @@ def _tiles_by_ranges(fn, shape, b, h, qi, ki, group: int = 16):
 
         flat = [gathered(v) for v in (b, h, qi, ki)]
         wanted = (where.shape[0], gx, gy)
-        exact, _ = broadcast_proved(fn, *flat)
-        if not (isinstance(exact, torch.Tensor) and exact.dtype == torch.bool and exact.dim() <= 3):
-            exact = _flat_pairs(fn, wanted, *flat)
-            if exact is None:
-                return None
+        exact = _exact_pairs(fn, wanted, *flat)  # (finer parts judged again cost more than they saved)
+        if exact is None:
+            return None
         parts[ti, xi, yi] = exact.expand(wanted)
     return parts.transpose(2, 3).reshape(shape)
+
+
+def _exact_pairs(fn, shape, b, h, qi, ki):
+    """``fn`` on every pair of ``shape``: by broadcasting where that is proved, else under torch.vmap."""
+    exact, _ = broadcast_proved(fn, b, h, qi, ki)
+    if isinstance(exact, torch.Tensor) and exact.dtype == torch.bool and exact.dim() <= len(shape):
+        try:
+            return exact.expand(shape)
+        except RuntimeError:
+            pass
+    return _flat_pairs(fn, shape, b, h, qi, ki)
 
 
 def _flat_pairs(fn, shape, b, h, qi, ki):
@@ -266,8 +275,8 @@ class FromFn(Mask):
         kv_idx = (ki.view(-1, 1) * sk + k_in).clamp(max=b.keys - 1)  # last index (the same min / max)
         # witnesses first: each undecided part's first row and first column, pair by pair; a part
         # where they hold an allowed and a hidden pair is partial, with no other pair evaluated
-        row = self._pairs(bi, hi, q_idx[:, :1], kv_idx)
-        col = self._pairs(bi, hi, q_idx, kv_idx[:, :1])
+        row = self._pairs(bi, hi, q_idx[:, :1], kv_idx, ranges=False)
+        col = self._pairs(bi, hi, q_idx, kv_idx[:, :1], ranges=False)
         if row is None or col is None:
             return None
         seen = torch.cat([row.flatten(1), col.flatten(1)], dim=1)
@@ -293,10 +302,14 @@ class FromFn(Mask):
         x = torch.nn.functional.pad(x, pad, value=True).view(*x.shape[:2], b.nq, rq, b.nk, rk)
         return x.all(dim=-1).all(dim=-2)
 
-    def _pairs(self, b, h, q_idx, kv_idx):
+    def _pairs(self, b, h, q_idx, kv_idx, ranges: bool = True):
         """Allowed pairs of T tiles: ``b``, ``h`` ``(T,)``, ``q_idx`` ``(T, tq)``, ``kv_idx`` ``(T, tk)``
-        (before the offsets) -> ``(T, tq, tk)`` (:meth:`tiles`)."""
-        return self.tiles(b.view(-1, 1, 1), h.view(-1, 1, 1), q_idx[:, :, None], kv_idx[:, None, :], 0, 0)
+        (before the offsets) -> ``(T, tq, tk)`` (:meth:`tiles`; ``ranges=False``: every pair, no ranges)."""
+        b, h, q_idx, kv_idx = b.view(-1, 1, 1), h.view(-1, 1, 1), q_idx[:, :, None], kv_idx[:, None, :]
+        if ranges:
+            return self.tiles(b, h, q_idx, kv_idx, 0, 0)
+        qi, ki = q_idx + at_sequence(self.q_offset, b), kv_idx + at_sequence(self.kv_offset, b)
+        return _exact_pairs(self.fn, broadcast(b.shape, h.shape, q_idx.shape, kv_idx.shape), b, h, qi, ki)
 
     def _codes_by_rows(self, b):
         rows = []
