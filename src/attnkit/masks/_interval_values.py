@@ -6,6 +6,7 @@ max of the entries each block may read, through sparse tables). The rules of eac
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from numbers import Number
 
@@ -256,8 +257,15 @@ class Tables:
         return found
 
 
-#: the tables of the evaluations under way (one per block_bounds call)
-tables: list[Tables] = []
+class _Evaluations(threading.local):
+    """The tables of the evaluations under way in this thread (one per block_bounds call)."""
+
+    def __init__(self):
+        self.stack: list[Tables] = []
+
+
+#: per thread: a predicate evaluated in two threads at once reads its own tables
+tables = _Evaluations()
 
 
 def getitem(table, index):
@@ -271,5 +279,5 @@ def getitem(table, index):
         return Interval(lo, hi)
     if not isinstance(table, torch.Tensor):
         raise Unsupported(f"indexing a {type(table).__name__}")
-    found = tables[-1] if tables else Tables()
+    found = tables.stack[-1] if tables.stack else Tables()
     return found(table).gather(index)

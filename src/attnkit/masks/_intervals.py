@@ -551,7 +551,7 @@ Interval.__trunc__ = lambda self: _RULES["trunc"](self)  # type: ignore[attr-def
 
 def block_bounds(fn: Callable, b: Interval, h: Interval, q: Interval, kv: Interval) -> Interval:
     """``fn`` on index ranges: a bool :class:`Interval` per block. Raises :class:`Unsupported`."""
-    tables.append(Tables())
+    tables.stack.append(Tables())
     try:
         out = fn(b, h, q, kv)
     except Unsupported:
@@ -559,7 +559,7 @@ def block_bounds(fn: Callable, b: Interval, h: Interval, q: Interval, kv: Interv
     except Exception as err:  # noqa: BLE001 - anything else the predicate does on ranges: the other path
         raise Unsupported(f"{type(err).__name__}: {err}") from err
     finally:
-        tables.pop()
+        tables.stack.pop()
     if isinstance(out, bool) or (isinstance(out, torch.Tensor) and out.dtype == torch.bool):
         out = lift(out)
     if not isinstance(out, Interval) or out.dtype != torch.bool or pair_dims(out.lo) or pair_dims(out.hi):
