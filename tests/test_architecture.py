@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -35,7 +36,9 @@ def _module_name(rel: str) -> str:
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
 
 
+@functools.cache
 def _modules() -> dict[str, tuple[str, ast.Module]]:
+    """Every module parsed once a run (the source does not change while the tests read it)."""
     return {_module_name(rel): (rel, ast.parse(text)) for rel, text in _sources().items()}
 
 
