@@ -72,12 +72,15 @@ $(VENV_NEXT)/.installed: pyproject.toml
 # attention kernel), the docs' examples (make test runs them; make docs builds the pages), the
 # architecture tests (they read attnkit's source, the same on any torch), the trained applications and
 # the CLI (their attention is the kernels' own, tested here), the packaging checks, the fuzz properties'
-# small CI budget and the learnable biases' gradchecks; of the ring (gloo processes, several per test) the
-# two-rank forward and one backward stay, the other world sizes and the failure cases are make test's
+# small CI budget, the learnable biases' gradchecks and the fresh-process first calls (a subprocess each; the
+# compiled paths on this torch stay: tests/integrations/test_flex_compile.py, tests/kernels/test_compile.py);
+# of the ring (gloo processes, several per test) the two-rank forward and one backward stay, the other world
+# sizes and the failure cases are make test's
 RING := tests/ring/test_ring.py::
 NOT_ON_TORCH_NEXT := -k "not vector_widths" --ignore=tests/viz --ignore=tests/test_docs.py \
 	--ignore=tests/test_architecture.py --ignore=tests/apps --ignore=tests/test_package.py --ignore=tests/fuzz \
 	--ignore=tests/kernels/test_native_build.py --ignore=tests/kernels/test_native_store.py --ignore=tests/test_bias.py \
+	--ignore=tests/test_first_calls.py \
 	--deselect "$(RING)test_ring_equals_single_process[1]" --deselect "$(RING)test_ring_equals_single_process[3]" \
 	--deselect "$(RING)test_ring_equals_single_process[4]" --deselect $(RING)test_dead_rank_gives_clear_error_on_the_others \
 	--deselect $(RING)test_ranks_that_disagree_are_refused_up_front --deselect $(RING)test_two_process_example_runs_under_torchrun \
