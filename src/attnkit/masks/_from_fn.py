@@ -110,15 +110,16 @@ def _tiles_by_ranges(fn, shape, b, h, qi, ki, group: int = 16):
     return parts.transpose(2, 3).reshape(shape)
 
 
-def _exact_pairs(fn, shape, b, h, qi, ki):
-    """``fn`` on every pair of ``shape``: by broadcasting where that is proved, else under torch.vmap."""
+def _exact_pairs(fn, shape, b, h, qi, ki, per_pair: bool = True):
+    """``fn`` on every pair of ``shape``: by broadcasting where that is proved, else under torch.vmap
+    (``per_pair=False``: None instead)."""
     exact, _ = broadcast_proved(fn, b, h, qi, ki)
     if isinstance(exact, torch.Tensor) and exact.dtype == torch.bool and exact.dim() <= len(shape):
         try:
             return exact.expand(shape)
         except RuntimeError:
             pass
-    return _flat_pairs(fn, shape, b, h, qi, ki)
+    return _flat_pairs(fn, shape, b, h, qi, ki) if per_pair else None
 
 
 def _flat_pairs(fn, shape, b, h, qi, ki):
@@ -227,15 +228,8 @@ class FromFn(Mask):
             out = _tiles_by_ranges(self.fn, shape, b, h, qi, ki)
             if out is not None:
                 return out
-        out, _ = broadcast_proved(self.fn, b, h, qi, ki)
-        if out is None:  # one pair at a time, every pair of the tiles under one torch.vmap
-            return None if compiling() else _flat_pairs(self.fn, shape, b, h, qi, ki)
-        try:
-            fits = isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() <= 3
-            fits = fits and broadcast(out.shape, shape) == shape
-        except RuntimeError:
-            fits = False
-        return out.expand(shape) if fits else None
+        # by broadcasting where proved, else every pair under one torch.vmap (not while tracing: None)
+        return _exact_pairs(self.fn, shape, b, h, qi, ki, per_pair=not compiling())
 
     def block_codes(self, b):
         codes = self._codes_by_ranges(b)
