@@ -263,7 +263,7 @@ def test_bad_requests_name_the_values():
     model, (ids, lengths) = _tiny(), _inputs()
     with pytest.raises(ValueError, match="method must be"):
         rollout(model, ids, lengths, rows=[0], method="lrp")
-    with pytest.raises(ValueError, match=r"rows \[40\] are out of range for an input of 13"):
+    with pytest.raises(ValueError, match=r"rows \[40\] are out of range for the 13 queries"):
         rollout(model, ids, lengths, rows=[40])
     with pytest.raises(ValueError, match="heads has 1 entries but the model ran 2"):
         rollout(model, ids, lengths, rows=[0], heads=[0])
@@ -274,8 +274,8 @@ def test_bad_requests_name_the_values():
     with pytest.raises(ValueError, match="target must return"):
         rollout(model, ids, lengths, rows=[0, 1], method="grad", target=lambda out: out[:, 0, 0])
     cross = attnkit.MultiHeadAttention(D, H)
-    with pytest.raises(ValueError, match="self-attention over the whole input"):
-        rollout(cross, torch.randn(1, 4, D), torch.randn(1, 6, D), rows=[0])
+    found = rollout(cross, torch.randn(1, 4, D), torch.randn(1, 6, D), rows=[0])  # cross-attention alone
+    assert found.target.shape == (1, 1, 4) and found.source.shape == (1, 1, 6)
 
 
 def test_grad_method_with_a_bias_and_softcap_equals_the_formula():
@@ -410,3 +410,212 @@ def test_lse_hooks_give_the_kernels_lse_and_leave_the_output_unchanged():
     with torch.no_grad():
         model(torch.randint(1, 61, (2, 7)))
     assert found == [(2, 4, 7), (2, 4, 7)]  # one call per layer, while registered
+
+
+# --- cross-attention and KV-cached decoding ------------------------------------------------------
+
+
+def _translator(seed=11):
+    from attnkit.models.translator import Config, DateTranslator
+
+    torch.manual_seed(seed)
+    model = DateTranslator(Config(d_model=32, num_heads=4, encoder_layers=2, decoder_layers=2, d_ff=48)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # weights far from uniform
+    src, lengths = model.encode_source(["25th of March 2019", "3/4/1999"])
+    target_in = torch.randint(4, 15, (2, 6), generator=torch.Generator().manual_seed(2))
+    return model, (src, lengths, target_in)
+
+
+class _Eager(nn.Module):
+    """An attnkit layer's forward written out with softmax weights that keep their gradients (``log``)."""
+
+    def __init__(self, layer, log):
+        super().__init__()
+        self.layer, self.log = layer, log
+
+    def project_kv(self, memory):
+        return self.layer.project_kv(memory)
+
+    def forward(self, x, mask=None, kv=None, cache=None):
+        m = self.layer
+        q, k, v = m.project(x, x, x)
+        if kv is not None:
+            k, v = kv
+        s = (q @ k.transpose(-2, -1)) / m.head_dim**0.5
+        allowed = masks.as_mask(mask).materialize(q.shape[2], k.shape[2])
+        a = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        a.retain_grad()
+        self.log.append(a)
+        return m.out_proj(m.merge_heads(a @ v)), a
+
+
+def _joint(per_layer, kinds, ls, slots, method, residual=0.5):
+    """The relevance ``e_row M_last ... M_first`` over the joint tokens [source; target], each layer a
+    (Ls + Lt) x (Ls + Lt) matrix: identity but for the rows its queries write (at ``slots``)."""
+    b = per_layer[0].shape[0]
+    lt = max(a.shape[-1] for a, kind in zip(per_layer, kinds) if kind == "target") if "target" in kinds else None
+    lt = lt or per_layer[-1].shape[2]
+    n = ls + lt
+    total = torch.eye(n, dtype=per_layer[0].dtype).repeat(b, 1, 1)
+    for a, kind in zip(per_layer, kinds):  # total = M_first ... : built from the first layer up
+        abar = a.mean(1)  # (B, Lq, Lk)
+        m = torch.eye(n, dtype=a.dtype).repeat(b, 1, 1)
+        for bi in range(b):
+            for i in range(a.shape[2]):
+                row = i if kind == "source" else ls + int(slots[bi if slots.shape[0] > 1 else 0, i])
+                if row >= n:
+                    continue
+                cols = slice(0, ls) if kind in ("source", "cross") else slice(ls, ls + a.shape[-1])
+                if method == "rollout":
+                    m[bi, row] *= residual
+                    m[bi, row, cols] += (1 - residual) * abar[bi, i]
+                else:
+                    m[bi, row, cols] += abar[bi, i]
+        total = m @ total
+    return total
+
+
+def test_rollout_through_cross_attention_equals_the_joint_formula():
+    """The translator (encoder, causal decoder, cross-attention; padded sources): both rules against a
+    float64 product of per-layer matrices over [source; target] from eager weights, and rollout keeps
+    each row's mass over the two."""
+    from attnkit.inspect import Relevance
+
+    model, (src, lengths, tin) = _translator()
+    rows, ls, lt = [5, 2], src.shape[1], tin.shape[1]
+    kinds = ["source", "source", "target", "cross", "target", "cross"]
+    for method in ("rollout", "grad"):
+        got = rollout(model, src, lengths, tin, rows=rows, method=method)
+        assert isinstance(got, Relevance) and got.target.shape == (2, 2, lt) and got.source.shape == (2, 2, ls)
+        expected = []
+        for dtype in (torch.float64, torch.float32):
+            m = copy.deepcopy(model).to(dtype)
+            log: list = []
+            for layer in m.encoder:
+                layer.self_attn = _Eager(layer.self_attn, log)
+            for layer in m.decoder:
+                layer.self_attn, layer.cross_attn = _Eager(layer.self_attn, log), _Eager(layer.cross_attn, log)
+            per_row = []
+            for row in rows:
+                log.clear()
+                logits = m(src, lengths, tin)
+                if method == "grad":
+                    logits[:, row].max(-1).values.sum().backward()
+                    weights = [(a.grad * a).clamp_min(0).detach() for a in log]
+                else:
+                    weights = [a.detach() for a in log]
+                joint = _joint(weights, kinds, ls, torch.arange(lt)[None], method)
+                per_row.append(joint[:, ls + row])  # (B, Ls + Lt)
+            found = torch.stack(per_row, 1)
+            expected.append(found)
+        got_joint = torch.cat([got.source, got.target], -1)
+        assert_oracle(got_joint, expected[0], expected[1], what=f"translator {method}")
+        if method == "rollout":
+            mass = got.source.sum(-1) + got.target.sum(-1)
+            torch.testing.assert_close(mass, torch.ones_like(mass))
+        assert (got.source[1, :, 8:] == 0).all()  # the second source's padding gets nothing
+
+
+class _Step(nn.Module):
+    """One decoding step of the translator's decoder over its KV caches and a given memory."""
+
+    def __init__(self, translator):
+        super().__init__()
+        self.t = translator
+
+    def forward(self, tokens, caches, memory_kv, padding):
+        y = self.t.target_embed(tokens) + self.t.target_pos.weight[3]
+        for layer, cache, kv in zip(self.t.decoder, caches, memory_kv):
+            y = layer(y, kv, padding, cache=cache)
+        return self.t.head(self.t.decoder_norm(y))
+
+
+def _prefilled(model, src, lengths, fills):
+    from attnkit.nn import KVCache
+
+    memory, padding = model.encode(src, lengths)
+    memory_kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]
+    c = model.config
+    caches = KVCache.for_layers(2, 2, c.num_heads, 10, c.d_model // c.num_heads, dtype=memory.dtype)
+    prefix = torch.randint(4, 15, (2, max(fills)), generator=torch.Generator().manual_seed(3))
+    y = model.target_embed(prefix) + model.target_pos(torch.arange(max(fills)))[None]
+    for layer, cache, kv in zip(model.decoder, caches, memory_kv):
+        y = layer(y, kv, padding, cache=cache)
+    for cache in caches:  # sequences of different fills: the second one's last entries rolled back
+        cache.lengths = torch.tensor(fills)
+    return caches, memory_kv, padding
+
+
+def test_rollout_through_a_kv_cached_decoding_step_equals_the_joint_formula():
+    """A decoding step over caches of different fills (5 and 3 entries): the new token's query sits at
+    each sequence's own slot; relevance lands on the cached entries (inputs of the step) and, through
+    the cross-attention, on the source; against the float64 joint product from captured weights."""
+    from attnkit.inspect import Relevance
+
+    model, (src, lengths, _) = _translator(4)
+    step = _Step(model).eval()
+    token = torch.tensor([[7], [9]])
+    with torch.no_grad():
+        caches, kv, padding = _prefilled(model, src, lengths, [5, 3])
+        got = rollout(step, token, caches, kv, padding, rows=[0], encoder=None)
+    assert isinstance(got, Relevance) and got.target.shape == (2, 1, 6) and got.source.shape == (2, 1, src.shape[1])
+    assert (got.target[1, :, 4:] == 0).all() and got.target[1, 0, 3] > 0  # sequence 1: entries 0-2 and its token at 3
+    mass = got.source.sum(-1) + got.target.sum(-1)
+    torch.testing.assert_close(mass, torch.ones_like(mass))
+    expected = []
+    for dtype in (torch.float64, torch.float32):
+        m = copy.deepcopy(model).to(dtype)
+        with torch.no_grad():
+            caches, kv, padding = _prefilled(m, src, lengths, [5, 3])
+            with capture(_Step(m)) as cap:
+                _Step(m)(token, caches, kv, padding)
+        slots = torch.tensor([[5], [3]])
+        kinds = ["target", "cross", "target", "cross"]
+        joint = _joint(cap.weights, kinds, src.shape[1], slots, "rollout")
+        expected.append(torch.stack([joint[b, src.shape[1] + int(slots[b, 0])] for b in range(2)])[:, None])
+    assert_oracle(torch.cat([got.source, got.target], -1), expected[0], expected[1], what="cached step rollout")
+
+
+def test_cross_attention_requests_name_what_is_missing():
+    model, (src, lengths, tin) = _translator()
+
+    class NoEncoderName(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = model
+
+        def forward(self, *args):
+            return self.parts(*args)
+
+    with pytest.raises(ValueError, match="encoder=<module>"):
+        rollout(NoEncoderName(), src, lengths, tin, rows=[0])
+    got = rollout(NoEncoderName(), src, lengths, tin, rows=[0], encoder=model.encoder)
+    torch.testing.assert_close(got.source, rollout(model, src, lengths, tin, rows=[0]).source)
+    with pytest.raises(TypeError, match="encoder must be"):
+        rollout(model, src, lengths, tin, rows=[0], encoder="decoder")
+
+
+def test_transformers_cached_step_equals_eager_attentions():
+    """A Llama's second chunk of 2 tokens over its cache of 6: rollout over the 8 entries against the
+    joint formula from transformers' eager attentions of the same step (the queries at slots 6 and 7)."""
+    from transformers import DynamicCache
+
+    cls, config = HF["llama (GQA)"]
+    ids = torch.randint(1, 61, (2, 8), generator=torch.Generator().manual_seed(6))
+    got, expected = None, []
+    for impl, dtype in (("attnkit", torch.float32), ("eager", torch.float64), ("eager", torch.float32)):
+        torch.manual_seed(0)
+        model = cls.from_config(config(), attn_implementation=impl).eval().to(dtype)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :6], cache=cache, use_cache=True)
+            if impl == "attnkit":
+                got = rollout(model, ids[:, 6:], cache=cache, use_cache=True, rows=[-1, 0])
+                continue
+            out = model(ids[:, 6:], cache=cache, use_cache=True, output_attentions=True)
+        joint = _joint(list(out.attentions), ["target", "target"], 0, torch.tensor([[6, 7]]), "rollout")
+        expected.append(joint[:, [7, 6]])
+    assert got.shape == (2, 2, 8)
+    assert_oracle(got, expected[0], expected[1], what="llama cached step")

@@ -2,7 +2,7 @@
 through the transformers integration, exact statistics of the weights at any length, attribution
 and interventions; every tool hooks the model's attention through :class:`Sites`."""
 
-from attnkit.inspect.attribution import rollout
+from attnkit.inspect.attribution import Relevance, rollout
 from attnkit.inspect.capturing import Capture, capture
 from attnkit.inspect.interventions import HeadEffects, Intervention, head_effects, intervene
 from attnkit.inspect.kv import kv_scores
@@ -14,6 +14,7 @@ __all__ = [
     "Capture",
     "HeadEffects",
     "Intervention",
+    "Relevance",
     "Site",
     "Sites",
     "attention_stats",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from attnkit import functional
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
 from attnkit.inspect.sites import Site, Sites
 
-__all__ = ["METHODS", "rollout"]
+__all__ = ["METHODS", "Relevance", "rollout"]
 
 METHODS = ("rollout", "grad")
 
@@ -44,11 +44,13 @@ CHUNK_ELEMENTS = 2**22
 @dataclass
 class _Layer:
     name: str
+    module: nn.Module
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     mask: Any
     mods: dict
+    cross: bool | None  # keys from another sequence (None: the call site cannot tell)
     out: torch.Tensor | None = None  # the heads' outputs (grad method), in the graph
     lse: torch.Tensor | None = None  # the call's row lse (grad method), made once for every chosen row
 
@@ -69,7 +71,7 @@ class _Recorder:
         keep = {key: mods.get(key) for key in ("attn_bias", "softcap", "sinks", "scale") if mods.get(key) is not None}
         if keep.get("sinks") is not None:
             keep["sinks"] = keep["sinks"].detach()
-        layer = _Layer(site.name, q.detach(), k.detach(), v.detach(), mask, keep)
+        layer = _Layer(site.name, site.module, q.detach(), k.detach(), v.detach(), mask, keep, mods.get("cross"))
         self.layers.append(layer)
         self._pending[site.index] = layer
 
@@ -307,6 +309,137 @@ def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: l
     return total.to(r.dtype)
 
 
+class Relevance(NamedTuple):
+    """What :func:`rollout` gives for a model with cross-attention: ``target (B, R, Lt)``, each
+    chosen row's relevance over the tokens of its own sequence (the decoder's input, or the
+    entries of its KV cache), and ``source (B, R, Ls)``, over the tokens of the sequence its
+    cross-attention reads (the encoder's input; the memory's positions when no encoder ran)."""
+
+    target: torch.Tensor
+    source: torch.Tensor
+
+
+def _query_slots(layer: _Layer) -> torch.Tensor:
+    """``(B or 1, Lq)``: the token slot (key index) of each query of a self-attention call: the
+    queries themselves over the whole input; a KV cache's entries of the latest append (each
+    sequence's own, read from the cached mask); the last ``Lq`` keys of a cache that keeps every
+    sequence at one length (transformers' caches)."""
+    from attnkit import masks
+
+    lq, lk = layer.q.shape[2], layer.k.shape[2]
+    steps = torch.arange(lq, device=layer.q.device)
+    if isinstance(layer.mask, masks.Cached):
+        return layer.mask.start.to(layer.q.device)[:, None] + steps
+    if lq == lk:
+        return steps[None]
+    if lq < lk and layer.cross is None:
+        return (lk - lq + steps)[None]
+    raise AttnkitValueError(
+        f"layer {layer.name!r} attends from {lq} queries to {lk} keys of its own sequence without a cached mask, "
+        "so where its queries sit among the keys is unknown: decode with a KVCache and a mask object (or none), "
+        "or run the model on the whole input."
+    )
+
+
+def _gather(r: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``r (B, R, L)`` at the queries' slots: ``(B, R, Lq)``, 0 for a query past the stored entries."""
+    b, n, length = r.shape
+    idx = slots.expand(b, -1)
+    got = r.gather(2, idx.clamp(max=length - 1)[:, None].expand(b, n, -1))
+    return got * (idx < length)[:, None].to(got.dtype)
+
+
+def _scatter(r_q: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse of :func:`_gather`: ``(B, R, L)``, ``r_q (B, R, Lq)`` at the queries' slots."""
+    b, n, _ = r_q.shape
+    idx = slots.expand(b, -1)
+    kept = r_q * (idx < length)[:, None].to(r_q.dtype)
+    out = r_q.new_zeros(b, n, length)
+    return out.scatter_add_(2, idx.clamp(max=length - 1)[:, None].expand(b, n, -1), kept)
+
+
+def _encoder_of(model: nn.Module, encoder: Any) -> nn.Module | None:
+    if encoder is None or isinstance(encoder, nn.Module):
+        return encoder
+    if encoder != "auto":
+        raise AttnkitTypeError(f"encoder must be 'auto', None or a module of the model, but got {encoder!r}.")
+    getter = getattr(model, "get_encoder", None)
+    found = getter() if callable(getter) else getattr(model, "encoder", None)
+    return found if isinstance(found, nn.Module) else None
+
+
+@dataclass
+class _Streams:
+    """Which sequence each recorded call reads and writes: ``kinds[i]`` is ``"target"`` (self-attention
+    of the chosen rows' sequence), ``"source"`` (the encoder's self-attention) or ``"cross"`` (target
+    queries over source keys); ``slots``: the target queries' slots among ``length`` tokens."""
+
+    kinds: list[str]
+    length: int
+    slots: torch.Tensor
+    queries: int
+    source_length: int | None
+
+
+def _streams(model: nn.Module, layers: list[_Layer], encoder: Any) -> _Streams:
+    if any(layer.cross is None and layer.q.shape[2] != layer.k.shape[2] for layer in layers) and getattr(
+        getattr(model, "config", None), "is_encoder_decoder", False
+    ):
+        raise AttnkitValueError(
+            f"{type(model).__name__} is a transformers encoder-decoder, whose cross-attention calls the integration "
+            "cannot tell from cached self-attention: roll out its encoder alone, or build the model from "
+            "attnkit.MultiHeadAttention (rollout follows attnkit's cross-attention into the encoder)."
+        )
+    kinds = ["cross" if layer.cross else "target" for layer in layers]
+    source_length = None
+    if "cross" in kinds:
+        found = _encoder_of(model, encoder)
+        inside = {id(m) for m in found.modules()} if found is not None else set()
+        kinds = [
+            kind if kind == "cross" or id(layer.module) not in inside else "source"
+            for kind, layer in zip(kinds, layers)
+        ]
+        if encoder == "auto" and found is None and "target" in kinds:
+            raise AttnkitValueError(
+                f"{type(model).__name__} ran cross-attention and self-attention, and has no `encoder` attribute or "
+                "get_encoder(): say which module's attention layers read the source sequence with encoder=<module> "
+                "(encoder=None: no encoder ran in this call, its memory was given)."
+            )
+        crossing = [layer for layer, kind in zip(layers, kinds) if kind == "cross"]
+        source_length = crossing[0].k.shape[2]
+        for layer, kind in zip(layers, kinds):
+            if (
+                kind == "source"
+                and layer.q.shape[2] != source_length
+                or kind != "target"
+                and layer.k.shape[2] != source_length
+            ):
+                raise AttnkitValueError(
+                    f"the cross-attention of {crossing[0].name!r} reads {source_length} source tokens, but layer "
+                    f"{layer.name!r} attends from {layer.q.shape[2]} queries to {layer.k.shape[2]} keys: rollout "
+                    "follows one encoder's self-attention over the whole source."
+                )
+    own = [layer for layer, kind in zip(layers, kinds) if kind == "target"]
+    ref = own[0] if own else next(layer for layer, kind in zip(layers, kinds) if kind == "cross")
+    slots = _query_slots(own[0]) if own else torch.arange(ref.q.shape[2], device=ref.q.device)[None]
+    length, queries = (ref.k.shape[2] if own else ref.q.shape[2]), ref.q.shape[2]
+    for layer, kind in zip(layers, kinds):
+        if kind == "source":
+            continue
+        mismatch = layer.q.shape[2] != queries or (kind == "target" and layer.k.shape[2] != length)
+        if not mismatch and kind == "target" and layer is not ref:
+            other = _query_slots(layer)
+            mismatch = other.shape != slots.shape or not torch.equal(other, slots)
+        if mismatch:
+            raise AttnkitValueError(
+                f"rollout carries relevance over one sequence's tokens, but layer {layer.name!r} attends from "
+                f"{layer.q.shape[2]} queries to {layer.k.shape[2]} keys where layer {ref.name!r} attends from "
+                f"{queries} to {length if kind == 'target' else ref.k.shape[2]} (another sequence, or caches of other "
+                "fills): roll out one decoder's calls, with its cross-attention made by attnkit.MultiHeadAttention."
+            )
+    return _Streams(kinds, length, slots, queries, source_length)
+
+
 def rollout(
     model: nn.Module,
     *args: Any,
@@ -315,20 +448,33 @@ def rollout(
     residual: float = 0.5,
     heads: Any = "mean",
     target: Callable[[Any], torch.Tensor] | None = None,
+    encoder: Any = "auto",
     **kwargs: Any,
-) -> torch.Tensor:
+) -> torch.Tensor | Relevance:
     """Relevance ``(B, len(rows), L)`` of every input token for each chosen query row.
 
     Runs ``model(*args, **kwargs)`` once (plus, for ``method="grad"``, one backward pass per row)
     and carries each row's vector down the attention layers (see the module's docstring for the
-    two rules). ``rows``: query indices (negative from the end). ``heads``: ``"mean"`` (every head
-    of each layer) or a list with one entry per layer: a head index or a list of heads averaged.
-    ``residual`` (rollout only): the identity's share, 0.5 in Abnar & Zuidema. ``target`` (grad
-    only): ``target(output) -> (B, len(rows))`` scalars whose gradients weight the heads; default
-    each row's top logit. Works on models built from :class:`attnkit.MultiHeadAttention` and on
-    transformers models run with ``attn_implementation="attnkit"`` whose attention layers are
-    self-attention over the whole input (encoders, decoders without a cache); other calls are
-    refused. Exact (float32 for float32 models); no ``L x L`` tensor is made.
+    two rules). ``rows``: indices of the last attention call's queries (negative from the end).
+    ``heads``: ``"mean"`` (every head of each layer) or a list with one entry per attention call:
+    a head index or a list of heads averaged. ``residual`` (rollout only): the identity's share,
+    0.5 in Abnar & Zuidema. ``target`` (grad only): ``target(output) -> (B, len(rows))`` scalars
+    whose gradients weight the heads; default each row's top logit.
+
+    Works on models built from :class:`attnkit.MultiHeadAttention` and on transformers models run
+    with ``attn_implementation="attnkit"``:
+
+    - self-attention over the whole input (encoders, decoders without a cache): ``L`` tokens;
+    - a decoding step over KV caches: ``L`` is the caches' entries; the step's queries are rows of
+      their own entries, the entries stored before the step are inputs (relevance stops there);
+    - cross-attention (attnkit layers): a :class:`Relevance` ``(target, source)``; a cross call
+      moves relevance from its queries to the source tokens, which then goes down the encoder's
+      self-attention (the layers inside ``encoder``: ``"auto"`` takes ``model.get_encoder()`` or
+      ``model.encoder``; None where no encoder runs in the call). Rollout keeps each row's mass
+      over both; the gradient rule is Chefer et al.'s encoder-decoder rule (``R_ts += A_ts R_ss``,
+      without its normalisation of ``R_ss``).
+
+    Exact (float32 for float32 models); no ``L x L`` tensor is made.
 
     >>> import torch, attnkit
     >>> from attnkit.inspect import rollout
@@ -346,6 +492,8 @@ def rollout(
     row_list = [rows] if isinstance(rows, int) else list(rows) if not isinstance(rows, torch.Tensor) else rows.tolist()
     if not row_list or any(isinstance(i, bool) or not isinstance(i, int) for i in row_list):
         raise AttnkitTypeError(f"rows must be an int or a list of ints (negative from the end), but got {rows!r}.")
+    if not (encoder is None or encoder == "auto" or isinstance(encoder, nn.Module)):
+        raise AttnkitTypeError(f"encoder must be 'auto', None or a module of the model, but got {encoder!r}.")
     grad_method = method == "grad"
     with _Recorder(model, keep_outputs=grad_method) as rec:
         with torch.set_grad_enabled(grad_method):
@@ -353,28 +501,38 @@ def rollout(
     layers = rec.layers
     if not layers:
         raise AttnkitValueError("the model ran no attention layer attnkit could see: nothing to roll out.")
-    length = layers[0].q.shape[2]
-    for layer in layers:
-        if layer.q.shape[2] != layer.k.shape[2] or layer.q.shape[2] != length:
-            raise AttnkitValueError(
-                f"rollout follows self-attention over the whole input, but layer {layer.name!r} attends from "
-                f"{layer.q.shape[2]} queries to {layer.k.shape[2]} keys (cross-attention or a KV cache): run the "
-                "model on the whole input without a cache."
-            )
-    bad = [i for i in row_list if not -length <= i < length]
+    streams = _streams(model, layers, encoder)
+    queries = streams.queries
+    bad = [i for i in row_list if not -queries <= i < queries]
     if bad:
-        raise AttnkitValueError(f"rows {bad} are out of range for an input of {length} tokens.")
-    rows_pos = [i % length for i in row_list]
+        raise AttnkitValueError(
+            f"rows {bad} are out of range for the {queries} queries of the last attention call (its input tokens)."
+        )
+    rows_pos = [i % queries for i in row_list]
     per_layer = _heads_per_layer(heads, layers)
     b = layers[0].q.shape[0]
     dtype = torch.float64 if layers[0].q.dtype == torch.float64 else torch.float32
-    start = torch.zeros(b, len(rows_pos), length, dtype=dtype, device=layers[0].q.device)
-    start[:, torch.arange(len(rows_pos)), torch.tensor(rows_pos)] = 1.0
+    device = layers[0].q.device
+    one_hot = torch.zeros(b, len(rows_pos), queries, dtype=dtype, device=device)
+    one_hot[:, torch.arange(len(rows_pos)), torch.tensor(rows_pos)] = 1.0
+    start = _scatter(one_hot, streams.slots.to(device), streams.length)
+    cross = streams.source_length is not None  # the result: a Relevance (target, source)
+    source = torch.zeros(b, len(rows_pos), streams.source_length or 0, dtype=dtype, device=device)
+    order = list(zip(reversed(layers), reversed(per_layer), reversed(streams.kinds)))
     if not grad_method:
-        r = start
-        for layer, chosen in zip(reversed(layers), reversed(per_layer)):
-            r = residual * r + (1 - residual) * _received(layer, r, chosen)
-        return r
+        r, r_s = start, source
+        for layer, chosen, kind in order:
+            if kind == "source":
+                r_s = residual * r_s + (1 - residual) * _received(layer, r_s, chosen)
+                continue
+            r_q = _gather(r, streams.slots)
+            moved = _received(layer, r_q, chosen)
+            r = r - (1 - residual) * _scatter(r_q, streams.slots, streams.length)
+            if kind == "cross":
+                r_s = r_s + (1 - residual) * moved
+            else:
+                r = r + (1 - residual) * moved
+        return Relevance(r, r_s) if cross else r
     if any(layer.out is None for layer in layers):
         raise AttnkitValueError(
             "a layer's head outputs were not seen: method='grad' needs attnkit's head output hooks."
@@ -383,16 +541,27 @@ def rollout(
     if not isinstance(scores, torch.Tensor) or scores.shape != (b, len(rows_pos)):
         got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise AttnkitValueError(f"target must return a (B, len(rows)) = {(b, len(rows_pos))} tensor, but gave {got}.")
-    result = []
+    result, result_s = [], []
     outs = [layer.out for layer in layers if layer.out is not None]
     for j in range(len(rows_pos)):
         d_outs = torch.autograd.grad(scores[:, j].sum(), outs, retain_graph=j + 1 < len(rows_pos), allow_unused=True)
         r = start[:, j : j + 1]
-        for layer, chosen, d_out in zip(reversed(layers), reversed(per_layer), reversed(d_outs)):
-            if d_out is not None:
-                r = r + _received_grad(layer, r, d_out.detach(), chosen)
+        r_s = source[:, j : j + 1]
+        for (layer, chosen, kind), d_out in zip(order, reversed(d_outs)):
+            if d_out is None:
+                continue
+            if kind == "source":
+                r_s = r_s + _received_grad(layer, r_s, d_out.detach(), chosen)
+                continue
+            moved = _received_grad(layer, _gather(r, streams.slots), d_out.detach(), chosen)
+            if kind == "cross":
+                r_s = r_s + moved
+            else:
+                r = r + moved
         result.append(r)
-    return torch.cat(result, dim=1)
+        result_s.append(r_s)
+    r = torch.cat(result, dim=1)
+    return Relevance(r, torch.cat(result_s, dim=1)) if cross else r
 
 
 def _heads_per_layer(heads: Any, layers: list[_Layer]) -> list[list[int] | None]:

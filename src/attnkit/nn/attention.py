@@ -170,7 +170,8 @@ class MultiHeadAttention(nn.Module):
         ``with_kwargs=True`` (as in ``torch.nn.Module.register_forward_pre_hook``) the hook
         is called as ``hook(module, q, k, v, mask, kwargs)`` with the call's other keyword
         arguments: ``attn_bias`` (aligned with a cache), ``softcap``, ``sinks`` and
-        ``dropout_p``. The hook must not change them; its return value is ignored. Returns
+        ``dropout_p``, and ``cross``: whether the keys come from another sequence (``kv=``, or a
+        ``key`` that is not ``query``). The hook must not change them; its return value is ignored. Returns
         a handle whose ``remove()`` unregisters it, like ``register_forward_hook``.
 
         >>> import torch, attnkit
@@ -379,7 +380,8 @@ class MultiHeadAttention(nn.Module):
                 q, k = self._rotate(q, positions), self._rotate(k, positions)
         p = self._dropout_p() if self.training else 0.0
         mods: dict[str, Any] = dict(attn_bias=attn_bias, softcap=self.softcap, sinks=self.sinks, dropout_p=p)
-        out, weights = self.hook_points.run(self, q, k, v, mask, mods, need_weights=need_weights)
+        cross = kv is not None or (key is not None and key is not query)  # keys from another sequence
+        out, weights = self.hook_points.run(self, q, k, v, mask, mods, need_weights=need_weights, cross=cross)
         out = self.out_proj(self.merge_heads(out))  # (B, H, Lq, hd) -> (B, Lq, d_model)
         if unbatched:
             out = out[0]

@@ -6,7 +6,9 @@ calls it). Each holds a :class:`HookPoints` and runs its attention through :meth
 so both call their hooks the same way:
 
 1. attention hooks, ``hook(module, q, k, v, mask, mods)``, before attention (``mods``: the call's
-   keyword arguments: ``attn_bias``, ``softcap``, ``sinks``, ``scale``, ``dropout_p``);
+   keyword arguments: ``attn_bias``, ``softcap``, ``sinks``, ``scale``, ``dropout_p``; and
+   ``cross`` where the call site knows it: whether the keys come from another sequence than the
+   queries (cross-attention) rather than from the queries' own tokens or a cache of them);
 2. the attention, with ``return_lse=True`` when an lse hook is registered, then lse hooks,
    ``hook(module, lse)``;
 3. head output hooks, ``hook(module, out)`` on ``out: (B, H, Lq, head_dim)``: a tensor returned
@@ -55,11 +57,15 @@ class HookPoints:
         return any(self.hooks.values())
 
     def before(
-        self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, mods: dict
-    ) -> None:
-        """Step 1: the attention hooks, on the call's inputs."""
+        self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, mods: dict,
+        *, cross: bool | None = None,
+    ) -> None:  # fmt: skip
+        """Step 1: the attention hooks, on the call's inputs (``cross``, when given, in their ``mods``)."""
         for hook in tuple(self.hooks["attention"].values()):
-            hook(module, q, k, v, mask, dict(mods))
+            seen = dict(mods)
+            if cross is not None:
+                seen["cross"] = cross
+            hook(module, q, k, v, mask, seen)
 
     def after(self, module: nn.Module, out: torch.Tensor) -> torch.Tensor:
         """Step 3: the head output hooks on ``out (B, H, Lq, head_dim)``; the heads they leave."""
@@ -77,11 +83,12 @@ class HookPoints:
 
     def run(
         self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, mods: dict,
-        *, need_weights: bool = False,
+        *, need_weights: bool = False, cross: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """``(out (B, H, Lq, head_dim), weights or None)`` of :func:`attnkit.attention` on the call,
-        with this site's hooks around it (see the module docstring)."""
-        self.before(module, q, k, v, mask, mods)
+        with this site's hooks around it (see the module docstring); ``cross``: whether the keys come
+        from another sequence (None: the call site cannot tell)."""
+        self.before(module, q, k, v, mask, mods, cross=cross)
         if need_weights:
             out, weights = functional.attention_with_weights(q, k, v, mask, **mods)
         elif self.hooks["lse"]:
