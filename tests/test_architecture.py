@@ -386,6 +386,18 @@ def test_inspect_reaches_statistics_through_the_registry():
     assert not offenders, "\n".join(offenders)
 
 
+def test_attribution_asks_the_registry_and_walks_no_plan():
+    """Rollout's rules are reductions the kernels compute (``registry.relevance``): attribution prepares
+    no mask, reads no block codes or pairs and imports neither plan.py nor the kernels' shared walk."""
+    rel, tree = _modules()["attnkit.inspect.attribution"]
+    deps = _imports_of(tree, "attnkit.inspect.attribution", False)
+    assert not deps & {"attnkit.plan", "attnkit.kernels.blocks", "attnkit.kernels.sparsity"}, deps
+    text = _sources()["inspect/attribution.py"]
+    reads = re.compile(r"\bprepare\(|\.codes\b|\.allowed(_at)?\(|\.kv_limits\b|attention_weights\(")
+    assert not reads.findall(text), reads.findall(text)
+    assert "registry.relevance(" in text
+
+
 def test_importing_attnkit_starts_no_subprocess_and_reads_no_engine_source():
     """``import attnkit`` and its kernels (and the first look at attnkit.attention) run no compiler
     query and hash no C++: the engine is built and keyed at its first use."""

@@ -354,7 +354,7 @@ def test_grad_rule_over_many_row_blocks_equals_the_formula(monkeypatch, kind):
         mask, heads = masks.causal() & masks.padding(torch.tensor([300, 170])), [[1, 3], [2]]
     torch.manual_seed(8)
     model = Masked(mask).eval()
-    monkeypatch.setattr(sys.modules["attnkit.inspect.attribution"], "CHUNK_ELEMENTS", 2 * H * length * 100)
+    monkeypatch.setattr(sys.modules["attnkit.kernels.runs.relevance"], "KEYS", 100)  # several key tiles
     rows = [299, 150]
     got = rollout(model, ids, rows=rows, method="grad", heads=heads or "mean")
     expected = []

@@ -12,12 +12,10 @@ attention layer down to the first:
 the gradient of the attention's output with respect to a value tensor whose rows are ``r``'s
 (``dV = A^T dO``), so one backward pass of the layer's own attention call gives it, on the
 kernel that call would use, for every mask, bias, softcap and sinks, in O(L) memory. The
-gradient rule is elementwise in ``A``: its weights are recomputed one chunk of query rows at a
-time, in memory proportional to the chunk, as ``exp(s - lse)`` with the lse of the layer's own
-kernel, over the keys the chunk's row blocks may see (the mask's block codes), with the element
-mask applied only on the columns where a block is partial; rows whose ``r`` is 0 are skipped (in
-the last layer, all but the chosen row). Calls with sinks, or a mask given as a tensor, take
-:func:`attnkit.attention_weights` per chunk instead.
+gradient rule is elementwise in ``A``: it is a reduction of the weights ``exp(s - lse)`` (with the
+lse of the layer's own kernel) that the kernels compute, as they compute statistics: the registry
+chooses one (:func:`attnkit.kernels.registry.relevance`), which walks the tiles the mask keeps and
+skips the rows whose ``r`` is 0 (in the last layer, all but the chosen row).
 """
 
 from __future__ import annotations
@@ -32,13 +30,12 @@ from torch import nn
 from attnkit import functional
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
 from attnkit.inspect.sites import Site, Sites
+from attnkit.kernels import registry
+from attnkit.kernels.contract import RelevanceRequest
 
 __all__ = ["METHODS", "Relevance", "rollout"]
 
 METHODS = ("rollout", "grad")
-
-#: Weights ``(B x H x rows x keys)`` the gradient rule holds at once (a tile of query rows and keys).
-CHUNK_ELEMENTS = 2**22
 
 
 @dataclass
@@ -63,8 +60,8 @@ class _Recorder:
         self._pending: dict[int, _Layer] = {}
         self._sites = Sites(model, "roll out")
         self._sites.on("attention", self._attention)
-        if keep_outputs:  # the grad rule: each layer's head outputs and its kernel's lse
-            self._sites.on("lse", self._lse)
+        self._sites.on("lse", self._lse)  # each layer's kernel's lse: its weights are exp(s - lse)
+        if keep_outputs:  # the grad rule: each layer's head outputs
             self._sites.on("head_output", self._output)
 
     def _attention(self, site: Site, q, k, v, mask, mods):
@@ -116,197 +113,25 @@ def _top_logit(rows: list[int]) -> Callable[[Any], torch.Tensor]:
     return target
 
 
-def _received(layer: _Layer, r: torch.Tensor, heads: list[int] | None) -> torch.Tensor:
-    """``r @ A``: ``(B, R, Lk)``, the weights each key receives with query ``i`` weighted by ``r[:, :, i]``,
-    ``A`` averaged over ``heads`` (all when None), from the backward of the layer's attention call."""
-    q, k = layer.q, layer.k
-    b, h, lq, _ = q.shape
-    lk = k.shape[2]
-    if k.shape[1] != h:  # GQA: one value head per query head, so each head's share stays apart
-        k = k.repeat_interleave(h // k.shape[1], dim=1)
-    chosen = list(range(h)) if heads is None else heads
-    mask, mods, rows = _weighted_rows(layer, r, lq, lk)  # only the rows r weights (the last layer: the chosen)
-    if rows is None:
-        return torch.zeros(b, r.shape[1], lk, dtype=r.dtype, device=r.device)
-    grad = torch.zeros(b, h, rows.stop - rows.start, r.shape[1], dtype=q.dtype, device=q.device)
-    grad[:, chosen] = r[:, :, rows].transpose(1, 2).to(q.dtype).unsqueeze(1) / len(chosen)
-    values = torch.zeros(b, h, lk, r.shape[1], dtype=q.dtype, device=q.device, requires_grad=True)
-    with torch.enable_grad():
-        out = functional.attention(q[:, :, rows], k, values, mask, **mods)
-        (got,) = torch.autograd.grad(out, values, grad)
-    return got.sum(dim=1).transpose(1, 2).to(r.dtype)  # (B, R, Lk)
-
-
-def _weighted_span(r: torch.Tensor) -> slice | None:
-    """The run of query rows from the first to the last where ``r (B, R, Lq)`` is not 0 (None: nowhere)."""
-    weighted = (r.abs().sum(dim=(0, 1)) > 0).nonzero()
-    return None if weighted.numel() == 0 else slice(int(weighted[0]), int(weighted[-1]) + 1)
-
-
-def _weighted_rows(layer: _Layer, r: torch.Tensor, lq: int, lk: int) -> tuple[Any, dict, slice | None]:
-    """``(mask, mods, rows)``: the run of query rows where ``r`` is not 0 (None: none is), with the
-    call's mask and bias cut to those rows where they can be (mask and bias objects, tensors); else
-    every row, as the call ran."""
-    rows = _weighted_span(r)
-    if rows is None or rows == slice(0, lq):
-        return layer.mask, layer.mods, rows
-    from attnkit.masks import Mask
-
-    mask, mods, bias = layer.mask, dict(layer.mods), layer.mods.get("attn_bias")
-    try:
-        if isinstance(mask, Mask):
-            mask = mask.part(lq, lk, q=rows)
-        elif isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-2] == lq:
-            mask = mask[..., rows, :]
-        elif mask is not None and not isinstance(mask, torch.Tensor):
-            return layer.mask, layer.mods, slice(0, lq)  # a prepared plan: the whole call
-        if bias is not None and hasattr(bias, "part"):
-            mods["attn_bias"] = bias.part(lq, lk, q=rows)
-        elif isinstance(bias, torch.Tensor) and bias.dim() >= 2 and bias.shape[-2] == lq:
-            mods["attn_bias"] = bias[..., rows, :]
-        elif bias is not None and not isinstance(bias, torch.Tensor):
-            return layer.mask, layer.mods, slice(0, lq)
-    except AttnkitValueError:  # a mask or bias that cannot be cut: the whole call
-        return layer.mask, layer.mods, slice(0, lq)
-    return mask, mods, rows
-
-
-def _rows_allowed(mask, lq: int, lk: int):
-    """``allowed(start, stop) -> (.., rows, Lk) bool``: the pairs of a prepared mask or a bool tensor for
-    a run of query rows, or None where the mask cannot be read as pairs (none, or an additive float
-    tensor)."""
-    from attnkit.plan import PreparedMask
-
-    if isinstance(mask, PreparedMask):
-        keys = torch.arange(lk, device=mask.device)
-        return lambda start, stop: mask.allowed_at(torch.arange(start, stop, device=mask.device), keys)
-    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        return lambda start, stop: mask[..., start:stop, :] if mask.shape[-2] == lq else mask
-    return None
-
-
-def _prepared(mask, lq: int, lk: int):
-    """The call's mask as a :class:`~attnkit.plan.PreparedMask` (block codes and partial tiles), or None
-    for no mask or a tensor."""
-    from attnkit.masks import Mask
-    from attnkit.plan import PreparedMask, prepare
-
-    if isinstance(mask, Mask):
-        mask = prepare(mask, lq, lk)
-    return mask if isinstance(mask, PreparedMask) else None
-
-
-def _reach(prepared, start: int, stop: int, lk: int) -> tuple[int, int, int, int] | None:
-    """``(lo, hi, p_lo, p_hi)``: the keys query rows ``[start, stop)`` may see (``[lo, hi)``), and the
-    columns among them where some pair is hidden (``[p_lo, p_hi)``, empty where none is), read from
-    the block codes and key limits; None where the rows see no key."""
-    from attnkit.masks import EMPTY, FULL
-
-    bq, bk = prepared.block_size
-    codes = prepared.codes[:, :, start // bq : -(-stop // bq)].flatten(0, 2)  # (.., nk)
-    seen = (codes != EMPTY).any(dim=0).nonzero()
-    limits = prepared.kv_limits
-    if seen.numel() == 0 or (limits and max(limits) <= 0):
-        return None
-    lo, hi = int(seen[0]) * bk, min(lk, (int(seen[-1]) + 1) * bk)
-    if limits:
-        hi = min(hi, max(limits))
-    hidden = (codes != FULL).any(dim=0).nonzero()
-    p_lo, p_hi = (int(hidden[0]) * bk, int(hidden[-1] + 1) * bk) if hidden.numel() else (hi, hi)
-    if limits and min(limits) < hi:  # a sequence's limit may cut a full block
-        p_lo, p_hi = min(p_lo, min(limits)), hi
-    p_lo, p_hi = max(lo, p_lo), min(hi, p_hi)
-    return lo, hi, p_lo, max(p_lo, p_hi)
-
-
-def _direct_chunk(total, layer, found, start, stop, r, q_c, k_c, v_c, d_out_c, lse, chosen, prepared, scale) -> None:
-    """Add rows ``[start, stop)``'s share of ``r @ mean_h((dA * A)^+)`` to ``total``, a tile of key columns
-    at a time (at most :data:`CHUNK_ELEMENTS` weights: the tile's passes stay in cache), with
-    ``A = exp(s - lse)`` and the element mask only on the columns ``[p_lo, p_hi)`` where it hides some."""
-    lo, hi, p_lo, p_hi = found
-    b, h = q_c.shape[0], layer.q.shape[1]
-    lq, lk = layer.q.shape[2], layer.k.shape[2]
-    softcap, bias = layer.mods.get("softcap"), layer.mods.get("attn_bias")
-    width = max(64, CHUNK_ELEMENTS // max(1, b * q_c.shape[1] * (stop - start)))
-    q_rows = q_c[:, :, start:stop] * (scale if softcap is None else scale / softcap)  # the scale folded in
-    lse_rows, r_rows, d_rows = lse[:, :, start:stop, None], r[:, :, start:stop], d_out_c[:, :, start:stop]
-    for c0 in range(lo, hi, width):
-        c1 = min(hi, c0 + width)
-        s = q_rows @ k_c[:, :, c0:c1].transpose(-2, -1)
-        if softcap is not None:
-            s = s.tanh_().mul_(softcap)
-        if bias is not None:
-            part = bias.part(lq, lk, q=slice(start, stop), kv=slice(c0, c1))
-            dense = part.dense(b, h, stop - start, c1 - c0, s.device)
-            s += (dense[:, chosen] if dense.shape[1] == h else dense).to(s.dtype)
-        w = s.sub_(lse_rows).exp_()  # (B, h', c, c1 - c0), in place
-        m0, m1 = max(c0, p_lo), min(c1, p_hi)
-        if m1 > m0:  # the element mask, only where it hides something
-            pairs = prepared.allowed(start, stop, m0, m1)  # (Bm, Hm, c, m1 - m0)
-            if pairs.shape[1] == h and len(chosen) != h:
-                pairs = pairs[:, chosen]
-            w[..., m0 - c0 : m1 - c0].masked_fill_(~pairs, 0.0)
-        d_w = d_rows.to(w.dtype) @ v_c[:, :, c0:c1].transpose(-2, -1).to(w.dtype)
-        m = d_w.mul_(w).clamp_min_(0).mean(dim=1)  # (B, c, keys), in place on the tile's own tensors
-        total[..., c0:c1] += (r_rows.to(m.dtype) @ m).to(total.dtype)
-
-
-def _received_grad(layer: _Layer, r: torch.Tensor, d_out: torch.Tensor, heads: list[int] | None) -> torch.Tensor:
-    """``r @ mean_h((dA * A)^+)`` with ``dA = dO V^T``, a chunk of query rows at a time, each over
-    the keys its rows may see (the mask's reach: half the pairs for a causal mask)."""
+def _received(
+    layer: _Layer, r: torch.Tensor, heads: list[int] | None, d_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, R, Lk)``: ``r @ mean_h(A_h)``, the weights each key receives with query ``i`` weighted by
+    ``r[:, :, i]`` (rollout), or with ``d_out`` the gradient rule's ``r @ mean_h((dA_h * A_h)^+)``,
+    ``dA = dO V^T``; ``heads``: the heads averaged (all when None). A reduction of the layer's
+    weights ``exp(s - lse)`` that the registry's kernel computes tile by tile over the keys the mask
+    keeps (:func:`attnkit.kernels.registry.relevance`), with the lse the layer's kernel returned in
+    the model's forward; rows whose ``r`` is 0 are skipped."""
     q, k, v = layer.q, layer.k, layer.v
-    b, h, lq, _ = q.shape
-    lk = k.shape[2]
-    v_all = v.repeat_interleave(h // v.shape[1], dim=1) if v.shape[1] != h else v
+    h = q.shape[1]
     chosen = list(range(h)) if heads is None else heads
-    pick = slice(None) if len(chosen) == h and chosen == list(range(h)) else chosen
-    # the chosen heads' tensors once for the layer: a chunk then slices them without a copy
-    q_c, v_c, d_out_c = q[:, pick], v_all[:, pick], d_out[:, pick]
-    step = max(1, CHUNK_ELEMENTS // max(1, b * len(chosen) * lk))
-    total = torch.zeros(b, r.shape[1], lk, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    prepared = _prepared(layer.mask, lq, lk)
-    bias = layer.mods.get("attn_bias")
-    direct = prepared is not None and layer.mods.get("sinks") is None and (bias is None or hasattr(bias, "part"))
-    allowed = None if direct else _rows_allowed(layer.mask if prepared is None else prepared, lq, lk)
-    if direct:  # the weights as exp(s - lse), the lse the layer's kernel returned in the model's forward
-        if layer.lse is None:  # (an attention call the lse hooks do not see)
-            _, layer.lse = functional.attention(q, k, v, layer.mask, return_lse=True, **layer.mods)
-        lse = layer.lse[:, pick].masked_fill(~torch.isfinite(layer.lse[:, pick]), float("inf"))  # no key: weights 0
-        k_c = (k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k)[:, pick]
-        scale = layer.mods.get("scale") or q.shape[-1] ** -0.5
-    span = _weighted_span(r)  # rows with r = 0 add nothing (the last layer: the chosen row)
-    if span is None:
-        return total.to(r.dtype)
-    first, last = span.start, span.stop
-    if direct:  # chunks of whole row blocks: their block codes say which keys they see and where the mask hides some
-        bq = prepared.block_size[0]
-        step, first = bq, first // bq * bq
-    for start in range(first, last, step):
-        stop = min(last, start + step)
-        lo, hi, mask, mods = 0, lk, layer.mask, dict(layer.mods)
-        if direct:
-            found = _reach(prepared, start, stop, lk)
-            if found is not None:  # else no row of the chunk sees a key
-                _direct_chunk(total, layer, found, start, stop, r, q_c, k_c, v_c, d_out_c, lse, chosen, prepared, scale)
-            continue
-        if allowed is not None and (bias is None or hasattr(bias, "part")):
-            pairs = allowed(start, stop)
-            seen = pairs.reshape(-1, lk).any(dim=0).nonzero()
-            if seen.numel() == 0:
-                continue  # no row of the chunk sees a key
-            lo, hi = int(seen[0]), int(seen[-1]) + 1
-            mask = pairs[..., lo:hi]
-            if bias is not None:
-                mods["attn_bias"] = bias.part(lq, lk, q=slice(start, stop), kv=slice(lo, hi))
-            w = functional.attention_weights(
-                q[:, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi], mask, heads=chosen, **mods
-            )  # (B, h', c, hi - lo)
-        else:
-            w = functional.attention_weights(q, k, v, mask, rows=list(range(start, stop)), heads=chosen, **mods)
-        d_w = d_out_c[:, :, start:stop].to(w.dtype) @ v_c[:, :, lo:hi].transpose(-2, -1).to(w.dtype)
-        m = d_w.mul_(w).clamp_min_(0).mean(dim=1)  # (B, c, keys), in place on the chunk's own tensors
-        total[..., lo:hi] += (r[:, :, start:stop].to(m.dtype) @ m).to(total.dtype)
-    return total.to(r.dtype)
+    head_weights = torch.zeros(h, dtype=torch.float64)
+    head_weights[chosen] = 1.0 / len(chosen)
+    if layer.lse is None:  # an attention call the lse hooks do not see
+        _, layer.lse = functional.attention(q, k, v, layer.mask, return_lse=True, **layer.mods)
+    call = functional.stats_call(q, k, v, layer.mask, **layer.mods)
+    found = registry.relevance(call, RelevanceRequest(layer.lse, r, d_out, head_weights))
+    return found.to(r.dtype)
 
 
 class Relevance(NamedTuple):
@@ -551,9 +376,9 @@ def rollout(
             if d_out is None:
                 continue
             if kind == "source":
-                r_s = r_s + _received_grad(layer, r_s, d_out.detach(), chosen)
+                r_s = r_s + _received(layer, r_s, chosen, d_out.detach())
                 continue
-            moved = _received_grad(layer, _gather(r, streams.slots), d_out.detach(), chosen)
+            moved = _received(layer, _gather(r, streams.slots), chosen, d_out.detach())
             if kind == "cross":
                 r_s = r_s + moved
             else:

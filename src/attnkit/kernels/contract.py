@@ -29,6 +29,7 @@ __all__ = [
     "Kernel",
     "LimitRunner",
     "Reason",
+    "RelevanceRequest",
     "Runner",
     "StatsRequest",
     "double_backward_error",
@@ -58,6 +59,28 @@ class StatsRequest:
     kpos: torch.Tensor
     sink_tokens: int
     topk: int
+
+
+@dataclass(frozen=True)
+class RelevanceRequest:
+    """What :meth:`Kernel.relevance` reduces a call's weights ``A = exp(s - lse)`` to, row vectors
+    ``r`` carrying each query's share to the keys:
+
+    - with ``d_out``: ``out[b, :, j] = sum_i r[b, :, i] sum_h head_weights[h] max(0, (d_out[b, h, i] . v[b, h, j]) A[b, h, i, j])``,
+      the gradient rule of attention attribution (Chefer et al. 2021: ``dA = dO V^T`` times the
+      weights, clipped at 0, averaged over heads);
+    - without (None): ``out[b, :, j] = sum_i r[b, :, i] sum_h head_weights[h] A[b, h, i, j]``, the
+      weights themselves (``r @ A``: attention rollout's step).
+
+    ``lse (B, Hq, Lq)``: the call's row log-sum-exp (the sinks' mass included); ``r (B, R, Lq)``;
+    ``d_out (B, Hq, Lq, Dv)`` or None; ``head_weights (Hq,)``. Rows whose ``r`` is 0 add nothing
+    and a kernel may skip them.
+    """
+
+    lse: torch.Tensor
+    r: torch.Tensor
+    d_out: torch.Tensor | None
+    head_weights: torch.Tensor
 
 
 class Kernel:
@@ -91,6 +114,8 @@ class Kernel:
     supports_backward_part: bool = False
     #: Whether it implements :meth:`stats`.
     supports_stats: bool = False
+    #: Whether it implements :meth:`relevance`.
+    supports_relevance: bool = False
     #: Whether it runs under torch.func transforms (grad, vjp, jacrev, jacfwd, jvp, vmap) and
     #: forward-mode AD: only a kernel made of PyTorch's own differentiable operations, with no
     #: custom operator, autograd.Function or host read of its inputs, does.
@@ -169,6 +194,11 @@ class Kernel:
         tensor}`` with every field of :class:`attnkit.inspect.AttentionStats` (``lse`` with the
         sinks' mass; the sinks' own entropy term is added by the caller)."""
         raise NotImplementedError(f"the {self.name!r} kernel computes no statistics")
+
+    def relevance(self, call: Call, request: RelevanceRequest) -> torch.Tensor:
+        """``(B, R, Lk)``: the reduction :class:`RelevanceRequest` defines, over the tiles the call's
+        mask keeps, without its ``Lq x Lk`` matrix (float32; float64 for float64 inputs)."""
+        raise NotImplementedError(f"the {self.name!r} kernel computes no relevance")
 
     def runner(self, call: Call) -> Runner | None:
         """Optionally, a function ``(q, k, v) -> out`` that runs every later call of this call's

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 import torch
 
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, short
-from attnkit.kernels.contract import Call, Kernel, Reason, StatsRequest, mark_first_derivative_only
+from attnkit.kernels.contract import Call, Kernel, Reason, RelevanceRequest, StatsRequest, mark_first_derivative_only
 from attnkit.kernels.lse import add_sinks
 from attnkit.kernels.native.kernel import NativeKernel
 from attnkit.kernels.reference import ReferenceKernel
@@ -75,11 +75,13 @@ __all__ = [
     "backward_part",
     "block_size_for",
     "choose",
+    "choose_relevance",
     "choose_stats",
     "refusals",
     "register_group",
     "register_kernel",
     "registry_state",
+    "relevance",
     "run",
     "stats",
     "unregister_kernel",
@@ -534,6 +536,30 @@ def choose_stats(call: Call) -> Plan:
         refusals[k.name] = reasons
     detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
     raise AttnkitValueError(f"no kernel allowed here computes the statistics of this call ({detail}).")
+
+
+def choose_relevance(call: Call) -> Plan:
+    """The kernel that computes the gradient rule's reduction of a call's weights (:func:`relevance`):
+    the first of :func:`use_kernels`' list, else of :data:`PRIORITY`, that computes it and can run it."""
+    inner = active()
+    order = inner[0] if inner is not None else tuple(PRIORITY)
+    refusals: dict[str, object] = {}
+    for k in order:
+        if not k.supports_relevance:
+            refusals[k.name] = ["computes no relevance"]
+            continue
+        reasons = k.not_supported_reasons(call)
+        if not reasons:
+            return _plan(k, "the first kernel that computes relevance and can run this call", call, refusals)
+        refusals[k.name] = reasons
+    detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
+    raise AttnkitValueError(f"no kernel allowed here computes the relevance of this call ({detail}).")
+
+
+def relevance(call: Call, request: RelevanceRequest) -> torch.Tensor:
+    """The gradient rule's reduction of a 4-D call's weights (:meth:`Kernel.relevance`, ``(B, R, Lk)``)
+    by the kernel :func:`choose_relevance` picks."""
+    return choose_relevance(call).chosen.relevance(call, request)
 
 
 def stats(call: Call, request: StatsRequest) -> dict[str, torch.Tensor]:

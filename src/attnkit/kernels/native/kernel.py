@@ -37,6 +37,7 @@ from attnkit.kernels.contract import (
     Kernel,
     LimitRunner,
     Reason,
+    RelevanceRequest,
     Runner,
     StatsRequest,
     first_derivative_only,
@@ -283,6 +284,7 @@ class NativeKernel(Kernel):
     supports_lse = True
     supports_backward_part = True
     supports_stats = True
+    supports_relevance = True
     supports_score_mods = ("bias", "softcap")  # bias: a band of kv - q; sinks from the lse
     max_rank = 4
 
@@ -443,3 +445,18 @@ class NativeKernel(Kernel):
         if request.topk:
             out["topk_weights"], out["topk_keys"] = found[7], found[8]
         return out
+
+    def relevance(self, call: Call, request: RelevanceRequest) -> torch.Tensor:
+        """The gradient rule's reduction from one operator call, ``torch.ops.attnkit.native_relevance``:
+        one pass over the listed blocks with the forward's lse, ``dA = dO V^T`` per step."""
+        _require()
+        bq, bk = BLOCK_SIZE
+        band = _band(call)
+
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(torch.float32).contiguous()
+
+        return torch.ops.attnkit.native_relevance(
+            call.q, call.k, call.v, *_plan(call), None if band is None else band.detach(), f32(request.lse),
+            None if request.d_out is None else f32(request.d_out), f32(request.r), f32(request.head_weights), bq, bk, call.scale, call.softcap or 0.0,
+        )  # fmt: skip

@@ -7,7 +7,8 @@ soft-capping, any ``score_mod`` (autograd on each tile), dropout (a keep-mask dr
 generator seeded once per call from the global generator, so ``torch.manual_seed`` reproduces
 it), Dv != D, float64, and any device (off the CPU a Python loop of small matmuls:
 ``kernel="math"`` forces it). Its statistics (:meth:`MathKernel.stats`) reduce the weights
-``exp(s - lse)`` tile by tile (:mod:`attnkit.kernels.runs.stats`).
+``exp(s - lse)`` tile by tile (:mod:`attnkit.kernels.runs.stats`), and so does its gradient rule
+(:meth:`MathKernel.relevance`, :mod:`attnkit.kernels.runs.relevance`).
 
 Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), scale=scale)``.
 """
@@ -17,9 +18,17 @@ from __future__ import annotations
 import torch
 
 from attnkit.kernels import sparsity
-from attnkit.kernels.contract import Call, Kernel, Reason, Runner, StatsRequest, first_derivative_only
+from attnkit.kernels.contract import (
+    Call,
+    Kernel,
+    Reason,
+    RelevanceRequest,
+    Runner,
+    StatsRequest,
+    first_derivative_only,
+)
 from attnkit.kernels.lse import sink_factor
-from attnkit.kernels.runs import compiled, stats, walk
+from attnkit.kernels.runs import compiled, relevance, stats, walk
 
 __all__ = ["MathKernel"]
 
@@ -33,6 +42,7 @@ class MathKernel(Kernel):
     supports_lse = True
     supports_backward_part = True
     supports_stats = True
+    supports_relevance = True
     supports_score_mods = ("bias", "softcap", "score_mod")  # sinks: added by the registry from the lse
     max_rank = 4
 
@@ -113,3 +123,7 @@ class MathKernel(Kernel):
         if call.sinks is not None:
             lse = sink_factor(lse, call.sinks)[1]
         return stats.reduce(call, call.prepared_at(self.block_size), lse, request)
+
+    def relevance(self, call: Call, request: RelevanceRequest) -> torch.Tensor:
+        """One pass over the kept tiles (:mod:`attnkit.kernels.runs.relevance`)."""
+        return relevance.reduce(call, call.prepared_at(self.block_size), request)

@@ -9,6 +9,10 @@
 //   torch.ops.attnkit.native_stats(q, k, <the plan>, sinks, qpos, kpos, block_q, block_k, scale, softcap,
 //                                  sink_tokens, topk) -> [lse, entropy, max_weight, argmax, sink_mass,
 //                                  mean_distance, received, topk_weights, topk_keys]
+//   torch.ops.attnkit.native_relevance(q, k, v, <the plan>, lse, d_out, r, head_weights, block_q, block_k,
+//                                      scale, softcap) -> out (B, R, Lk) float32: the gradient rule's
+//                                      sum_i r[b, :, i] sum_h w_h max(0, (dO V^T) exp(s - lse)), or
+//                                      without d_out the weights' sum_i r[b, :, i] sum_h w_h exp(s - lse)
 //
 // Built once per machine by attnkit/kernels/native/build.py (the compiler found on the machine, -O3
 // -march=native, against the libtorch that is running: at::parallel_for shares PyTorch's threads)
@@ -47,7 +51,8 @@
 //
 // Stages, one header each, compiled as this one translation unit: vec.h (vectors), gemm.h (the
 // float32 micro-kernel), amx.h (bfloat16 products), plan.h (a call, its plan and steps), forward.h,
-// bf16.h (the bfloat16 forward and its backward scores), decode.h (few rows), stats.h, backward.h.
+// bf16.h (the bfloat16 forward and its backward scores), decode.h (few rows), stats.h, relevance.h,
+// backward.h.
 
 #include <torch/library.h>
 
@@ -56,11 +61,12 @@
 #include "decode.h"
 #include "forward.h"
 #include "plan.h"
+#include "relevance.h"
 #include "stats.h"
 #include "vec.h"
 
 // The interface version build.py checks before it trusts a build (its VERSION).
-#define ATTNKIT_NATIVE_INTERFACE 8
+#define ATTNKIT_NATIVE_INTERFACE 9
 
 namespace {
 
@@ -374,6 +380,46 @@ std::vector<at::Tensor> native_stats(const at::Tensor& q, const at::Tensor& k, c
     return {lse, entropy, max_weight, argmax, sink_mass, distance, received, topk_w, topk_i};
 }
 
+at::Tensor native_relevance(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_num,
+                            const at::Tensor& kv_indices, const at::Tensor& tile_ids, const at::Tensor& bits,
+                            const std::optional<at::Tensor>& kv_limit, const std::optional<at::Tensor>& band,
+                            const at::Tensor& lse, const std::optional<at::Tensor>& d_out, const at::Tensor& r,
+                            const at::Tensor& head_weights, int64_t block_q, int64_t block_k, double scale,
+                            double softcap) {
+    Checked c = check_call(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap);
+    const Problem& pb = c.pb;
+    TORCH_CHECK(r.dim() == 3 && r.size(0) == pb.B && r.size(2) == pb.Lq,
+                "attnkit.native: r must have shape (B, R, Lq) = (", pb.B, ", R, ", pb.Lq, "), but has ", r.sizes());
+    const int64_t R = r.size(1);
+    const at::Tensor lse_c = index_tensor(lse, "lse", at::kFloat, {pb.B, pb.Hq, pb.Lq});
+    at::Tensor d_c;
+    if (d_out.has_value()) d_c = index_tensor(*d_out, "d_out", at::kFloat, {pb.B, pb.Hq, pb.Lq, pb.Dv});
+    const at::Tensor r_c = index_tensor(r, "r", at::kFloat, {pb.B, R, pb.Lq});
+    const at::Tensor w_c = index_tensor(head_weights, "head_weights", at::kFloat, {pb.Hq});
+    at::Tensor out = at::zeros({pb.B, R, pb.Lk}, c.q.options().dtype(at::kFloat));
+    if (pb.Lq > 0 && pb.Lk > 0 && R > 0) {
+        Relevance rl{lse_c.data_ptr<float>(), d_c.defined() ? d_c.data_ptr<float>() : nullptr, r_c.data_ptr<float>(),
+                     w_c.data_ptr<float>(), R};
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            const auto states = run_items(forward_items(pb), RelevanceWork<T>{pb, view_of<const T>(c.q),
+                                                                             view_of<const T>(c.k), view_of<const T>(c.v), rl});
+            float* dst = out.data_ptr<float>();
+            at::parallel_for(0, pb.B * R * pb.Lk, 4096, [&](int64_t begin, int64_t end) {
+                for (const auto& state : states)
+                    if (!state.out.empty())
+                        for (int64_t i = begin; i < end; ++i) dst[i] += state.out[i];
+            });
+        };
+        switch (c.q.scalar_type()) {
+            case at::kFloat: run(float{}); break;
+            case at::kBFloat16: run(c10::BFloat16{}); break;
+            default: run(c10::Half{}); break;
+        }
+    }
+    return out;
+}
+
 std::string native_info() {
     return std::string(ISA) + " (" + std::to_string(W) + " floats a vector); " + bf16_info();
 }
@@ -400,6 +446,10 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
         "native_stats(Tensor q, Tensor k, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, Tensor bits, "
         "Tensor? kv_limit, Tensor? band, Tensor? sinks, Tensor qpos, Tensor kpos, int block_q, int block_k, "
         "float scale, float softcap, int sink_tokens, int topk) -> Tensor[]");
+    m.def(
+        "native_relevance(Tensor q, Tensor k, Tensor v, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, "
+        "Tensor bits, Tensor? kv_limit, Tensor? band, Tensor lse, Tensor? d_out, Tensor r, Tensor head_weights, "
+        "int block_q, int block_k, float scale, float softcap) -> Tensor");
     m.def("native_interface() -> int", []() -> int64_t { return ATTNKIT_NATIVE_INTERFACE; });
     m.def("native_info() -> str", []() -> std::string { return native_info(); });
     m.def("native_constants() -> str", []() -> std::string { return native_constants(); });
@@ -409,4 +459,5 @@ TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
     m.impl("native_forward", &native_forward);
     m.impl("native_backward", &native_backward);
     m.impl("native_stats", &native_stats);
+    m.impl("native_relevance", &native_relevance);
 }
