@@ -66,10 +66,11 @@ class RelevanceRequest:
     """What :meth:`Kernel.relevance` reduces a call's weights ``A = exp(s - lse)`` to, row vectors
     ``r`` carrying each query's share to the keys:
 
-    - with ``d_out``: ``out[b, :, j] = sum_i r[b, :, i] sum_h head_weights[h] max(0, (d_out[b, h, i] . v[b, h, j]) A[b, h, i, j])``,
-      the gradient rule of attention attribution (Chefer et al. 2021: ``dA = dO V^T`` times the
-      weights, clipped at 0, averaged over heads);
-    - without (None): ``out[b, :, j] = sum_i r[b, :, i] sum_h head_weights[h] A[b, h, i, j]``, the
+    - with ``d_out``: ``out[b, :, j] = sum_i r[b, :, i] sum_h w_h max(0, dA[b, h, i, j] A[b, h, i, j])``,
+      ``dA[b, h, i, j] = d_out[b, h, i] . v[b, h, j]``, ``w = head_weights``: the gradient rule of
+      attention attribution (Chefer et al. 2021: ``dA = dO V^T`` times the weights, clipped at 0,
+      averaged over heads);
+    - without (None): ``out[b, :, j] = sum_i r[b, :, i] sum_h w_h A[b, h, i, j]``, the
       weights themselves (``r @ A``: attention rollout's step).
 
     ``lse (B, Hq, Lq)``: the call's row log-sum-exp (the sinks' mass included); ``r (B, R, Lq)``;

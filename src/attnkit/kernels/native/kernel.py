@@ -458,5 +458,6 @@ class NativeKernel(Kernel):
 
         return torch.ops.attnkit.native_relevance(
             call.q, call.k, call.v, *_plan(call), None if band is None else band.detach(), f32(request.lse),
-            None if request.d_out is None else f32(request.d_out), f32(request.r), f32(request.head_weights), bq, bk, call.scale, call.softcap or 0.0,
+            None if request.d_out is None else f32(request.d_out), f32(request.r), f32(request.head_weights),
+            bq, bk, call.scale, call.softcap or 0.0,
         )  # fmt: skip

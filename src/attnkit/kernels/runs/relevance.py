@@ -4,8 +4,8 @@
 With the row log-sum-exp of the call's forward, every weight is ``exp(s - lse)``; one pass over
 the tiles the plan keeps forms, per tile, ``dA = dO V^T`` (the gradient of a target with respect
 to the weights), ``(dA * A)^+`` averaged over the chosen heads (or the weights ``A`` alone: rollout),
-and adds the rows' vectors ``r`` times it to each key's relevance (see :class:`~attnkit.kernels.contract.RelevanceRequest`), in
-O(L) memory. Row blocks whose ``r`` is 0 are skipped.
+and adds the rows' vectors ``r`` times it to each key's relevance (see
+:class:`~attnkit.kernels.contract.RelevanceRequest`), in O(L) memory. Row blocks whose ``r`` is 0 are skipped.
 """
 
 from __future__ import annotations
