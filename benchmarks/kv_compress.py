@@ -3,14 +3,17 @@
     python benchmarks/kv_compress.py [--lengths 1024 4096 16384] [--texts 128] [--keep 0.5 0.25] [--out FILE]
     python benchmarks/kv_compress.py --budgets uniform pyramid --methods observed snapkv knorm \
         --out benchmarks/results/kv_budgets.json
+    python benchmarks/kv_compress.py --budgets uniform pyramid --allocate heads --methods observed snapkv random \
+        --out benchmarks/results/kv_heads.json
 
 For each length: ``texts`` fresh recall texts (8 key-value pairs in filler, one question), read up
 to the question into per-layer :class:`attnkit.KVCache`; every layer's keys are scored during that
 prefill by :func:`attnkit.inspect.kv_scores` (SnapKV with a 64-query window, TOVA, observed
 attention; KNorm, the keys' norms alone) or a baseline (random entries, the most recent entries),
 each cache is compressed to each share of ``--keep`` (:meth:`KVCache.compress`; with ``--budgets
-pyramid`` that share spread over the layers as PyramidKV does, :func:`attnkit.nn.layer_budgets`)
-and the question is decoded over it
+pyramid`` that share spread over the layers as PyramidKV does, :func:`attnkit.nn.layer_budgets`;
+with ``--allocate heads`` each layer's budget spread over its heads as AdaKV does) and the question
+is decoded over it
 (:func:`attnkit.models.recall.compressed_recall`). The question is not seen when scoring
 (question-agnostic compression). Writes the accuracies and a markdown table.
 """
@@ -39,7 +42,8 @@ def table(rows: list[dict], keep: list[float], methods: tuple[str, ...] = METHOD
     )
     lines = [head, "|" + "---|" * (4 + len(methods) * len(keep))]
     for r in rows:
-        cells = [f"{r['L']:,}", r.get("budgets", "uniform"), str(r["texts"]), f"{r['full']:.1%}"]
+        budgets = r.get("budgets", "uniform") + (", per head" if r.get("allocate") == "heads" else "")
+        cells = [f"{r['L']:,}", budgets, str(r["texts"]), f"{r['full']:.1%}"]
         cells += [f"{r[m][str(share)]:.1%}" for m in methods for share in keep]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -53,6 +57,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"among {METHODS + ('knorm',)}")
     parser.add_argument("--budgets", nargs="+", default=["uniform"], choices=["uniform", "pyramid"])
+    parser.add_argument("--allocate", nargs="+", default=["sequence"], choices=["sequence", "heads"])
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_compress.json")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -60,19 +65,19 @@ def main() -> None:
     rows = []
     methods = tuple(args.methods)
     for length in args.lengths:
-        for budgets in args.budgets:
+        for budgets, allocate in [(b, a) for b in args.budgets for a in args.allocate]:
             start = time.perf_counter()
             batch = max(1, min(16, 65536 // length))
             print(
-                f"L={length}, {budgets} budgets: {args.texts} texts in batches of {batch}, {len(methods)} methods "
+                f"L={length}, {budgets} budgets ({allocate}): {args.texts} texts in batches of {batch}, {len(methods)} methods "
                 f"x {len(args.keep)} shares ...",
                 flush=True,
             )
             found = compressed_recall(
                 model, length, keep=args.keep, methods=methods, n=args.texts, seed=args.seed, batch_size=batch,
-                budgets=budgets,
+                budgets=budgets, allocate=allocate,
             )  # fmt: skip
-            row = {"L": length, "budgets": budgets, "texts": args.texts, "full": found["full"]}
+            row = {"L": length, "budgets": budgets, "allocate": allocate, "texts": args.texts, "full": found["full"]}
             row.update({m: {str(share): acc for share, acc in found[m].items()} for m in methods})
             row["seconds"] = round(time.perf_counter() - start, 1)
             rows.append(row)
@@ -82,7 +87,8 @@ def main() -> None:
         "command": "python benchmarks/kv_compress.py "
         + " ".join(["--lengths", *map(str, args.lengths), "--texts", str(args.texts), "--keep", *map(str, args.keep)])
         + (" --methods " + " ".join(methods) if methods != METHODS else "")
-        + (" --budgets " + " ".join(args.budgets) if args.budgets != ["uniform"] else ""),
+        + (" --budgets " + " ".join(args.budgets) if args.budgets != ["uniform"] else "")
+        + (" --allocate " + " ".join(args.allocate) if args.allocate != ["sequence"] else ""),
         "methods": list(methods),
         "rows": rows,
     }

@@ -163,3 +163,104 @@ def test_capture_sees_the_compressed_cache_while_decoding(dtype):
     torch.testing.assert_close(w.float().sum(-1), torch.ones(2, 4, 1), atol=1e-2, rtol=0)
     assert (w[0, ..., 6:] == 0).all() and (w[1, ..., 4:] == 0).all()  # 5 + 1 and 3 + 1 entries
     assert (w[0, ..., :6] > 0).all() and (w[1, ..., :4] > 0).all()
+
+
+# --- per-head budgets (AdaKV) ---------------------------------------------------------------------
+
+
+def _kept_per_head(scores, n, count, alpha):
+    """AdaKV's allocation by a loop: each head its ``floor(alpha * count)`` best, then the best of what
+    is left over every head (ties: the lower head, then the earlier entry) until ``count * heads``."""
+    heads = scores.shape[0]
+    ranked = [sorted(range(n), key=lambda j: (-float(scores[h, j]), j)) for h in range(heads)]
+    floor = int(alpha * count)
+    pool = sorted(
+        ((-float(scores[h, ranked[h][r]]), h, r) for h in range(heads) for r in range(floor, n)),
+    )
+    counts = [floor] * heads
+    for _, h, _ in pool[: count * heads - floor * heads]:
+        counts[h] += 1
+    return counts, [sorted(ranked[h][: counts[h]]) for h in range(heads)]
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.0, 1.0])
+def test_per_head_budgets_keep_adakvs_entries(alpha):
+    lengths = (9, 6)
+    cache, k, v = _filled(lengths, heads=3, max_len=14)
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(2, 3, 9, generator=g).round(decimals=1)
+    scores[0, 2] += 1.5  # one head scores higher: it gets more of the budget
+    cache.compress(4, scores, allocate="heads", alpha=alpha)
+    for b, n in enumerate(lengths):
+        counts, index = _kept_per_head(scores[b, :, :n], n, 4, alpha)
+        assert cache.head_kept[b].tolist() == counts and sum(counts) == 4 * 3
+        assert int(cache.lengths[b]) == max(counts) and int(cache.positions[b]) == n
+        for h in range(3):
+            assert torch.equal(cache.keys[b, h, : counts[h]], k[b, h, index[h]])
+            assert torch.equal(cache.values[b, h, : counts[h]], v[b, h, index[h]])
+    if alpha == 1.0:  # every head its own share: the uniform allocation
+        assert (cache.head_kept == 4).all()
+    else:
+        assert cache.head_kept[0, 2] > 4
+
+
+def test_decoding_over_per_head_budgets_is_attention_over_each_heads_kept_keys():
+    """A rotary GQA layer (4 query heads, 2 KV heads), sequences of 9 and 7 tokens, 4 entries a head on
+    average spread by AdaKV's rule; 2 decoded tokens against float64 attention over each KV head's own
+    kept keys and the new ones (a query head of the group sees its KV head's entries only)."""
+    torch.manual_seed(5)
+    rope = RotaryEmbedding(8, 100.0)
+    mha = attnkit.MultiHeadAttention(32, 4, num_kv_heads=2, rotary=rope).eval()
+    x = torch.randn(2, 11, 32)
+    fills = [9, 7]
+    cache = KVCache(2, 2, 16, 8)
+    with torch.no_grad():
+        mha(x[:, :9], mask=masks.causal(), cache=cache, counts=torch.tensor(fills))
+        q, k, v = mha.project(x)
+        scores = torch.randn(2, 2, 9)
+        scores[1, 0] += 2.0
+        cache.compress(4, scores, allocate="heads")
+        assert cache.head_kept[1, 0] > cache.head_kept[1, 1]
+        steps = [x[:, t : t + 1].clone() for t in (9, 10)]
+        got = [mha(step, mask=masks.causal(), cache=cache)[0] for step in steps]
+    for i, step_x in enumerate(steps):
+        heads = []
+        for b in range(2):
+            n = fills[b]
+            pos = torch.arange(n + i + 1)
+            _, kept = _kept_per_head(scores[b, :, :n], n, 4, 0.2)
+            xs = torch.cat([x[b : b + 1, :n]] + [s[b : b + 1] for s in steps[: i + 1]], dim=1)
+            qq, kk, vv = mha.project(xs)
+            qq, kk = rope(qq, pos), rope(kk, pos)
+            for hq in range(4):
+                hk = hq // 2
+                index = kept[hk] + list(range(n, n + i + 1))
+                heads.append(
+                    oracle(
+                        qq[:, hq : hq + 1, -1:].double(),
+                        kk[:, hk : hk + 1, index].double(),
+                        vv[:, hk : hk + 1, index].double(),
+                    )
+                )
+        per_b = torch.cat(heads, dim=1).view(2, 4, 1, 8)
+        w, b0 = mha.out_proj.weight.detach(), mha.out_proj.bias.detach()
+        gold = torch.nn.functional.linear(mha.merge_heads(per_b), w.double(), b0.double())
+        naive = torch.nn.functional.linear(mha.merge_heads(per_b.float()), w, b0)
+        assert_oracle(got[i], gold, naive, what=f"step {i}")
+
+
+def test_per_head_budgets_refuse_what_they_cannot_do():
+    cache, _, _ = _filled((6, 6))
+    with pytest.raises(ValueError, match="allocate must be one of"):
+        cache.compress(2, torch.randn(2, 2, 6), allocate="layers")
+    with pytest.raises(ValueError, match="alpha"):
+        cache.compress(2, torch.randn(2, 2, 6), allocate="heads", alpha=1.5)
+    copy = cache.clone()
+    cache.compress(2, torch.randn(2, 2, 6), allocate="heads")
+    assert copy.head_kept is None and cache.clone().head_kept is not None
+    with pytest.raises(ValueError, match="cannot be compressed again"):
+        cache.compress(1, torch.randn(2, 2, 6))
+    with pytest.raises(ValueError, match="multiple of the cache's 2 KV heads"):
+        cache.mask(masks.causal(), num_heads=3)
+    cache.reset()
+    assert cache.head_kept is None

@@ -92,7 +92,9 @@ class Site:
 class Sites:
     """The attention call sites of ``model`` for one ``with`` block (see the module docstring).
 
-    Tools add hooks with :meth:`on` (``"attention"``: ``fn(site, q, k, v, mask, mods)``; ``"lse"``:
+    Tools add hooks with :meth:`on` (``"attention"``: ``fn(site, q, k, v, mask, mods)``, ``mods`` the
+    call's keyword arguments and ``cross``: whether its keys come from another sequence, None where
+    the call site cannot tell; ``"lse"``:
     ``fn(site, lse)``; ``"head_output"``: ``fn(site, out)``, which may return new outputs); users
     with :meth:`add_hook` by name. ``called`` lists the sites met, in call order."""
 
@@ -166,18 +168,23 @@ class Sites:
     def _attach(self, kind: str, fn: Callable[..., Any]) -> None:
         def hook(module, *payload):
             site = self.site(module)
-            return None if site is None else fn(site, *payload)
+            if site is None:
+                return None
+            if kind == "attention":  # (q, k, v, mask, mods, cross): cross into the tools' mods
+                *call, mods, cross = payload
+                return fn(site, *call, {**mods, "cross": cross})
+            return fn(site, *payload)
 
         # eager code between the kernels: torch.compile runs it as it is on every call (call order, the
         # opening thread) instead of tracing one call's decisions into a graph
         hook = torch.compiler.disable(hook)
         if self.layers is not None:
             for layer in self.layers:
-                self._handles.append(layer.hook_points.register(kind, hook))
+                self._handles.append(layer.hook_points.register(kind, hook, with_cross=kind == "attention"))
         else:
             from attnkit.integrations.transformers import HOOK_POINTS
 
-            self._handles.append(HOOK_POINTS.register(kind, hook))
+            self._handles.append(HOOK_POINTS.register(kind, hook, with_cross=kind == "attention"))
 
     def __enter__(self) -> Sites:
         if self._thread is not None:

@@ -321,6 +321,7 @@ def compressed_recall(
     pairs: int = 8,
     window: int = 64,
     budgets: str = "uniform",
+    allocate: str = "sequence",
 ) -> dict:
     """First-query accuracy with the text's KV cache compressed, against the full cache.
 
@@ -329,7 +330,8 @@ def compressed_recall(
     :func:`attnkit.inspect.kv_scores` (``window`` queries for SnapKV) or by a baseline
     (:data:`BASELINES`), each cache is compressed to each share of ``keep``
     (:meth:`KVCache.compress`; ``budgets="pyramid"`` spreads the share over the layers as
-    :func:`attnkit.nn.layer_budgets` does), and the question ``? key`` is decoded over it. The question is
+    :func:`attnkit.nn.layer_budgets` does; ``allocate="heads"`` spreads each layer's budget over
+    its heads as AdaKV does, :meth:`KVCache.compress`), and the question ``? key`` is decoded over it. The question is
     not seen when the keys are scored (question-agnostic compression, as kvpress measures it).
 
     Returns ``{"full": accuracy, method: {keep: accuracy, ...}, ...}``.
@@ -382,7 +384,7 @@ def compressed_recall(
             for share in keep:
                 smaller = [c.clone() for c in caches]
                 for cache, found, own in zip(smaller, scores, layer_budgets(share, len(caches), budgets)):
-                    cache.compress(own, found[name])
+                    cache.compress(own, found[name], allocate=allocate)
                 right[name][share] += ask(smaller)
     return {name: (hits / n if name == "full" else {s: h / n for s, h in hits.items()}) for name, hits in right.items()}
 

@@ -170,8 +170,7 @@ class MultiHeadAttention(nn.Module):
         ``with_kwargs=True`` (as in ``torch.nn.Module.register_forward_pre_hook``) the hook
         is called as ``hook(module, q, k, v, mask, kwargs)`` with the call's other keyword
         arguments: ``attn_bias`` (aligned with a cache), ``softcap``, ``sinks`` and
-        ``dropout_p``, and ``cross``: whether the keys come from another sequence (``kv=``, or a
-        ``key`` that is not ``query``). The hook must not change them; its return value is ignored. Returns
+        ``dropout_p``. The hook must not change them; its return value is ignored. Returns
         a handle whose ``remove()`` unregisters it, like ``register_forward_hook``.
 
         >>> import torch, attnkit
@@ -368,7 +367,7 @@ class MultiHeadAttention(nn.Module):
                 cache.append(new_k, new_v, counts)
                 k, v = cache.stored()
                 if mask is None or isinstance(mask, masks.Mask):
-                    mask = cache.mask(mask)
+                    mask = cache.mask(mask, num_heads=self.num_heads)
                 attn_bias = cache.bias(attn_bias)
         else:
             q, k, v = self.project(query, key, value)

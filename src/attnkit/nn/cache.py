@@ -64,6 +64,10 @@ class KVCache:
         self.dropped = torch.zeros_like(self.lengths)
         self._compressed = False  # whether compress() dropped entries since the last reset (a host-side bool)
         self._bound = 0  # no sequence holds more than this many entries (a host-side int)
+        # compress(allocate="heads"): entries each (sequence, KV head) kept (B, Hkv), and where each
+        # sequence's kept entries ended (B,): slots [head_kept, kept_end) hold nothing for that head
+        self.head_kept: torch.Tensor | None = None
+        self._kept_end: torch.Tensor | None = None
 
     def _fills(self) -> tuple[int, ...] | None:
         """Each sequence's number of entries, read from ``lengths`` as it is now (by value: a write
@@ -104,6 +108,7 @@ class KVCache:
         self.dropped.zero_()
         self._compressed = False
         self._bound = 0
+        self.head_kept = self._kept_end = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -121,11 +126,14 @@ class KVCache:
         """A copy with its own memory (compress one, keep the other)."""
         new = object.__new__(KVCache)
         new.__dict__.update(self.__dict__)
-        for name in ("_keys", "_values", "lengths", "_start", "dropped"):
-            setattr(new, name, getattr(self, name).clone())
+        for name in ("_keys", "_values", "lengths", "_start", "dropped", "head_kept", "_kept_end"):
+            found = getattr(self, name)
+            setattr(new, name, None if found is None else found.clone())
         return new
 
-    def compress(self, keep: int | float, scores: torch.Tensor) -> None:
+    def compress(
+        self, keep: int | float, scores: torch.Tensor, *, allocate: str = "sequence", alpha: float = 0.2
+    ) -> None:
         """Keep the ``keep`` highest-scored entries of each sequence and KV head; drop the rest.
 
         ``scores: (B, Hkv, n)`` scores the stored entries (``n`` at least the longest sequence;
@@ -140,6 +148,14 @@ class KVCache:
         A compressed cache holds keys out of their positions, so afterwards it takes no mask other
         than ``None`` or ``masks.causal()`` and no position bias (a ``ValueError`` says so).
 
+        ``allocate="heads"`` (AdaKV, Feng et al. 2024): a sequence's budget, ``keep`` entries times
+        its KV heads, goes to its best-scored entries over all heads together, each head keeping at
+        least ``floor(alpha * keep)`` of its own (the safeguard); heads whose entries score higher
+        keep more. The heads then hold different numbers of entries: :attr:`head_kept` ``(B, Hkv)``,
+        and :meth:`mask` hides each head's unused slots (a per-head mask, so decoding steps are
+        prepared instead of taking the lengths-only fast path). Such a cache cannot be compressed
+        again (compress a :meth:`clone` made before, or :meth:`reset` it).
+
         >>> cache = KVCache(batch_size=1, num_kv_heads=2, max_len=8, head_dim=4)
         >>> cache.append(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4))
         >>> cache.compress(keep=0.5, scores=torch.arange(12.0).view(1, 2, 6))
@@ -147,6 +163,15 @@ class KVCache:
         ([3], [6])
         """
         b, h = self._keys.shape[:2]
+        if allocate not in ALLOCATIONS:
+            raise AttnkitValueError(f"allocate must be one of {ALLOCATIONS}, but got {allocate!r}.")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise AttnkitValueError(f"alpha (each head's guaranteed share of keep) must lie in [0, 1], got {alpha!r}.")
+        if self.head_kept is not None:
+            raise AttnkitValueError(
+                "this cache holds per-head budgets from compress(allocate='heads'): its heads' entries no longer "
+                "line up, so it cannot be compressed again. Compress a clone() made before, or reset() it."
+            )
         if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
             raise AttnkitTypeError(
                 f"scores must be a floating point tensor (B, Hkv, n) of the stored entries, but got {short(scores)}."
@@ -187,22 +212,28 @@ class KVCache:
         slot = torch.arange(n, device=device)
         lengths = self.lengths.to(device)
         # rank by score, then by position (stable sort: ties go to the earlier entry); empty slots last
-        order = torch.sort(
-            scores.to(device, torch.float64).masked_fill(slot >= lengths[:, None, None], float("-inf")),
-            dim=-1, descending=True, stable=True,
-        ).indices[..., :most]  # fmt: skip
-        rank = torch.arange(most, device=device)
+        ranked = scores.to(device, torch.float64).nan_to_num(neginf=torch.finfo(torch.float64).min)
+        ranked = ranked.masked_fill(slot >= lengths[:, None, None], float("-inf"))
         kept_t = torch.tensor(kept, device=device)
-        order = torch.where(rank < kept_t[:, None, None], order, n + rank)  # past a sequence's budget: sorted last
+        counts = kept_t[:, None].expand(b, h)  # entries each (sequence, head) keeps
+        if allocate == "heads":
+            counts = _head_counts(ranked, kept_t, alpha)
+            most = int(counts.max()) if counts.numel() else 0
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :most]
+        rank = torch.arange(most, device=device)
+        order = torch.where(rank < counts[:, :, None], order, n + rank)  # past a head's budget: sorted last
         index = order.sort(dim=-1).values.clamp_max(n - 1)  # kept entries in their original order
         keys = self._keys.gather(2, index[..., None].expand(-1, -1, -1, self._keys.shape[-1]))
         values = self._values.gather(2, index[..., None].expand(-1, -1, -1, self._values.shape[-1]))
         self._keys[:, :, :most] = keys
         self._values[:, :, :most] = values
-        self.dropped = self.dropped + (self.lengths - kept_t.to(self.lengths.device))
-        self.lengths = kept_t.to(self.lengths.device)
+        new_lengths = counts.amax(dim=1) if b and h else kept_t
+        self.dropped = self.dropped + (self.lengths - new_lengths.to(self.lengths.device))
+        self.lengths = new_lengths.to(self.lengths.device)
         self._start = self.lengths.clone()
         self._bound = most
+        if allocate == "heads":
+            self.head_kept, self._kept_end = counts.to(self.lengths.device), self.lengths.clone()
 
     def _check_counts(self, counts, b: int, t: int) -> torch.Tensor | None:
         if counts is None:
@@ -299,8 +330,10 @@ class KVCache:
         bound = self._bound if fills is None else min(max(fills, default=0), self.max_len)
         return self._keys[:, :, :bound], self._values[:, :, :bound]
 
-    def mask(self, mask: masks.Mask | None = None) -> masks.Mask:
-        """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`)."""
+    def mask(self, mask: masks.Mask | None = None, *, num_heads: int | None = None) -> masks.Mask:
+        """``mask`` aligned with the entries of the latest :meth:`append` (see :func:`attnkit.masks.cached`);
+        after ``compress(allocate="heads")`` also each head's unused slots hidden, for ``num_heads`` query
+        heads (default: one per KV head; :class:`~attnkit.nn.MultiHeadAttention` passes its own)."""
         if mask is not None and self._compressed and not _slot_causal(mask):
             raise AttnkitValueError(
                 f"this cache was compressed: its entries are no longer at their positions, so {mask!r} cannot be "
@@ -312,7 +345,17 @@ class KVCache:
             # hides exactly the entries past each sequence's length: the limits alone, which the fast
             # path serves without preparing anything (the lengths are all that change between steps)
             mask = None
-        return masks.cached(mask, self._start, self.lengths)
+        aligned = masks.cached(mask, self._start, self.lengths)
+        if self.head_kept is None or self._kept_end is None:
+            return aligned
+        kv_heads = self.head_kept.shape[1]
+        heads = kv_heads if num_heads is None else num_heads
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or heads % kv_heads:
+            raise AttnkitValueError(f"num_heads must be a multiple of the cache's {kv_heads} KV heads, got {heads!r}.")
+        slot = torch.arange(self.stored()[0].shape[2], device=self.head_kept.device)
+        per_head = self.head_kept.repeat_interleave(heads // kv_heads, dim=1)[..., None]  # (B, Hq, 1)
+        seen = (slot < per_head) | (slot >= self._kept_end[:, None, None])  # (B, Hq, Lk)
+        return aligned & masks.dense(seen[:, :, None, :])
 
     def _one_entry_each(self) -> bool:
         """Whether the latest append added exactly one entry to every sequence (read on the host where
@@ -357,6 +400,25 @@ def _slot_causal(mask) -> bool:
 
 #: How :func:`layer_budgets` spreads a cache budget over the layers.
 BUDGETS = ("uniform", "pyramid")
+
+#: How :meth:`KVCache.compress` spreads a sequence's budget over its KV heads.
+ALLOCATIONS = ("sequence", "heads")
+
+
+def _head_counts(ranked: torch.Tensor, kept: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``(B, Hkv)`` entries each head keeps under AdaKV's rule: ``kept[b] * Hkv`` in all, each head at
+    least ``floor(alpha * kept[b])`` of its best, the rest to the best scores over every head
+    (``ranked (B, Hkv, n)``: -inf only past a sequence's entries; ties to the lower head, then the
+    earlier entry)."""
+    b, h, n = ranked.shape
+    floor = (alpha * kept.to(torch.float64)).floor().long().clamp(max=kept)  # (B,)
+    best = ranked.sort(dim=-1, descending=True, stable=True).values  # (B, Hkv, n)
+    rank = torch.arange(n, device=ranked.device)
+    pooled = best.masked_fill(rank < floor[:, None, None], float("-inf")).flatten(1)  # past each head's floor
+    order = pooled.sort(dim=-1, descending=True, stable=True).indices
+    taken = torch.zeros_like(pooled, dtype=torch.bool)
+    taken.scatter_(1, order, torch.arange(h * n, device=ranked.device) < (kept * h - floor * h)[:, None])
+    return floor[:, None] + taken.view(b, h, n).sum(dim=-1)
 
 
 def layer_budgets(keep: float, num_layers: int, shape: str = "uniform", *, beta: float = 20.0) -> list[float]:

@@ -6,9 +6,10 @@ calls it). Each holds a :class:`HookPoints` and runs its attention through :meth
 so both call their hooks the same way:
 
 1. attention hooks, ``hook(module, q, k, v, mask, mods)``, before attention (``mods``: the call's
-   keyword arguments: ``attn_bias``, ``softcap``, ``sinks``, ``scale``, ``dropout_p``; and
-   ``cross`` where the call site knows it: whether the keys come from another sequence than the
-   queries (cross-attention) rather than from the queries' own tokens or a cache of them);
+   keyword arguments: ``attn_bias``, ``softcap``, ``sinks``, ``scale``, ``dropout_p``); a hook
+   registered ``with_cross=True`` is called ``hook(module, q, k, v, mask, mods, cross)``, ``cross``
+   whether the keys come from another sequence than the queries (cross-attention) rather than from
+   the queries' own tokens or a cache of them (None where the call site cannot tell);
 2. the attention, with ``return_lse=True`` when an lse hook is registered, then lse hooks,
    ``hook(module, lse)``;
 3. head output hooks, ``hook(module, out)`` on ``out: (B, H, Lq, head_dim)``: a tensor returned
@@ -41,9 +42,11 @@ class HookPoints:
 
     def __init__(self) -> None:
         self.hooks: dict[str, OrderedDict] = {kind: OrderedDict() for kind in KINDS}
+        self._with_cross: set[int] = set()  # handle ids of attention hooks that take ``cross``
 
-    def register(self, kind: str, hook: Callable[..., Any]) -> RemovableHandle:
-        """Add ``hook`` to the ``kind`` hooks; ``handle.remove()`` takes it out."""
+    def register(self, kind: str, hook: Callable[..., Any], *, with_cross: bool = False) -> RemovableHandle:
+        """Add ``hook`` to the ``kind`` hooks; ``handle.remove()`` takes it out. ``with_cross``
+        (attention hooks): also pass whether the call is cross-attention."""
         if kind not in KINDS:
             raise AttnkitValueError(f"hook kinds are {KINDS}, not {kind!r}.")
         if not callable(hook):
@@ -51,6 +54,8 @@ class HookPoints:
         table = self.hooks[kind]
         handle = RemovableHandle(table)
         table[handle.id] = hook
+        if with_cross:
+            self._with_cross.add(handle.id)
         return handle
 
     def __bool__(self) -> bool:
@@ -60,12 +65,12 @@ class HookPoints:
         self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, mods: dict,
         *, cross: bool | None = None,
     ) -> None:  # fmt: skip
-        """Step 1: the attention hooks, on the call's inputs (``cross``, when given, in their ``mods``)."""
-        for hook in tuple(self.hooks["attention"].values()):
-            seen = dict(mods)
-            if cross is not None:
-                seen["cross"] = cross
-            hook(module, q, k, v, mask, seen)
+        """Step 1: the attention hooks, on the call's inputs (and ``cross`` for those that take it)."""
+        for key, hook in tuple(self.hooks["attention"].items()):
+            if key in self._with_cross:
+                hook(module, q, k, v, mask, dict(mods), cross)
+            else:
+                hook(module, q, k, v, mask, dict(mods))
 
     def after(self, module: nn.Module, out: torch.Tensor) -> torch.Tensor:
         """Step 3: the head output hooks on ``out (B, H, Lq, head_dim)``; the heads they leave."""
