@@ -69,8 +69,8 @@ def main() -> None:
             start = time.perf_counter()
             batch = max(1, min(16, 65536 // length))
             print(
-                f"L={length}, {budgets} budgets ({allocate}): {args.texts} texts in batches of {batch}, {len(methods)} methods "
-                f"x {len(args.keep)} shares ...",
+                f"L={length}, {budgets} budgets ({allocate}): {args.texts} texts in batches of {batch}, "
+                f"{len(methods)} methods x {len(args.keep)} shares ...",
                 flush=True,
             )
             found = compressed_recall(

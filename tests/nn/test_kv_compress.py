@@ -223,7 +223,7 @@ def test_decoding_over_per_head_budgets_is_attention_over_each_heads_kept_keys()
         assert cache.head_kept[1, 0] > cache.head_kept[1, 1]
         steps = [x[:, t : t + 1].clone() for t in (9, 10)]
         got = [mha(step, mask=masks.causal(), cache=cache)[0] for step in steps]
-    for i, step_x in enumerate(steps):
+    for i in range(len(steps)):
         heads = []
         for b in range(2):
             n = fills[b]
