@@ -354,7 +354,12 @@ def kv_compress(name: str) -> str:
     keep = list(d["rows"][0][methods[0]]) if d["rows"] else []
     shares = " / ".join(f"{float(k):.0%}" for k in keep)
     rows = [
-        [f"{r['L']:,}", r.get("budgets", "uniform"), r["texts"], f"{r['full']:.1%}"]
+        [
+            f"{r['L']:,}",
+            r.get("budgets", "uniform") + (", per head (AdaKV)" if r.get("allocate") == "heads" else ""),
+            r["texts"],
+            f"{r['full']:.1%}",
+        ]
         + [" / ".join(f"{r[m][k]:.1%}" for k in keep) for m in methods]
         for r in d["rows"]
     ]
@@ -421,6 +426,8 @@ TABLES = {
     "kv_compress": kv_compress,
     "kv_budgets": kv_compress,
     "kv_budgets_32k": kv_compress,
+    "kv_heads": kv_compress,
+    "kv_heads_32k": kv_compress,
     "models": models,
     "torch_flex_tests": torch_flex_tests,
     "rollout": rollout,

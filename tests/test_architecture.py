@@ -388,10 +388,11 @@ def test_inspect_reaches_statistics_through_the_registry():
 
 def test_attribution_asks_the_registry_and_walks_no_plan():
     """Rollout's rules are reductions the kernels compute (``registry.relevance``): attribution prepares
-    no mask, reads no block codes or pairs and imports neither plan.py nor the kernels' shared walk."""
+    no mask, reads no block codes or pairs, runs no attention call and imports neither plan.py,
+    functional.py nor the kernels' shared walk."""
     rel, tree = _modules()["attnkit.inspect.attribution"]
     deps = _imports_of(tree, "attnkit.inspect.attribution", False)
-    assert not deps & {"attnkit.plan", "attnkit.kernels.blocks", "attnkit.kernels.sparsity"}, deps
+    assert not deps & {"attnkit.plan", "attnkit.functional", "attnkit.kernels.blocks", "attnkit.kernels.sparsity"}, deps
     text = _sources()["inspect/attribution.py"]
     reads = re.compile(r"\bprepare\(|\.codes\b|\.allowed(_at)?\(|\.kv_limits\b|attention_weights\(")
     assert not reads.findall(text), reads.findall(text)

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from attnkit import functional
 from attnkit._validate import AttnkitTypeError, AttnkitValueError
+from attnkit.call import make_call
 from attnkit.inspect.sites import Site, Sites
 from attnkit.kernels import registry
 from attnkit.kernels.contract import RelevanceRequest
@@ -127,9 +127,12 @@ def _received(
     chosen = list(range(h)) if heads is None else heads
     head_weights = torch.zeros(h, dtype=torch.float64)
     head_weights[chosen] = 1.0 / len(chosen)
-    if layer.lse is None:  # an attention call the lse hooks do not see
-        _, layer.lse = functional.attention(q, k, v, layer.mask, return_lse=True, **layer.mods)
-    call = functional.stats_call(q, k, v, layer.mask, **layer.mods)
+    if layer.lse is None:
+        raise AttnkitValueError(
+            f"layer {layer.name!r} gave no lse to its hooks, so its weights exp(s - lse) cannot be reduced: roll out "
+            "a model whose attention runs attnkit.MultiHeadAttention or the transformers integration."
+        )
+    call = make_call(q, k, v, mask=layer.mask, return_lse=True, **layer.mods)
     found = registry.relevance(call, RelevanceRequest(layer.lse, r, d_out, head_weights))
     return found.to(r.dtype)
 
