@@ -329,8 +329,12 @@ def flex_attention(
     want_max = bool(return_aux is not None and return_aux.max_scores)
     mask = _mask_of(block_mask, query.shape[2], key.shape[2], query.shape[0])
     if not (want_lse or want_max):
-        return attnkit.attention(query, key, value, mask, score_mod=score_mod, scale=scale)
-    out, lse = attnkit.attention(query, key, value, mask, score_mod=score_mod, scale=scale, return_lse=True)
+        # dropout_p as a literal: under dynamic=True a float read from the function's defaults would be
+        # a symbol, fixed only after the graph is made (tracing again)
+        return attnkit.attention(query, key, value, mask, score_mod=score_mod, scale=scale, dropout_p=0.0)
+    out, lse = attnkit.attention(
+        query, key, value, mask, score_mod=score_mod, scale=scale, return_lse=True, dropout_p=0.0
+    )
     if return_aux is None:
         return out, lse
     max_scores = None

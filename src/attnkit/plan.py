@@ -38,7 +38,7 @@ from attnkit import _cache
 from attnkit import masks as _masks
 from attnkit._bits import partial_bits
 from attnkit._types import Device
-from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int
+from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int, compiling
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -297,6 +297,8 @@ class PreparedMask:
             return torch.ones(1, 1, self.q_len, self.kv_len, dtype=torch.bool, device=device)
         bq = self.block_size[0]
         keys = torch.arange(self.kv_len, device=self.device)
+        if compiling():  # one expression over the lengths: a loop over them would fix them in the graph
+            return self.allowed_at(torch.arange(self.q_len, device=self.device), keys).to(device)
         parts = [  # a row of blocks at a time: O(bq x Lk) index tensors
             self.allowed_at(torch.arange(q0, min(q0 + bq, self.q_len), device=self.device), keys)
             for q0 in range(0, self.q_len, bq)
@@ -445,6 +447,10 @@ def _assemble(mask, q_len, kv_len, block_size, codes, limit, facts: MaskFacts, b
         bits, tile_ids = bits_and_ids
     if "torch._dynamo" in sys.modules:  # torch.compile in use: another layout's number of
         torch._dynamo.maybe_mark_dynamic(bits, 0)  # partial tiles runs the same compiled graph
+        # a tile's sizes follow the block size alone: static, so that dynamic=True's duck sizing
+        # never ties them to a length's block count (a guard a new length would fail)
+        torch._dynamo.mark_static(bits, 1)
+        torch._dynamo.mark_static(bits, 2)
     return PreparedMask(
         mask=mask,
         q_len=q_len,

@@ -330,3 +330,25 @@ def test_make_fx_of_flex_attention_traces_and_runs():
     q, k, v = _inputs(lq=16, requires_grad=False)
     gm = make_fx(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=floor_bias))(q, k, v)
     _check(gm(q, k, v), q, k, v, torch.ones(16, L, dtype=torch.bool), floor_bias)
+
+
+def test_dynamic_compiles_once_for_new_lengths_and_batches():
+    """``torch.compile(..., dynamic=True)`` as PyTorch's own dynamic test uses it: BlockMasks made for
+    three lengths (two batches), each call's answer exact, one compiled frame for all of them (the
+    plan's lengths are symbols in the graph, and a tile's sizes stay static, so no guard fixes a length)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(flex.flex_attention, backend=counter, dynamic=True)
+    # sizes 0 and 1 are always specialised, and equal sizes are tied at the first compile (duck
+    # sizing): the shapes avoid both, as PyTorch's test does
+    for batch, length in ((2, 1024), (4, 512), (4, 256)):
+        g = torch.Generator().manual_seed(length)
+        q, k, v = (torch.randn(batch, 3, length, 32, generator=g) for _ in range(3))
+        bm = flex.create_block_mask(causal, 1, 1, length, length)
+        out = compiled(q, k, v, block_mask=bm)
+        allowed = _dense(causal, length, length)
+        gold = formula(q.double(), k.double(), v.double(), allowed)
+        assert_oracle(out, gold, formula(q, k, v, allowed), what=f"L={length}")
+        assert counter.frame_count == 1, (length, counter.frame_count)
