@@ -520,40 +520,34 @@ def block_size_for(device: torch.device | str) -> tuple[int, int] | None:
     return None
 
 
-def choose_stats(call: Call) -> Plan:
-    """The kernel that computes the statistics of a call's weights (:func:`stats`): the first of
-    :func:`use_kernels`' list, else of :data:`PRIORITY`, that computes statistics and can run it."""
+def _choose_capable(call: Call, capable: str, what: str) -> Plan:
+    """The first kernel of :func:`use_kernels`' list, else of :data:`PRIORITY`, whose ``capable``
+    flag is set and that can run ``call``; else an error naming each one's reasons."""
     inner = active()
     order = inner[0] if inner is not None else tuple(PRIORITY)
     refusals: dict[str, object] = {}
     for k in order:
-        if not k.supports_stats:
-            refusals[k.name] = ["computes no statistics"]
+        if not getattr(k, capable):
+            refusals[k.name] = [f"computes no {what}"]
             continue
         reasons = k.not_supported_reasons(call)
         if not reasons:
-            return _plan(k, "the first kernel that computes statistics and can run this call", call, refusals)
+            return _plan(k, f"the first kernel that computes {what} and can run this call", call, refusals)
         refusals[k.name] = reasons
     detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
-    raise AttnkitValueError(f"no kernel allowed here computes the statistics of this call ({detail}).")
+    raise AttnkitValueError(f"no kernel allowed here computes the {what} of this call ({detail}).")
+
+
+def choose_stats(call: Call) -> Plan:
+    """The kernel that computes the statistics of a call's weights (:func:`stats`): the first of
+    :func:`use_kernels`' list, else of :data:`PRIORITY`, that computes statistics and can run it."""
+    return _choose_capable(call, "supports_stats", "statistics")
 
 
 def choose_relevance(call: Call) -> Plan:
     """The kernel that computes the gradient rule's reduction of a call's weights (:func:`relevance`):
     the first of :func:`use_kernels`' list, else of :data:`PRIORITY`, that computes it and can run it."""
-    inner = active()
-    order = inner[0] if inner is not None else tuple(PRIORITY)
-    refusals: dict[str, object] = {}
-    for k in order:
-        if not k.supports_relevance:
-            refusals[k.name] = ["computes no relevance"]
-            continue
-        reasons = k.not_supported_reasons(call)
-        if not reasons:
-            return _plan(k, "the first kernel that computes relevance and can run this call", call, refusals)
-        refusals[k.name] = reasons
-    detail = "; ".join(f"{name}: {', '.join(_refusal_words(why))}" for name, why in refusals.items())
-    raise AttnkitValueError(f"no kernel allowed here computes the relevance of this call ({detail}).")
+    return _choose_capable(call, "supports_relevance", "relevance")
 
 
 def relevance(call: Call, request: RelevanceRequest) -> torch.Tensor:

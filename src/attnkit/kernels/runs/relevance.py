@@ -39,17 +39,7 @@ def reduce(call: Call, prepared: PreparedMask, request: RelevanceRequest) -> tor
     if not any(live):
         return total
     weighted = head_weights.tolist()
-    tcall = tiles.TileCall(
-        prepared,
-        call.scale,
-        0.0,
-        0,
-        "math",
-        call.bias,
-        call.softcap,
-        tuple(call.bias.params()) if call.bias is not None else (),
-        score_mod=call.score_mod,
-    )
+    tcall = tiles.TileCall.reduction(call, prepared)
     for gi, group in enumerate(blocks.groups(prepared)):
         heads = range(hq) if group.heads is None else group.heads
         if not any(weighted[h] for h in heads):

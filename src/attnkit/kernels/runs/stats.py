@@ -123,17 +123,7 @@ def reduce(call: Call, prepared: PreparedMask, lse: torch.Tensor, request: Stats
     ct = tiles.compute_dtype(q.dtype)
     lse = lse.to(ct)
     qpos, kpos = request.qpos.to(q.device, ct), request.kpos.to(q.device, ct)
-    tcall = tiles.TileCall(
-        prepared,
-        call.scale,
-        0.0,
-        0,
-        "math",
-        call.bias,
-        call.softcap,
-        tuple(call.bias.params()) if call.bias is not None else (),
-        score_mod=call.score_mod,
-    )
+    tcall = tiles.TileCall.reduction(call, prepared)
     out = {
         "entropy": torch.zeros(b, hq, lq, dtype=ct, device=q.device),
         "max_weight": torch.zeros(b, hq, lq, dtype=ct, device=q.device),

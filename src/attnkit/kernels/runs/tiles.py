@@ -26,6 +26,7 @@ from attnkit.plan import PreparedMask
 
 if TYPE_CHECKING:
     from attnkit.bias import Bias
+    from attnkit.call import Call
     from attnkit.score_mods import ScoreMod
 
 #: Which rows or heads :func:`take` keeps: all (None), a contiguous ``(start, length)``, or an index tensor.
@@ -173,6 +174,13 @@ class TileCall:
     own_lse: bool = True  # the lse is this call's own (False: the merged lse of several key sets)
     score_mod: ScoreMod | None = None  # evaluated per tile
     band: torch.Tensor | None = None  # (Hq or 1, Lq + Lk - 1): a bias of kv_idx - q_idx alone (Call.bias_band)
+
+    @classmethod
+    def reduction(cls, call: Call, prepared: PreparedMask) -> TileCall:
+        """The math engine's walk of ``call``'s kept tiles for a reduction of their weights (statistics,
+        relevance): no dropout, the call's bias, soft-capping and score_mod evaluated per tile."""
+        params = tuple(call.bias.params()) if call.bias is not None else ()
+        return cls(prepared, call.scale, 0.0, 0, "math", call.bias, call.softcap, params, score_mod=call.score_mod)
 
     @property
     def fused(self) -> bool:
