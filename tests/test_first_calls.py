@@ -48,8 +48,10 @@ q, k, v = (torch.randn(2, 2, L, 32) for _ in range(3))
 
 CASES = {
     "eager attention": """
-import attnkit
+import sys, attnkit
 check(attnkit.attention(q, k, v, attnkit.masks.causal()), q, k, v, CAUSAL)
+# an eager call never imports torch.compile's machinery (about 1.5 s of every process's first call)
+assert "torch._dynamo" not in sys.modules, "an eager first call imported torch._dynamo"
 """,
     "compile with a PreparedMask made outside": """
 import attnkit

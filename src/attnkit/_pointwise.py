@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from attnkit._cache import PER_PAIR
-from attnkit._validate import compiling
+from attnkit._validate import compiling, traced_as_constant
 
 __all__ = ["Recording", "broadcast_proved", "indexing_per_pair", "recording"]
 
@@ -145,7 +145,7 @@ def _per_pair(fn) -> bool:
         return False
 
 
-@torch.compiler.assume_constant_result
+@traced_as_constant
 def _proved_on_zeros(fn, arity: int) -> bool:
     """The proof for torch.compile: ``fn`` recorded eagerly (while dynamo traces, its answer is a
     constant of the graph) on broadcasting zero indices (``(2, 1, 1, 1)``, ..., ``(1, 1, 1, 3)``) and,

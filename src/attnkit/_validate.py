@@ -53,6 +53,18 @@ def compiling() -> bool:
     return torch.compiler.is_compiling() or _dispatch_mode(_PROXY) is not None
 
 
+def traced_as_constant(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (about 1.5 s,
+    which every first call of a process would pay): the decorator sets only this attribute
+    (``tests/kernels/test_compile.py`` checks that torch's sets the same).
+
+    Code traced by ``torch.compile`` calls such a function eagerly and takes its answer as a constant
+    of the graph: what it reads (the native engine's load state, which the first trace may change by
+    loading the engine; a predicate's proof) never becomes a guard of a compiled graph."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def check_int_tensor(t, name: str, ndims: tuple[int, ...]) -> torch.Tensor:
     """Check an integer tensor argument of a mask constructor (ids, lengths)."""
     if not isinstance(t, torch.Tensor):

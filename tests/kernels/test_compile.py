@@ -130,3 +130,32 @@ def test_compile_fullgraph_with_no_graph_breaks(name):
     assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)
     explained = torch._dynamo.explain(attnkit.attention)(q, k, v, mask)
     assert explained.graph_break_count == 0
+
+
+def test_traced_as_constant_marks_what_torchs_decorator_marks():
+    """attnkit's stand-in for ``torch.compiler.assume_constant_result`` (which imports torch._dynamo):
+    it sets the attributes torch's sets, and dynamo then takes its answer as a constant."""
+    from attnkit._validate import traced_as_constant
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    before = set(vars(theirs))
+    torch.compiler.assume_constant_result(theirs)
+    traced_as_constant(ours)
+    marked = {name: value for name, value in vars(theirs).items() if name not in before}
+    assert marked and {name: vars(ours).get(name) for name in marked} == marked
+
+    calls = []
+
+    @traced_as_constant
+    def state():
+        calls.append(1)
+        return len(calls)
+
+    f = torch.compile(lambda x: x * state(), fullgraph=True, backend="eager")
+    x = torch.ones(2)
+    assert torch.equal(f(x), x) and torch.equal(f(x), x)  # the answer of the trace, not a guard's re-read

@@ -193,6 +193,15 @@ def visualize_attention(
     return fig
 
 
+#: Token labels along each axis of :func:`heads_figure`'s panels at most: a longer input labels every
+#: n-th token (256 tokens at 12 pt would make a panel 58 inches wide and the PNG 26,000 pixels).
+HEADS_LABELS = 64
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def heads_figure(
     weights: ArrayLike, picks: Sequence[tuple[int, int, str]], tokens: Sequence[str], save_path: PathLike | None
 ) -> Figure:
@@ -206,17 +215,20 @@ def heads_figure(
     labels = [drawable(str(t)) for t in tokens]
     matrices = [as_array(weights)[layer, head] for layer, head, _ in picks]
     length = len(labels)
-    side = max(3.0, 0.22 * length + 1.6)  # inches a panel; its labels at 12 pt read at a page's width
+    step = -(-length // HEADS_LABELS)  # a long input labels every step-th token (the panel stays a page's size)
+    ticks = range(0, length, step)
+    side = max(3.0, 0.22 * len(ticks) + 1.6)  # inches a panel; its labels at 12 pt read at a page's width
     fig = Figure(figsize=(side * len(picks) + 0.8, side + 1.1), layout="constrained")
     axes = fig.subplots(1, len(picks), squeeze=False)[0]
+    every = "" if step == 1 else f" (every {_ordinal(step)} labelled)"
     for ax, matrix, (layer, head, what) in zip(axes, matrices, picks):
         image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=max(float(matrix.max(initial=0.0)), 1e-9))
-        ax.set_xticks(range(length), labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=12,
-                      fontfamily=families)  # fmt: skip
-        ax.set_yticks(range(length), labels, fontsize=12, fontfamily=families)
+        ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=60, ha="right", rotation_mode="anchor",
+                      fontsize=12, fontfamily=families)  # fmt: skip
+        ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=12, fontfamily=families)
         ax.set_title(f"layer {layer}, head {head}:\n{what}", fontsize=13)
-        ax.set_xlabel("key", fontsize=12)
-        ax.set_ylabel("query", fontsize=12)
+        ax.set_xlabel(f"key{every}", fontsize=12)
+        ax.set_ylabel(f"query{every}", fontsize=12)
         fig.colorbar(image, ax=ax, shrink=0.7, aspect=15).ax.tick_params(labelsize=10)
     save(fig, save_path)
     return fig

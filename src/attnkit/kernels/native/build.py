@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit._validate import traced_as_constant
 from attnkit.kernels.native import prebuilt, store
 from attnkit.kernels.native.store import cache_dir
 
@@ -312,17 +313,6 @@ NO_COMPILER = "no C++ compiler found ($CXX, g++ or c++): install one, e.g. apt-g
 # --- loading ----------------------------------------------------------------------------------
 
 
-def _traced_as_constant(fn):
-    """``torch._dynamo.assume_constant_result(fn)`` without importing torch._dynamo here (1.2 s at
-    import): the decorator sets only this attribute (tests/kernels/test_compile.py checks it).
-
-    Every function that reads the engine's load state is one: code traced by ``torch.compile`` calls
-    it eagerly and takes its answer as a constant of the graph, so the load state (which the first
-    trace may change, by loading the engine) never becomes a guard of a compiled graph."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 class _Loaded:
     """The operators once loaded, what the build computes with and which build it is; or why there are none."""
 
@@ -346,7 +336,7 @@ def library_path() -> Path:
     return _library_path(compiler)
 
 
-@_traced_as_constant
+@traced_as_constant
 def loaded_state() -> tuple[bool, str] | None:
     """``status()`` without building or loading: None while nothing was tried in this process."""
     if not ENABLED:
@@ -354,14 +344,14 @@ def loaded_state() -> tuple[bool, str] | None:
     return None if _loaded is None else (_loaded.ok, _loaded.why)
 
 
-@_traced_as_constant
+@traced_as_constant
 def tried() -> bool:
     """Whether this process has loaded the engine or found why it cannot (part of the registry's
     state: a choice made before the first load is made again after it)."""
     return _loaded is not None
 
 
-@_traced_as_constant
+@traced_as_constant
 def refusal_while_tracing() -> str:
     """Why the engine cannot run, '' where it can: what code traced by ``torch.compile`` asks. Run
     once at trace time, eagerly (it may build and load the engine then; it is never built at import),
@@ -452,7 +442,7 @@ def _load() -> _Loaded:
     return _loaded
 
 
-@_traced_as_constant
+@traced_as_constant
 def status() -> tuple[bool, str]:
     """``(available, why)``: whether the engine can run here, and in words why not (the wheel's
     build for this CPU is loaded on the first call that uses it; without one, it is compiled then,
@@ -463,13 +453,13 @@ def status() -> tuple[bool, str]:
     return loaded.ok, loaded.why
 
 
-@_traced_as_constant
+@traced_as_constant
 def available() -> bool:
     """Whether the engine can run here (see :func:`status`)."""
     return ENABLED and _load().ok
 
 
-@_traced_as_constant
+@traced_as_constant
 def info() -> str:
     """What the build computes with, e.g. ``"AVX-512 (16 floats a vector); bfloat16: AMX tiles
     (oneDNN brgemm)"`` or ``"...; bfloat16: AVX512-BF16 dot products"`` ('' where the engine is not
@@ -477,7 +467,7 @@ def info() -> str:
     return _load().info if available() else ""
 
 
-@_traced_as_constant
+@traced_as_constant
 def build_name() -> str:
     """Which build runs: ``"the wheel's x86-64-v4-bf16 build (chosen for this CPU; torch 2.13.0)"``
     or ``"built on this machine (-march=native)"`` ('' where the engine is not available)."""
