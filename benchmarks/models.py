@@ -1,6 +1,6 @@
 """Whole models on the CPU: attn_implementation="attnkit" beside "sdpa", same weights, one process.
 
-    python benchmarks/models.py [--dtypes float32 bfloat16] [--repeats 3] [--quick] [--out FILE]
+    python benchmarks/models.py [--dtypes float32 bfloat16] [--repeats 3] [--quick] [--only CASE ...] [--out FILE]
 
 A Llama-shaped decoder (hidden 512, 4 layers, 8 query / 2 KV heads, MLP 1376) and a BERT-shaped
 encoder (hidden 512, 4 layers, 8 heads), randomly initialised from their configs (nothing is
@@ -9,7 +9,8 @@ time is a median of ``--repeats`` (after a warm-up):
 
 - ``prefill``: Llama, 4 prompts of 1024 tokens, left-padded to lengths 1024, 896, 768, 640;
 - ``decode``: Llama, greedy steps (one token per sequence, 16 steps a sample) over a KV cache
-  of 1k and 8k tokens (batch 4; the cache cut back after each sample);
+  of 1k and 8k tokens (batch 4): transformers' ``DynamicCache`` (cut back after each sample) and a
+  ``StaticCache`` (allocated once, its empty slots masked);
 - ``train``: Llama, a training step (forward, loss, backward) over one row of 8 packed documents
   at L=4096 and 16 at L=16384 (``position_ids`` restart per document, as transformers packs);
 - ``encode``: BERT, a padded batch of 8 sentences of up to 512 tokens, forward.
@@ -124,6 +125,35 @@ def decode_case(models, cache_len, repeats, steps=16):
     return {k: v / steps for k, v in found.items()}  # seconds per step
 
 
+def decode_static_case(models, cache_len, repeats, steps=16):
+    """Greedy steps over a ``StaticCache`` (allocated once, as for compiled or memory-bound decoding):
+    the cache's empty slots past each step's position are masked, the cache never copied."""
+    from transformers import StaticCache
+
+    ids = torch.randint(3, 8000, (4, cache_len))
+    state = {}
+    for k, m in models.items():
+        # room for every timed run (the positions only advance: a static cache is not cropped)
+        cache = StaticCache(config=m.config, max_cache_len=cache_len + steps * (repeats + 2))
+        with torch.no_grad():
+            out = m(input_ids=ids, use_cache=True, **{_cache_kw(m): cache})
+        state[k] = [cache, out.logits[:, -1:].argmax(-1)]
+
+    def step(k, m):
+        def run():
+            cache, token = state[k]
+            with torch.no_grad():
+                for _ in range(steps):
+                    out = m(input_ids=token, use_cache=True, **{_cache_kw(m): cache})
+                    token = out.logits[:, -1:].argmax(-1)
+            state[k][1] = token
+
+        return run
+
+    found = interleaved({k: step(k, m) for k, m in models.items()}, repeats)
+    return {k: v / steps for k, v in found.items()}  # seconds per step
+
+
 def train_case(models, length, documents, repeats):
     g = torch.Generator().manual_seed(length)
     cuts = torch.sort(torch.randperm(length - 1, generator=g)[: documents - 1] + 1).values
@@ -167,6 +197,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1k decode and 4k training only")
+    parser.add_argument(
+        "--only", nargs="+", choices=["prefill", "decode", "train", "encode"], help="these cases only (default: all)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "models.json")
     args = parser.parse_args()
     rows = []
@@ -180,15 +213,20 @@ def main() -> None:
 
     for name in args.dtypes:
         dtype = getattr(torch, name)
+        wanted = set(args.only or ("prefill", "decode", "train", "encode"))
         llama = llama_pair(dtype)
-        record("llama", "prefill 4 x 1024, left-padded", name, prefill_case(llama, args.repeats))
-        for cache_len in (1024,) if args.quick else (1024, 8192):
+        if "prefill" in wanted:
+            record("llama", "prefill 4 x 1024, left-padded", name, prefill_case(llama, args.repeats))
+        for cache_len in ((1024,) if args.quick else (1024, 8192)) if "decode" in wanted else ():
             record("llama", f"decode step, cache {cache_len}", name, decode_case(llama, cache_len, args.repeats))
-        for length, documents in ((4096, 8),) if args.quick else ((4096, 8), (16384, 16)):
+            found = decode_static_case(llama, cache_len, args.repeats)
+            record("llama", f"decode step, static cache {cache_len}", name, found)
+        for length, documents in (((4096, 8),) if args.quick else ((4096, 8), (16384, 16))) if "train" in wanted else ():
             found = train_case(llama, length, documents, max(1, args.repeats - 1) if length > 4096 else args.repeats)
             record("llama", f"train step, {documents} docs x L={length}", name, found)
         del llama
-        record("bert", "encode 8 x 512, padded", name, encode_case(bert_pair(dtype), args.repeats))
+        if "encode" in wanted:
+            record("bert", "encode 8 x 512, padded", name, encode_case(bert_pair(dtype), args.repeats))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/models.py " + " ".join(sys.argv[1:])
     args.out.write_text(json.dumps({"machine": machine.describe(), "command": command.strip(), "rows": rows}, indent=1))

@@ -429,6 +429,7 @@ TABLES = {
     "kv_heads": kv_compress,
     "kv_heads_32k": kv_compress,
     "models": models,
+    "models_decode": models,
     "torch_flex_tests": torch_flex_tests,
     "rollout": rollout,
     "cpu": cpu,

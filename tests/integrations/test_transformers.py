@@ -33,6 +33,7 @@ from transformers import (  # noqa: E402
 
 import attnkit  # noqa: E402
 import attnkit.integrations.transformers as hf  # noqa: E402
+from attnkit.kernels.native import build as native_build  # noqa: E402
 
 V = 97
 SMALL = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -545,14 +546,20 @@ def _dense_of(result, batch_size, lq, lk):
     if result is None:
         return torch.ones(batch_size, 1, lq, lk, dtype=torch.bool)
     if result.device.type == "meta":
-        return result.attnkit_mask.materialize().expand(batch_size, 1, lq, lk)
+        carried = result.attnkit_mask
+        if isinstance(carried, attnkit.PreparedMask):
+            return carried.materialize().expand(batch_size, 1, lq, lk)
+        return carried.materialize(lq, lk).expand(batch_size, 1, lq, lk)
     return result
 
 
 @pytest.mark.parametrize(
     "case",
-    ["causal", "sliding", "bidirectional_window", "padded_left", "padded_right", "packed", "cache_offset", "chunked"],
-)
+    [
+        "causal", "sliding", "bidirectional_window", "padded_left", "padded_right", "packed", "cache_offset", "chunked",
+        "decode_static", "decode_static_tensor_offset",
+    ],
+)  # fmt: skip
 def test_mask_function_equals_transformers_dense_mask(case):
     from transformers import masking_utils as mu
 
@@ -581,6 +588,10 @@ def test_mask_function_equals_transformers_dense_mask(case):
         )
     elif case == "cache_offset":  # a chunk of 5 queries after 7 cached tokens, in a static cache of 16
         lq, lk, q_off = 5, 16, 7
+    elif case == "decode_static":  # one query after 7 cached tokens in a static cache of 16
+        lq, lk, q_off = 1, 16, 7
+    elif case == "decode_static_tensor_offset":
+        lq, lk, q_off = 1, 16, torch.tensor(9)
     elif case == "chunked":  # no formula in attnkit: a from_fn mask
         fn = mu.chunked_causal_mask_function(3, torch.zeros(b, dtype=torch.long))
     kw = dict(
@@ -594,7 +605,12 @@ def test_mask_function_equals_transformers_dense_mask(case):
     )
     want = mu.sdpa_mask(**kw, allow_is_causal_skip=False)
     got = hf.mask_function(**kw)
-    assert got.device.type == "meta" and isinstance(got.attnkit_mask, attnkit.PreparedMask)
+    if case.startswith("decode"):  # a key limit per sequence: the kernels read lengths, no plan
+        assert got.device.type == "meta" and got.attnkit_mask.limit_only()
+        assert attnkit.explain(torch.empty(b, 4, 1, 8), torch.empty(b, 2, lk, 8), torch.empty(b, 2, lk, 8),
+                               got.attnkit_mask).kernel == "native" or not native_build.available()  # fmt: skip
+    else:
+        assert got.device.type == "meta" and isinstance(got.attnkit_mask, attnkit.PreparedMask)
     assert torch.equal(_dense_of(got, b, lq, lk), want.expand(b, 1, lq, lk))
 
 

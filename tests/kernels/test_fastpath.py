@@ -30,6 +30,8 @@ KEY_LENGTHS = (1, 2, 7, 64, 127, 300, 2049, 5000)
     [
         (1, 8, 8, 1, torch.float32, False),
         (4, 8, 2, 1, torch.float32, False),
+        (4, 8, 2, 1, torch.bfloat16, False),
+        (4, 8, 4, 1, torch.float16, False),
         (2, 4, 4, 3, torch.bfloat16, False),
         (1, 2, 1, 15, torch.float32, True),
         (1, 32, 8, 64, torch.float32, False),

@@ -177,7 +177,9 @@ def test_no_cell_prints_a_warning(executed):
 def test_the_exported_notebook_shows_the_widgets_grid_offline(executed, browser, tmp_path):
     """nbconvert's HTML keeps the widget's saved state and loads its front end from a CDN: offline the
     widget cell was blank. The widget's output carries a static picture of its grid beside the live view."""
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     nbconvert = pytest.importorskip("nbconvert")
     _, saved = executed
@@ -186,7 +188,15 @@ def test_the_exported_notebook_shows_the_widgets_grid_offline(executed, browser,
     page.write_text(body, encoding="utf-8")
     assert "application/vnd.jupyter.widget-view+json" in body  # the live view is exported too
     browser.get(page.as_uri())
-    images = [i for i in browser.find_elements(By.CSS_SELECTOR, ".attnkit-static img") if i.is_displayed()]
+
+    def shown(driver):
+        return [i for i in driver.find_elements(By.CSS_SELECTOR, ".attnkit-static img") if i.is_displayed()]
+
+    try:  # the page's scripts (a CDN's, unreachable offline) may still be failing when get() returns
+        WebDriverWait(browser, 20).until(shown)
+    except TimeoutException:
+        pass
+    images = shown(browser)
     assert len(images) == 1
     image = images[0]
     assert "6 layers x 12 heads" in image.get_attribute("alt")

@@ -194,6 +194,14 @@ def mask_function(
         return None  # plain causal attention over every key (the attention function applies it)
     q_off = _offset(q_offset)
     kv_off = _offset(kv_offset)
+    if q_length == 1 and mask_function is compat.causal_mask_function and padding is None:
+        # one query (a decoding step) at position q_offset sees the keys up to it: a key limit per
+        # sequence (a static cache's empty slots past it), which the kernels read as lengths (the
+        # row path, with no mask and no plan) instead of a causal band over the whole cache
+        limit = q_off - kv_off + 1
+        limits = limit.expand(batch_size) if isinstance(limit, torch.Tensor) else torch.full((batch_size,), limit)
+        if bool(((limits >= 0) & (limits <= kv_length)).all()):
+            return _carrier(masks.padding(limits.to("cpu", torch.long)), batch_size, q_length, kv_length)
     try:
         pattern = translate(
             mask_function,
@@ -220,11 +228,12 @@ def mask_function(
             use_vmap=kwargs.get("use_vmap", False),
             device=device,
         )
-    return _carrier(prepared, batch_size)
+    return _carrier(prepared, batch_size, q_length, kv_length)
 
 
-def _carrier(prepared, batch_size: int) -> torch.Tensor:
-    """A meta bool tensor of the mask's shape ``(B, 1, Lq, Lk)`` that carries the prepared mask.
+def _carrier(mask: PreparedMask | masks.Mask, batch_size: int, q_length: int, kv_length: int) -> torch.Tensor:
+    """A meta bool tensor of the mask's shape ``(B, 1, Lq, Lk)`` that carries the attnkit mask (a
+    prepared mask, or for a decoding step the keys' limits).
 
     transformers passes masks between its functions as 4-D tensors (generation with a
     static cache reads ``.ndim`` and ``.shape`` and hands the mask back in), so the
@@ -232,8 +241,8 @@ def _carrier(prepared, batch_size: int) -> torch.Tensor:
     reads the prepared mask from it. Used as data anywhere else, a meta tensor fails
     loudly instead of silently meaning "attend everywhere".
     """
-    carrier = torch.empty(batch_size, 1, prepared.q_len, prepared.kv_len, dtype=torch.bool, device="meta")
-    carrier.attnkit_mask = prepared  # type: ignore[attr-defined]
+    carrier = torch.empty(batch_size, 1, q_length, kv_length, dtype=torch.bool, device="meta")
+    carrier.attnkit_mask = mask  # type: ignore[attr-defined]
     return carrier
 
 

@@ -159,16 +159,23 @@ def _few_rows(call: Call) -> bool:
 
 def _few_rows_over_every_key(call: Call) -> bool:
     """Whether the row path takes this call, which sees every key (no mask, or one that hides
-    nothing here: a causal mask at a decoding step): where K/V heads are shared (GQA) and the
-    inputs are float32. The row path reads each key once for the group's query heads; SDPA's
-    ``enable_gqa`` reads it once per query head (measured on an Intel Xeon at 512-8192 keys: 0.5-0.9x
-    SDPA's time with groups of 4; without groups, or in bfloat16, SDPA's vectorised GEMV is faster)."""
-    return _few_rows(call) and _grouped_float32_over_every_key(call) and call.shapes.lk > 0
+    nothing here: a causal mask at a decoding step): where K/V heads are shared (GQA), see
+    :func:`_grouped_over_every_key`."""
+    return _few_rows(call) and _grouped_over_every_key(call) and call.shapes.lk > 0
 
 
-def _grouped_float32_over_every_key(call: Call) -> bool:
-    """A call that sees every key, over shared K/V heads, in float32 (asked without the engine)."""
-    return call.form in (Form.NONE, Form.ALL) and call.shapes.hkv < call.shapes.hq and call.q.dtype == torch.float32
+def _grouped_over_every_key(call: Call) -> bool:
+    """A call that sees every key, over shared K/V heads, in float32 (asked without the engine).
+
+    The row path reads each key once for the group's query heads; SDPA's ``enable_gqa`` reads it once
+    per query head. Measured on an Intel Xeon (one query, 1k-8k keys, 8 query heads, 2 threads): float32
+    0.42-0.76x SDPA's time with groups of 4 (without groups SDPA's vectorised GEMV is faster).
+    bfloat16 with groups of 4 is 0.67-0.73x SDPA's time alone at 4 sequences (1.15-1.28x at one), but
+    inside a whole model (benchmarks/models.py, where the weights evict the cache between layers and
+    both read K/V from memory) 1.06x / 0.98x at 1k / 8k keys against SDPA's 1.02x / 1.00x: it stays on
+    SDPA."""
+    s = call.shapes
+    return call.form in (Form.NONE, Form.ALL) and s.hkv < s.hq and call.q.dtype == torch.float32
 
 
 def _few_rows_by_limit(call: Call) -> bool:
@@ -247,6 +254,12 @@ def _kept_in_words(call: Call) -> str:
     return f"{call.prepared_at(BLOCK_SIZE).kept:.0%} of blocks kept"
 
 
+def _row_path_in_words(call: Call) -> str:
+    """The row path computes in float32 whatever the inputs' type (its rows are widened as read)."""
+    how = native_build.describe(False)
+    return f"{how}; {str(call.q.dtype).removeprefix('torch.')} rows widened to float32" if call.half else how
+
+
 def _worth_loading(call: Call) -> bool:
     """Whether :meth:`NativeKernel.prefers` could take this call, asked without the engine (its
     sizes are read from the library): where not, nothing is loaded or compiled for it."""
@@ -257,7 +270,7 @@ def _worth_loading(call: Call) -> bool:
             and not call.mods
             and call.dropout_p == 0.0
             and not isinstance(call.mask, PreparedMask)
-            and (call.limits is not None or _grouped_float32_over_every_key(call))
+            and (call.limits is not None or _grouped_over_every_key(call))
         )
     if call.mods or call.return_lse or sparsity.rows_of(call) >= MIN_QUERIES:
         return True
@@ -330,10 +343,10 @@ class NativeKernel(Kernel):
                     True,
                     lambda: (
                         f"{s.lq} queries over every key, {s.hq // s.hkv} query heads a K/V head: the row path "
-                        f"reads each key once for the group; {native_build.describe(call.half)}"
+                        f"reads each key once for the group; {_row_path_in_words(call)}"
                         if call.limits is None
                         else f"{s.lq} queries whose keys end at each sequence's limit: the row path reads only "
-                        f"those keys, no mask; {native_build.describe(call.half)}"
+                        f"those keys, no mask; {_row_path_in_words(call)}"
                     ),
                 )
             return (
