@@ -221,7 +221,8 @@ def main() -> None:
             record("llama", f"decode step, cache {cache_len}", name, decode_case(llama, cache_len, args.repeats))
             found = decode_static_case(llama, cache_len, args.repeats)
             record("llama", f"decode step, static cache {cache_len}", name, found)
-        for length, documents in (((4096, 8),) if args.quick else ((4096, 8), (16384, 16))) if "train" in wanted else ():
+        trainings = ((4096, 8),) if args.quick else ((4096, 8), (16384, 16))
+        for length, documents in trainings if "train" in wanted else ():
             found = train_case(llama, length, documents, max(1, args.repeats - 1) if length > 4096 else args.repeats)
             record("llama", f"train step, {documents} docs x L={length}", name, found)
         del llama
