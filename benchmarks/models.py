@@ -101,40 +101,20 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def decode_case(models, cache_len, repeats, steps=16):
-    ids = torch.randint(3, 8000, (4, cache_len))
-    state = {}
-    for k, m in models.items():
-        cache = DynamicCache()  # filled in place by the prompt's forward
-        with torch.no_grad():
-            out = m(input_ids=ids, use_cache=True, **{_cache_kw(m): cache})
-        state[k] = (cache, out.logits[:, -1:].argmax(-1))
-
-    def step(k, m):
-        def run():
-            cache, token = state[k]
-            with torch.no_grad():
-                for _ in range(steps):
-                    out = m(input_ids=token, use_cache=True, **{_cache_kw(m): cache})
-                    token = out.logits[:, -1:].argmax(-1)
-            cache.crop(-steps)  # back to the prompt's cache (a negative count: tokens removed)
-
-        return run
-
-    found = interleaved({k: step(k, m) for k, m in models.items()}, repeats)
-    return {k: v / steps for k, v in found.items()}  # seconds per step
-
-
-def decode_static_case(models, cache_len, repeats, steps=16):
-    """Greedy steps over a ``StaticCache`` (allocated once, as for compiled or memory-bound decoding):
-    the cache's empty slots past each step's position are masked, the cache never copied."""
+def decode_case(models, cache_len, repeats, steps=16, static=False):
+    """Greedy steps over a prompt's KV cache: transformers' ``DynamicCache`` (cut back to the prompt
+    after each sample), or with ``static`` a ``StaticCache`` (allocated once, as for compiled or
+    memory-bound decoding: the empty slots past each step's position are masked, the cache never
+    copied; it is not cut back, so it has room for every timed sample)."""
     from transformers import StaticCache
 
     ids = torch.randint(3, 8000, (4, cache_len))
     state = {}
     for k, m in models.items():
-        # room for every timed run (the positions only advance: a static cache is not cropped)
-        cache = StaticCache(config=m.config, max_cache_len=cache_len + steps * (repeats + 2))
+        if static:
+            cache = StaticCache(config=m.config, max_cache_len=cache_len + steps * (repeats + 2))
+        else:
+            cache = DynamicCache()  # filled in place by the prompt's forward
         with torch.no_grad():
             out = m(input_ids=ids, use_cache=True, **{_cache_kw(m): cache})
         state[k] = [cache, out.logits[:, -1:].argmax(-1)]
@@ -146,7 +126,10 @@ def decode_static_case(models, cache_len, repeats, steps=16):
                 for _ in range(steps):
                     out = m(input_ids=token, use_cache=True, **{_cache_kw(m): cache})
                     token = out.logits[:, -1:].argmax(-1)
-            state[k][1] = token
+            if static:
+                state[k][1] = token  # the positions only advance
+            else:
+                cache.crop(-steps)  # back to the prompt's cache (a negative count: tokens removed)
 
         return run
 
@@ -219,7 +202,7 @@ def main() -> None:
             record("llama", "prefill 4 x 1024, left-padded", name, prefill_case(llama, args.repeats))
         for cache_len in ((1024,) if args.quick else (1024, 8192)) if "decode" in wanted else ():
             record("llama", f"decode step, cache {cache_len}", name, decode_case(llama, cache_len, args.repeats))
-            found = decode_static_case(llama, cache_len, args.repeats)
+            found = decode_case(llama, cache_len, args.repeats, static=True)
             record("llama", f"decode step, static cache {cache_len}", name, found)
         trainings = ((4096, 8),) if args.quick else ((4096, 8), (16384, 16))
         for length, documents in trainings if "train" in wanted else ():
