@@ -657,3 +657,53 @@ def test_use_kernels_reaches_models_run_through_the_integration():
     assert chosen and set(chosen) == {"reference"}
     with torch.no_grad():
         close(got, eager(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
+def test_static_cache_decoding_steps_equal_eager_and_pass_key_limits(name):
+    """A StaticCache's decoding step without padding: its one query's causal mask reaches the kernels as
+    each sequence's key limit (the empty slots past it hidden without a mask), with softcap and sliding
+    windows (gemma2) and sinks (gpt_oss) beside it; every step's logits and attention weights equal
+    eager attention's over the same static cache."""
+    from transformers import StaticCache
+
+    eager, ours = pair(DECODERS[name]())
+    ids, _, _ = batch(3, length=9)
+    seen = []
+    handle = hf.register_attention_hook(lambda module, q, k, v, mask, mods: seen.append(mask))
+    try:
+        with torch.no_grad():
+            caches = [StaticCache(config=m.config, max_cache_len=16) for m in (eager, ours)]
+            outs = [m(ids, use_cache=True, cache=c) for m, c in zip((eager, ours), caches)]
+            close(outs[1].logits, outs[0].logits, atol=1e-4)
+            for _ in range(4):
+                token = outs[0].logits[:, -1:].argmax(-1)
+                seen.clear()
+                outs = [
+                    m(token, use_cache=True, cache=c, output_attentions=True) for m, c in zip((eager, ours), caches)
+                ]
+                close(outs[1].logits, outs[0].logits, atol=1e-4)
+                for we, wo in zip(outs[0].attentions, outs[1].attentions):
+                    close(wo, we, atol=1e-5)
+                limited = [m for m in seen if isinstance(m, attnkit.masks.Mask) and m.limit_only()]
+                assert limited, seen  # the causal layers' step (a sliding window stays a window)
+    finally:
+        handle.remove()
+
+
+def test_static_cache_decoding_step_under_torch_compile_equals_eager():
+    """The decoding step of a StaticCache compiled (as transformers' compiled generation runs it): the
+    step's key limits are made eagerly at a graph break, and each step equals eager attention."""
+    from transformers import StaticCache
+
+    eager, ours = pair(DECODERS["llama"]())
+    ids, _, _ = batch(4, length=9)
+    with torch.no_grad():
+        caches = [StaticCache(config=m.config, max_cache_len=16) for m in (eager, ours)]
+        want = eager(ids, use_cache=True, cache=caches[0]).logits
+        close(ours(ids, use_cache=True, cache=caches[1]).logits, want, atol=1e-4)
+        step = torch.compile(lambda token, cache: ours(token, use_cache=True, cache=cache).logits)
+        for _ in range(3):
+            token = want[:, -1:].argmax(-1)
+            want = eager(token, use_cache=True, cache=caches[0]).logits
+            close(step(token, caches[1]), want, atol=1e-4)

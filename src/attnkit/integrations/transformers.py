@@ -197,7 +197,8 @@ def mask_function(
     if q_length == 1 and mask_function is compat.causal_mask_function and padding is None:
         # one query (a decoding step) at position q_offset sees the keys up to it: a key limit per
         # sequence (a static cache's empty slots past it), which the kernels read as lengths (the
-        # row path, with no mask and no plan) instead of a causal band over the whole cache
+        # row path, with no mask and no plan) instead of a causal band over the whole cache (the limits
+        # are read on the host: under torch.compile a graph break, the step's mask made eagerly)
         limit = q_off - kv_off + 1
         limits = limit.expand(batch_size) if isinstance(limit, torch.Tensor) else torch.full((batch_size,), limit)
         if bool(((limits >= 0) & (limits <= kv_length)).all()):
@@ -293,7 +294,10 @@ def attention_forward(
     if mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         if causal and query.shape[2] > 1:
-            mask = masks.causal()
+            # transformers leaves the mask out where SDPA's is_causal gives it, which aligns the
+            # first query with the first key (top left): a StaticCache's prefill has Lk > Lq, its keys
+            # past the prompt empty slots (bottom-right alignment let the queries see them)
+            mask = masks.causal(align="top_left")
     elif isinstance(mask, torch.Tensor) and mask.is_floating_point():
         mask = mask.to(query.dtype)  # eager-style additive mask (0 / large negative)
     mods: dict[str, Any] = {
