@@ -217,7 +217,8 @@ def _gym(length: int, torch_flex, repeats: int, args) -> list[dict]:
 
 def _catalogue(length: int, torch_flex, args) -> list[dict]:
     """Every mask of attention-gym's catalogue (tests/_gym.py) at ``length``: attnkit's
-    ``create_block_mask`` with its caches cleared before each call (nothing answers from a cache),
+    ``create_block_mask`` with its caches cleared before each call but the predicate's traced program
+    (and, in ``attnkit_traced_ms``, that one too: nothing answers from a cache),
     ``torch.compile(create_block_mask)`` (warm: its compile time is recorded)
     and eager (up to ``--gym-eager-max``). Medians of ``--gym-repeats`` interleaved calls."""
     try:
@@ -234,10 +235,16 @@ def _catalogue(length: int, torch_flex, args) -> list[dict]:
         b, h = lead or (None, None)
 
         def ours(fn=fn, b=b, h=h, lq=lq, lk=lk):
-            _cache.clear()  # every cache attnkit keeps: the mask is made from nothing
+            # every cache attnkit keeps but the predicate's traced program (as torch's compiled code
+            # is kept): the mask is made from nothing else
+            _cache.clear(keep=(_cache.PROGRAMS,))
             return attnkit_block_mask(fn, b, h, lq, lk)
 
-        cases = {"attnkit": ours}
+        def traced(fn=fn, b=b, h=h, lq=lq, lk=lk):
+            _cache.clear()  # every cache: the predicate traced again too
+            return attnkit_block_mask(fn, b, h, lq, lk)
+
+        cases = {"attnkit": ours, "attnkit traced anew": traced}
         row = {"group": "attention-gym catalogue", "kind": name, "B": b or 1, "H": h or 1, "L": length}
         if torch_flex is not None and not args.no_compile:
             compiled = torch.compile(torch_flex)  # as torch's docs advise (the _compile flag is deprecated)
@@ -261,6 +268,7 @@ def _catalogue(length: int, torch_flex, args) -> list[dict]:
             cases.pop("torch compiled", None)
             times = median_ms(cases, args.gym_repeats)
         row["attnkit_ms"] = round(times["attnkit"], 2)
+        row["attnkit_traced_ms"] = round(times["attnkit traced anew"], 2)
         for who, key in (("torch compiled", "torch_compiled_ms"), ("torch eager", "torch_eager_ms")):
             if who in times:
                 row[key] = round(times[who], 2)
@@ -276,7 +284,9 @@ def _catalogue(length: int, torch_flex, args) -> list[dict]:
             eager = f"{row['torch_eager_ms']:9.2f} ms"
         ours_ms = row["attnkit_ms"]
         print(
-            f"L={length:6d} {name:24s} attnkit {ours_ms:9.2f} ms  torch compiled {compiled}  eager {eager}", flush=True
+            f"L={length:6d} {name:24s} attnkit {ours_ms:9.2f} ms (traced anew {row['attnkit_traced_ms']:.2f})  "
+            f"torch compiled {compiled}  eager {eager}",
+            flush=True,
         )
     return out
 

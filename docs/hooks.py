@@ -315,11 +315,21 @@ def masks_gym(name: str) -> str:
             compiled, ratio = ("fails to compile", "-") if "torch_compiled_error" in r else ("-", "-")
         eager = f"{r['torch_eager_ms']:.1f}" if "torch_eager_ms" in r else "-"
         ours = f"{r['attnkit_ms']:.2f}"
-        rows.append([r["L"], r["kind"], ours, compiled, ratio, eager, r.get("torch_compile_s", "-")])
+        traced = f"{r['attnkit_traced_ms']:.2f}" if "attnkit_traced_ms" in r else "-"
+        rows.append([r["L"], r["kind"], ours, traced, compiled, ratio, eager, r.get("torch_compile_s", "-")])
     m = d.get("machine", {})
     head = f"*{m.get('model', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}.*\n\n"
     return head + _table(
-        ["L", "mask", "attnkit ms", "torch compiled ms", "attnkit / compiled", "torch eager ms", "torch compile s"],
+        [
+            "L",
+            "mask",
+            "attnkit ms",
+            "attnkit ms, traced anew",
+            "torch compiled ms",
+            "attnkit / compiled",
+            "torch eager ms",
+            "torch compile s",
+        ],
         rows,
     )
 

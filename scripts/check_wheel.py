@@ -3,8 +3,8 @@
 1. On a PATH without any C++ compiler: the first attention call loads the wheel's engine for this
    CPU (nothing is compiled: the build cache is never made), ``attnkit.explain`` names the native
    engine and the build, and the first call's time is printed.
-2. The native engine's tests (tests/kernels/test_native.py, test_nan.py) on each of the wheel's
-   builds this CPU can run, chosen with ATTNKIT_NATIVE_ISA, still without a compiler.
+2. The native engine's tests (tests/kernels/test_native.py, test_nan.py, tests/test_predicate_programs.py)
+   on each of the wheel's builds this CPU can run, chosen with ATTNKIT_NATIVE_ISA, still without a compiler.
 
 Usage: venv/bin/python scripts/check_wheel.py [--tests]
        python scripts/check_wheel.py --contents WHEEL   (what a wheel file holds: make wheel-standard)
@@ -90,6 +90,7 @@ def native_tests(workdir: Path) -> None:
         assert f"the wheel's {level} build" in name and info.startswith(width), (name, info, done.stderr[-2000:])
         assert "widened to float32" in info  # neither has AVX512-BF16: bfloat16 on widened tiles
         tests = [str(REPO / "tests" / "kernels" / name) for name in ("test_native.py", "test_nan.py")]
+        tests.append(str(REPO / "tests" / "test_predicate_programs.py"))  # int32 and int64 lanes, bits packed
         cmd = [
             sys.executable,
             "-m",

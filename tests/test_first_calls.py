@@ -98,6 +98,16 @@ from attnkit.flex import create_block_mask, flex_attention
 bm = create_block_mask(lambda b, h, x, y: x >= y, None, None, L, L)
 check(flex_attention(q, k, v, block_mask=bm), q, k, v, CAUSAL)
 """,
+    "a predicate's program on the native engine": """
+import attnkit
+docs = torch.tensor([0] * 100 + [1] * 156)
+mask = attnkit.masks.from_fn(lambda b, h, x, y: (docs[x] == docs[y]) & ((x - y) % 3 == 0) & (y <= x))
+out = attnkit.attention(q, k, v, mask)
+check(out, q, k, v, (docs[i] == docs[j]) & ((i - j) % 3 == 0) & (j <= i))
+from attnkit import _cache
+from attnkit.kernels.native import build
+assert (len(_cache.PROGRAMS) > 0) == build.available(), _cache.PROGRAMS  # the engine ran the predicate
+""",
     "compiled flex with a BlockMask made outside": """
 from attnkit.flex import create_block_mask, flex_attention
 bm = create_block_mask(lambda b, h, x, y: x >= y, None, None, L, L)
@@ -146,6 +156,7 @@ assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
 
 #: ``(case, extra environment)`` for the runs beyond the default (warm engine cache, engine on).
 VARIANTS = [
+    ("a predicate's program on the native engine", {"ATTNKIT_NATIVE": "0"}),
     ("compile with a PreparedMask made outside", {"ATTNKIT_NATIVE": "0"}),
     ("compiled flex with a BlockMask made outside", {"ATTNKIT_NATIVE": "0"}),
     ("eager attention", {"ATTNKIT_NATIVE": "0"}),

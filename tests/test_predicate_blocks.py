@@ -10,6 +10,7 @@ import torch
 
 import attnkit
 from attnkit import masks
+from attnkit.masks import _from_fn
 from attnkit.masks._base import Blocks
 from attnkit.masks._codes import EMPTY, FULL, PARTIAL
 from attnkit.masks._from_fn import FromFn
@@ -89,10 +90,12 @@ def test_tiles_by_ranges_evaluate_only_the_parts_they_cannot_decide():
     assert max(seen, key=lambda shape: torch.Size(shape).numel()) == (8 * 4, 16, 16)  # those parts alone
 
 
-def test_ranges_decide_every_block_but_the_edges():
+def test_ranges_decide_every_block_but_the_edges(monkeypatch):
     """Causal at L=1024 in (128, 64) blocks: the ranges decide every 64 x 64 part but the 16 on the
     diagonal; of those only the first row and column are evaluated (they hold an allowed and a
-    hidden pair: partial), never the 64 x 64 pairs."""
+    hidden pair: partial), never the 64 x 64 pairs. (With torch: the native engine's program
+    evaluates the 16 parts itself, tests/test_predicate_programs.py.)"""
+    monkeypatch.setattr(_from_fn, "NATIVE_FROM", 1 << 62)
     mask = masks.from_fn(lambda b, h, q, kv: q >= kv)
     evaluated = []
     pairs = mask._pairs

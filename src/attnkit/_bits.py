@@ -1,13 +1,15 @@
 """The element bits of a plan's partial blocks: what :func:`attnkit.prepare` evaluates of a mask.
 
 A block map says which ``bq x bk`` blocks are partial; each partial block's pairs are kept packed
-key-major (eight queries a byte: :class:`attnkit.PreparedMask`'s ``bits``). Three forms, the
+key-major (eight queries a byte: :class:`attnkit.PreparedMask`'s ``bits``). Four forms, the
 first the mask has:
 
 - **query ranges** (:meth:`attnkit.masks.Mask.query_ranges`: causal, windows, prefix, padding,
   sorted document ids and their ``&``): each key's allowed queries are one range, and its bytes
   come from a table of packed prefixes, ``first[hi + 1] ^ first[lo]``; no pair is evaluated,
   O(partial tiles x bk x bq / 8);
+- **packed tiles** (:meth:`attnkit.masks.Mask.packed_tiles`: ``from_fn`` predicates the native engine
+  evaluates as a program, :mod:`attnkit.masks._program`): the bytes written by the engine itself;
 - **tiles** (:meth:`attnkit.masks.Mask.tiles`: the structured kinds with ``|``, dense masks and
   broadcasting ``from_fn`` predicates): every partial tile evaluated at once, each at its own
   sequence and head, in chunks of :data:`TILES_AT_ONCE`, packed with ``numpy.packbits``;
@@ -48,6 +50,11 @@ def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[to
             ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
             listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
             return packed_ranges.to(device).contiguous(), listed.to(device).contiguous()
+        packed = mask.packed_tiles(where, q_len, kv_len, block_size)
+        if packed is not None:
+            ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
+            listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
+            return packed.to(device).contiguous(), listed.to(device).contiguous()
         keys_major = _by_tiles(mask, q_len, kv_len, block_size, where)
         if keys_major is None:
             where, tiles = _by_rows(mask, q_len, kv_len, block_size, where, nq, nk)

@@ -23,6 +23,9 @@ padding lengths)                       scale's bits, autograd, inference mode, t
                                        every block kept (plain tensors, never changed)
 :func:`plan_store`                     per PreparedMask (held weakly): the groups, tiles and  64 MiB each
                                        layouts a kernel derives from it (``(what, ...)``)
+:data:`PROGRAMS`                       ``(fingerprint of a from_fn predicate, index dtypes)``: 64 entries
+                                       the predicate as the native engine's program
+                                       (:mod:`attnkit.masks._program`; False: it is not one)
 :data:`PER_PAIR`                       a ``mask_mod``/``score_mod`` function (held weakly):    weak
                                        it needs ``torch.vmap`` (broadcasting it failed or was
                                        not proved elementwise: :mod:`attnkit._pointwise`); only
@@ -60,6 +63,7 @@ import torch
 __all__ = [
     "PREPARED",
     "PER_PAIR",
+    "PROGRAMS",
     "Bounded",
     "PlanStore",
     "clear",
@@ -113,6 +117,8 @@ class Bounded:
 
 #: Prepared masks made by :func:`attnkit.plan.prepared_for` (the implicit cache of attention calls).
 PREPARED = Bounded(16, "prepared masks")
+#: from_fn predicates traced into the native engine's programs, by value (see the table above).
+PROGRAMS = Bounded(64, "predicate programs")
 #: Predicates and score mods that need one pair at a time (attnkit._pointwise.broadcast_proved).
 PER_PAIR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -160,11 +166,12 @@ def plan_store(prepared: object) -> PlanStore:
     return found
 
 
-def clear() -> None:
-    """Empty every bounded cache (prepared masks, lean runners, plans; per-mask stores die with their masks)."""
+def clear(*, keep: tuple[Bounded, ...] = ()) -> None:
+    """Empty every bounded cache (prepared masks, lean runners, plans, programs; per-mask stores die
+    with their masks), but those in ``keep``."""
     for ref in list(_ALL):
         cache = ref()
-        if cache is not None:
+        if cache is not None and not any(cache is k for k in keep):
             cache.clear()
 
 

@@ -229,3 +229,40 @@ def test_the_ranges_of_random_integer_expressions_hold_every_value(tree, lq, lk,
     low = torch.where(real, parts, float("inf")).amin(-1)
     high = torch.where(real, parts, float("-inf")).amax(-1)
     assert bool((lo.double() <= low).all()) and bool((high <= hi.double()).all())
+
+
+@given(predicates(), st.integers(1, 200), st.integers(1, 200), st.sampled_from([(32, 16), (128, 64), (64, 32)]))
+def test_random_predicates_on_the_native_engine_equal_pair_by_pair(tree, lq, lk, blocks):
+    """Every evaluation of the predicate on the engine (attnkit/masks/_program.py), however small: the
+    block map and every bit of the prepared mask equal torch's per-pair answer; a predicate outside
+    the program language (a float division) or a pair the engine cannot compute takes torch's path."""
+    from attnkit.kernels.native import build
+    from attnkit.masks import _program
+
+    if not build.available():
+        pytest.skip("the native engine does not run here")
+    fn = predicate(tree)
+    note(repr(tree))
+    allowed = flex_module.create_mask(fn, B, H, lq, lk, device="cpu")
+    answered = []
+    evaluate = _program.evaluate
+
+    def counting(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        answered.append(out is not None)
+        return out
+
+    with mock.patch.object(_from_fn, "NATIVE_FROM", 0), mock.patch.object(_program, "evaluate", counting):
+        _cache.clear()
+        mask = masks.from_fn(fn, batch_size=B, num_heads=H)
+        bq, bk = blocks
+        assert torch.equal(mask.block_map(lq, lk, bq, bk).expand(B, H, -1, -1), codes_of_pairs(allowed, bq, bk))
+        prepared = attnkit.prepare(masks.from_fn(fn, batch_size=B, num_heads=H), lq, lk, block_size=blocks)
+    assert torch.equal(prepared.materialize().expand_as(allowed), allowed)
+    event(
+        "the engine answered"
+        if answered and all(answered)
+        else "torch's path (in part)"
+        if answered
+        else "no pair left to evaluate, or not a program"
+    )

@@ -323,6 +323,18 @@ def test_other_vector_widths_are_exact(arch, tmp_path):
         want = torch.autograd.grad(gold.sum(), (q64, k64, v64))
         errs = [float((out.double() - gold).abs().max())]
         errs += [float((g.double() - w).abs().max()) for g, w in zip(grads, want)]
+        from attnkit.masks import _program  # a predicate's program: int32 lanes, then int64 ones, bits packed
+        z = torch.zeros((), dtype=torch.int64)
+        x, y = torch.arange(100).view(1, -1, 1), torch.arange(77).view(1, 1, -1)
+        for fn in (lambda b, h, q, kv: ((q - kv).abs() % 3 == 0) | (q < kv // 2),
+                   lambda b, h, q, kv: (q * 2**40 + kv) % 7 == 3):
+            program = _program.trace(fn, z, z, z, z)
+            want_bits = fn(z, z, x, y)
+            bits = _program.evaluate(program, (z, z, x, y), (1, 100, 77), 0)
+            packed = _program.evaluate(program, (z, z, x, y), (1, 100, 77), 1)
+            errs.append(float(not torch.equal(bits, want_bits)))
+            first = (bits[0, :, :8].int() << torch.arange(8)).sum(-1).byte()  # each row's first byte
+            errs.append(float(not torch.equal(packed[0, :, 0], first)))
         print(json.dumps({"info": native_build.info(), "errs": errs}))
     """
     done = _python(code, {"ATTNKIT_NATIVE_ARCH": arch, "ATTNKIT_CACHE": str(tmp_path), "ATTNKIT_NATIVE": "1"})

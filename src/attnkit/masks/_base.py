@@ -148,6 +148,12 @@ class Mask:
         kind has no such form (:meth:`elements` is used)."""
         return None
 
+    def packed_tiles(self, where: torch.Tensor, q_len: int, kv_len: int, block_size) -> torch.Tensor | None:
+        """The partial tiles ``where`` ``(T, 4)`` (b, h, row block, key block) as a prepared mask keeps
+        them, key-major and packed eight queries a byte ``(T, bk, ceil(bq / 8))`` uint8, pairs past the
+        lengths False; None where the kind does not make them itself (:meth:`tiles` is used)."""
+        return None
+
     def query_ranges(self, b, h, kv_idx, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For each key of T tiles, the queries that may see it as one range: ``(lo, hi)``, query
         indices (inclusive; ``lo > hi``: none) broadcasting to ``kv_idx``'s shape ``(T, tk)``, with

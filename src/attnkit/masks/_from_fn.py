@@ -19,6 +19,7 @@ from attnkit._validate import (
     compiling,
     short,
 )
+from attnkit.masks import _program
 from attnkit.masks._base import Mask, values_of
 from attnkit.masks._intervals import Interval, Unsupported, block_bounds
 from attnkit.masks._positions import at_sequence, indexed_positions
@@ -55,6 +56,43 @@ def _evaluate(fn, b, h, qi, ki):
 
 #: Tiles of at least this many pairs in all are first judged by index ranges (:func:`_tiles_by_ranges`).
 RANGES_FROM = 1 << 15
+#: Calls of at least this many pairs run the predicate as a program on the native engine where it
+#: is one (:mod:`._program`): below it, the engine is not loaded for a mask alone.
+NATIVE_FROM = 1 << 12
+
+
+def _native(mask, shape, inputs, mode: int, sample, grid=None) -> torch.Tensor | None:
+    """``mask.fn`` over every pair of ``shape`` (T, X, Y) on the native engine (``mode``: see
+    :func:`._program.evaluate`): its ``inputs`` are ``b, h, q_idx, kv_idx``, or with ``grid``
+    ``(q_len, kv_len, clamp, inside)`` the eight of :meth:`._program.Program.on_grid`. None below
+    :data:`NATIVE_FROM` pairs, while compiling, without the engine, or where the predicate is not a
+    program (the torch path runs). The program is traced on ``sample`` (one pair's ``b, h, q_idx,
+    kv_idx``), once per predicate value and index dtypes (``_cache.PROGRAMS``)."""
+    if math.prod(shape) < NATIVE_FROM or compiling() or not _program.available():
+        return None
+    found = _cache.fingerprint(mask.fn)
+    key = None if found is None else (found, tuple(x.dtype for x in sample))
+    program = None if key is None else _cache.PROGRAMS.get(key)
+    if program is None:
+        program = _program.trace(mask.fn, *sample) or False
+        if key is not None:
+            _cache.PROGRAMS.put(key, program)
+    if not isinstance(program, _program.Program):  # False: not a program
+        return None
+    return _program.evaluate(program.on_grid(*grid) if grid else program, inputs, shape, mode)
+
+
+def _grid(mask, b, h, q_start, q_local, kv_start, kv_local, q_len: int, kv_len: int, clamp: bool):
+    """The inputs of :meth:`._program.Program.on_grid` (offsets added per sequence) and one pair's
+    indices to trace the predicate on (the grid's first)."""
+    q_off = torch.as_tensor(at_sequence(mask.q_offset, b), dtype=torch.int64)
+    kv_off = torch.as_tensor(at_sequence(mask.kv_offset, b), dtype=torch.int64)
+    inputs = (b, h, q_start, q_local, q_off, kv_start, kv_local, kv_off)
+    first = [x.reshape(-1)[0] for x in inputs]
+    q0 = min(int(first[2] + first[3]), q_len - 1) if clamp else int(first[2] + first[3])
+    kv0 = min(int(first[5] + first[6]), kv_len - 1) if clamp else int(first[5] + first[6])
+    sample = (first[0], first[1], torch.tensor(q0 + int(first[4])), torch.tensor(kv0 + int(first[7])))
+    return inputs, sample
 
 
 def _tiles_by_ranges(fn, shape, b, h, qi, ki, group: int = 16):
@@ -224,12 +262,28 @@ class FromFn(Mask):
     def tiles(self, b, h, q_idx, kv_idx, q_len, kv_len):
         qi, ki = q_idx + at_sequence(self.q_offset, b), kv_idx + at_sequence(self.kv_offset, b)
         shape = broadcast(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        if len(shape) == 3:
+            out = _native(self, shape, (b, h, qi, ki), 0, sample=(b, h, qi, ki))
+            if out is not None:
+                return out
         if len(shape) == 3 and math.prod(shape) >= RANGES_FROM and not compiling():
             out = _tiles_by_ranges(self.fn, shape, b, h, qi, ki)
             if out is not None:
                 return out
         # by broadcasting where proved, else every pair under one torch.vmap (not while tracing: None)
         return _exact_pairs(self.fn, shape, b, h, qi, ki, per_pair=not compiling())
+
+    def packed_tiles(self, where, q_len, kv_len, block_size):
+        bq, bk = block_size
+        part = where.to(torch.int64)
+        b, h = part[:, 0].view(-1, 1, 1), part[:, 1].view(-1, 1, 1)
+        ragged = q_len % bq != 0 or kv_len % bk != 0  # the last blocks hold rows or keys past the lengths
+        q_local, kv_local = torch.arange(bq).view(1, 1, -1), torch.arange(bk).view(1, -1, 1)  # key-major
+        inputs, sample = _grid(
+            self, b, h, part[:, 2].view(-1, 1, 1) * bq, q_local, part[:, 3].view(-1, 1, 1) * bk, kv_local,
+            q_len, kv_len, ragged,
+        )  # fmt: skip
+        return _native(self, (part.shape[0], bk, bq), inputs, 1, sample, (q_len, kv_len, ragged, ragged))
 
     def block_codes(self, b):
         codes = self._codes_by_ranges(b)
@@ -265,6 +319,15 @@ class FromFn(Mask):
         if where.shape[0] == 0:
             return b.code(*(self._blocks_of_parts(x, b, sq, sk) for x in (full, empty)))
         bi, hi, qi, ki = (where[:, i] for i in range(4))
+        inputs, sample = _grid(  # a short last part repeats its last index (the same min / max)
+            self, bi.view(-1, 1, 1), hi.view(-1, 1, 1), qi.view(-1, 1, 1) * sq, q_in.view(1, -1, 1),
+            ki.view(-1, 1, 1) * sk, k_in.view(1, 1, -1), b.q_len, b.keys, True,
+        )  # fmt: skip
+        seen = _native(self, (where.shape[0], sq, sk), inputs, 2, sample, (b.q_len, b.keys, True, False))
+        if seen is not None:  # bit 0: some pair allowed, bit 1: some hidden
+            full[bi, hi, qi, ki] = (seen & 2) == 0
+            empty[bi, hi, qi, ki] = (seen & 1) == 0
+            return b.code(*(self._blocks_of_parts(x, b, sq, sk) for x in (full, empty)))
         q_idx = (qi.view(-1, 1) * sq + q_in).clamp(max=b.q_len - 1)  # a short last part repeats its
         kv_idx = (ki.view(-1, 1) * sk + k_in).clamp(max=b.keys - 1)  # last index (the same min / max)
         # witnesses first: each undecided part's first row and first column, pair by pair; a part

@@ -26,19 +26,30 @@ def to_torch_block_mask(
 
 
 def _block_mask_of(cls, codes, block_size, q_len, kv_len, mask_mod, separate_full_blocks):
-    lists = []
+    kv_lists, q_lists = [], []
     wanted = (PARTIAL, FULL) if separate_full_blocks else ((PARTIAL, FULL),)
     for code in wanted:
         hit = codes == code if isinstance(code, int) else codes != EMPTY
-        num = hit.sum(-1, dtype=torch.int32).contiguous()
-        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
-        lists += [num, order]
+        kv_lists += _listed(hit)
+        q_lists += _listed(hit.transpose(-2, -1))  # the same blocks by key block (what the backward reads)
     if not separate_full_blocks:
-        lists += [None, None]
+        kv_lists += [None, None]
+        q_lists += [None, None]
     bq, bk = (int(x) for x in block_size)
-    return cls.from_kv_blocks(
-        lists[0], lists[1], lists[2], lists[3], BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    made = cls.from_kv_blocks(
+        *kv_lists, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False
     )
+    # what from_kv_blocks would compute from the kv lists (by a dense round trip), from the codes at hand
+    made.q_num_blocks, made.q_indices, made.full_q_num_blocks, made.full_q_indices = q_lists
+    return made
+
+
+def _listed(hit: torch.Tensor) -> list[torch.Tensor]:
+    """``(num, indices)`` int32 of a bool ``(..., rows, cols)``: each row's count and its columns
+    with the kept ones first, in order (FlexAttention's ordered lists)."""
+    num = hit.sum(-1, dtype=torch.int32).contiguous()
+    order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
+    return [num, order]
 
 
 class PlannedBlockMask(BlockMask):

@@ -13,6 +13,8 @@
 //                                      scale, softcap) -> out (B, R, Lk) float32: the gradient rule's
 //                                      sum_i r[b, :, i] sum_h w_h max(0, (dO V^T) exp(s - lse)), or
 //                                      without d_out the weights' sum_i r[b, :, i] sum_h w_h exp(s - lse)
+//   torch.ops.attnkit.native_predicate(program, inputs, tables, shape, mode) -> a mask predicate's program
+//                                      evaluated over many pairs (predicate.h; attnkit.masks._program)
 //
 // Built once per machine by attnkit/kernels/native/build.py (the compiler found on the machine, -O3
 // -march=native, against the libtorch that is running: at::parallel_for shares PyTorch's threads)
@@ -52,7 +54,7 @@
 // Stages, one header each, compiled as this one translation unit: vec.h (vectors), gemm.h (the
 // float32 micro-kernel), amx.h (bfloat16 products), plan.h (a call, its plan and steps), forward.h,
 // bf16.h (the bfloat16 forward and its backward scores), decode.h (few rows), stats.h, relevance.h,
-// backward.h.
+// backward.h, predicate.h and predicate_call.h (mask predicates).
 
 #include <torch/library.h>
 
@@ -61,12 +63,13 @@
 #include "decode.h"
 #include "forward.h"
 #include "plan.h"
+#include "predicate_call.h"
 #include "relevance.h"
 #include "stats.h"
 #include "vec.h"
 
 // The interface version build.py checks before it trusts a build (its VERSION).
-#define ATTNKIT_NATIVE_INTERFACE 9
+#define ATTNKIT_NATIVE_INTERFACE 10
 
 namespace {
 
@@ -450,6 +453,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
         "native_relevance(Tensor q, Tensor k, Tensor v, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, "
         "Tensor bits, Tensor? kv_limit, Tensor? band, Tensor lse, Tensor? d_out, Tensor r, Tensor head_weights, "
         "int block_q, int block_k, float scale, float softcap) -> Tensor");
+    m.def("native_predicate(Tensor program, Tensor[] inputs, Tensor[] tables, int[] shape, int mode) -> Tensor");
     m.def("native_interface() -> int", []() -> int64_t { return ATTNKIT_NATIVE_INTERFACE; });
     m.def("native_info() -> str", []() -> std::string { return native_info(); });
     m.def("native_constants() -> str", []() -> std::string { return native_constants(); });
@@ -460,4 +464,5 @@ TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
     m.impl("native_backward", &native_backward);
     m.impl("native_stats", &native_stats);
     m.impl("native_relevance", &native_relevance);
+    m.impl("native_predicate", &native_predicate);
 }
