@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -215,12 +216,27 @@ def _gym(length: int, torch_flex, repeats: int, args) -> list[dict]:
     return out
 
 
+def _median_after_own(fns: dict, repeats: int) -> dict:
+    """Median time of each function in ms, interleaved, each timed call right after an untimed one of
+    its own: no case pays for what the one before it left (torch's eager mask frees L x L tensors,
+    and the next call meets the allocator's and the caches' state after them)."""
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            fn()
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def _catalogue(length: int, torch_flex, args) -> list[dict]:
     """Every mask of attention-gym's catalogue (tests/_gym.py) at ``length``: attnkit's
     ``create_block_mask`` with its caches cleared before each call but the predicate's traced program
     (and, in ``attnkit_traced_ms``, that one too: nothing answers from a cache),
     ``torch.compile(create_block_mask)`` (warm: its compile time is recorded)
-    and eager (up to ``--gym-eager-max``). Medians of ``--gym-repeats`` interleaved calls."""
+    and eager (up to ``--gym-eager-max``). Medians of ``--gym-repeats`` interleaved calls, each after
+    an untimed call of its own."""
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from _gym import catalogue  # the catalogue the tests check, at any length
@@ -262,11 +278,11 @@ def _catalogue(length: int, torch_flex, args) -> list[dict]:
         if torch_flex is not None and length <= args.gym_eager_max:
             cases["torch eager"] = lambda fn=fn, b=b, h=h, lq=lq, lk=lk: torch_flex(fn, b, h, lq, lk, device="cpu")
         try:
-            times = median_ms(cases, args.gym_repeats)
+            times = _median_after_own(cases, args.gym_repeats)
         except Exception as err:  # noqa: BLE001 - torch's compiled function failing late: timed without it
             row["torch_compiled_error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
             cases.pop("torch compiled", None)
-            times = median_ms(cases, args.gym_repeats)
+            times = _median_after_own(cases, args.gym_repeats)
         row["attnkit_ms"] = round(times["attnkit"], 2)
         row["attnkit_traced_ms"] = round(times["attnkit traced anew"], 2)
         for who, key in (("torch compiled", "torch_compiled_ms"), ("torch eager", "torch_eager_ms")):

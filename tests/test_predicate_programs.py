@@ -268,6 +268,12 @@ def test_the_engine_checks_the_program_it_is_given():
         run(good, ones, [], [1, 2, 3], 3)
     with pytest.raises(RuntimeError):
         run(good, [torch.zeros(2, 1, 1, dtype=torch.int64)] * 2, [], [3, 2, 3], 0)  # does not broadcast
+    load = torch.tensor([[0, 5, 0, -1, -1, -1], [28, 5, 0, 0, -1, -1]])
+    with pytest.raises(RuntimeError, match="tables must be"):
+        run(load, ones, [torch.zeros(4, dtype=torch.int32)], [1, 2, 3], 0)
+    table = [torch.arange(4, dtype=torch.int64)]
+    for mode in (0, 1, 2):  # the operator's registration: its fake shapes, schema and dispatch
+        torch.library.opcheck(torch.ops.attnkit.native_predicate, (load, ones, table, [1, 2, 3], mode))
 
 
 def test_a_torch_block_mask_lists_its_blocks_by_key_block_as_torch_would():

@@ -70,6 +70,8 @@ def _native(mask, shape, inputs, mode: int, sample, grid=None) -> torch.Tensor |
     kv_idx``), once per predicate value and index dtypes (``_cache.PROGRAMS``)."""
     if math.prod(shape) < NATIVE_FROM or compiling() or not _program.available():
         return None
+    if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in inputs):
+        return None  # the engine is the CPU's: a mask made on a device is evaluated by torch there
     found = _cache.fingerprint(mask.fn)
     key = None if found is None else (found, tuple(x.dtype for x in sample))
     program = None if key is None else _cache.PROGRAMS.get(key)

@@ -514,6 +514,17 @@ def _register_python_parts() -> None:
         top = [q.new_empty(b, hq, lq, topk, dtype=torch.float32), q.new_empty(b, hq, lq, topk, dtype=torch.int64)]
         return [*rows, argmax, *more, received, *top]
 
+    @torch.library.register_fake("attnkit::native_predicate")
+    def _(program, inputs, tables, shape, mode):
+        t, x, y = shape
+        if mode == 0:
+            return program.new_empty(t, x, y, dtype=torch.bool)
+        return (
+            program.new_empty(t, x, -(-y // 8), dtype=torch.uint8)
+            if mode == 1
+            else program.new_empty(t, dtype=torch.uint8)
+        )
+
     def setup_context(ctx, inputs, output):
         q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap = inputs
         ctx.save_for_backward(q, k, v, *output, kv_num, kv_indices, tile_ids, bits, kv_limit, band)

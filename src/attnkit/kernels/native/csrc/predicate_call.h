@@ -116,8 +116,10 @@ at::Tensor native_predicate(const at::Tensor& program, const std::vector<at::Ten
     }
     std::vector<at::Tensor> narrow;
     for (const auto& tb : tables) {
-        TORCH_CHECK(tb.scalar_type() == at::kLong && tb.is_contiguous() && tb.dim() >= 1 && tb.dim() <= 3,
-                    "attnkit.native: predicate tables must be contiguous int64 with 1 to 3 dims, not ", tb.sizes());
+        TORCH_CHECK(tb.scalar_type() == at::kLong && tb.is_contiguous() && tb.dim() >= 1 && tb.dim() <= 3 &&
+                        tb.device().is_cpu(),
+                    "attnkit.native: predicate tables must be contiguous int64 CPU tensors with 1 to 3 dims, not ",
+                    tb.sizes(), " on ", tb.device());
         const bool some = tb.numel() > 0;
         PredTable t{tb.data_ptr<int64_t>(), nullptr, tb.dim(), {1, 1, 1}, {0, 0, 0},
                     some ? tb.min().item<int64_t>() : 0, some ? tb.max().item<int64_t>() : 0};
