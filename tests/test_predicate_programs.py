@@ -292,3 +292,25 @@ def test_a_torch_block_mask_lists_its_blocks_by_key_block_as_torch_would():
             for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
                 a, b = getattr(ours, name), getattr(theirs, name)
                 assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_a_constant_that_changes_nothing_is_left_out():
+    """``or_masks`` starts from ``False`` and ``and_masks`` from ``True``: ``x | False`` and
+    ``x & True`` are ``x`` (no instruction), and the answer is the same."""
+    z = torch.zeros((), dtype=torch.int64)
+
+    def counted(fn):
+        return _program.trace(fn, z, z, z, z).code.shape[0]
+
+    def plain(b, h, q, kv):
+        return q >= kv
+
+    for fn in (
+        lambda b, h, q, kv: q.new_zeros((), dtype=torch.bool) | (q >= kv),
+        lambda b, h, q, kv: (q >= kv) & torch.ones_like(q, dtype=torch.bool),
+        lambda b, h, q, kv: torch.logical_or(q >= kv, torch.tensor(False)) ^ False,
+    ):
+        assert counted(fn) == counted(plain)
+        assert torch.equal(on_engine(fn, 1, 2, 40, 30), truth(fn, 1, 2, 40, 30).flatten(0, 1))
+    keeps = lambda b, h, q, kv: (q >= kv) | (kv == kv)  # noqa: E731 - a value per pair, not a constant
+    assert counted(keeps) > counted(plain)

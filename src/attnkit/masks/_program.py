@@ -249,7 +249,33 @@ class _Tracer(TorchFunctionMode):
             raise _Outside(f"a {compute} operation")
         if op in (SHL, SHR) and compute == torch.bool:
             raise _Outside("a shift of bools")
+        same = self._identity(op, a, b, out) if out.dtype == torch.bool else None
+        if same is not None:  # x | False, x & True (or_masks / and_masks start from a constant): x itself
+            return self._track(out, same)
         self._track(out, self._emit(op, out.dtype, self._operand(a, compute), self._operand(b, compute)))
+
+    def _identity(self, op: int, a, b, out) -> int | None:
+        """The slot of the bool operand that ``op`` returns unchanged (its other operand a constant
+        False for ``|``/``^``, True for ``&``), else None."""
+        for x, c in ((a, b), (b, a)):
+            if not (isinstance(x, torch.Tensor) and id(x) in self.slots and x.dtype == torch.bool):
+                continue
+            value = self._constant(c)
+            if value is None:
+                continue
+            if (op in (OR, XOR, LOR, LXOR) and value == 0) or (op in (AND, LAND) and value != 0):
+                return self.slots[id(x)]
+        return None
+
+    def _constant(self, x) -> int | None:
+        """``x``'s value where it is the same for every pair (a number, a 0-d captured tensor, a traced
+        constant), else None."""
+        if isinstance(x, torch.Tensor) and id(x) in self.slots:
+            op, _, value, *_ = self.code[self.slots[id(x)]]
+            return value if op == CONST else None
+        if isinstance(x, torch.Tensor):
+            return int(x.item()) if x.dim() == 0 and x.dtype in DTYPES else None
+        return int(x) if isinstance(x, bool | int) else None
 
     def _load(self, table, index, out) -> None:
         """``table[index]``: a captured tensor read at indices computed per pair (or ints); with fewer
