@@ -334,3 +334,26 @@ def run_engines(q, k, v, prepared, scale, **mods):
 
 #: The kernels of the "tiled" group (attnkit's block-sparse CPU kernels).
 TILED_KERNELS = ("native", "fused", "math")
+
+
+@contextlib.contextmanager
+def engine_evaluations():
+    """Every evaluation of a ``from_fn`` predicate on the native engine, however small
+    (``NATIVE_FROM = 0``), every attnkit cache cleared first; yields a list that records, per
+    evaluation asked of the engine, whether it answered (False: torch's path took it)."""
+    from unittest import mock
+
+    from attnkit import _cache
+    from attnkit.masks import _from_fn, _program
+
+    answered = []
+    evaluate = _program.evaluate
+
+    def counting(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        answered.append(out is not None)
+        return out
+
+    with mock.patch.object(_from_fn, "NATIVE_FROM", 0), mock.patch.object(_program, "evaluate", counting):
+        _cache.clear()
+        yield answered

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _oracle import engine_evaluations  # tests/_oracle.py
 
 import attnkit
 from attnkit import _cache, masks
@@ -23,20 +24,10 @@ pytestmark = pytest.mark.skipif(not build.available(), reason="the native engine
 
 
 @pytest.fixture
-def native_everywhere(monkeypatch):
+def native_everywhere():
     """Every evaluation of a predicate, however small, on the engine; and how many it answered."""
-    monkeypatch.setattr(_from_fn, "NATIVE_FROM", 0)
-    answered = []
-    evaluate = _program.evaluate
-
-    def counting(*args, **kwargs):
-        out = evaluate(*args, **kwargs)
-        answered.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_program, "evaluate", counting)
-    _cache.clear()
-    return answered
+    with engine_evaluations() as answered:
+        yield answered
 
 
 def truth(fn, b, h, lq, lk):

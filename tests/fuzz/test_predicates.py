@@ -236,24 +236,16 @@ def test_random_predicates_on_the_native_engine_equal_pair_by_pair(tree, lq, lk,
     """Every evaluation of the predicate on the engine (attnkit/masks/_program.py), however small: the
     block map and every bit of the prepared mask equal torch's per-pair answer; a predicate outside
     the program language (a float division) or a pair the engine cannot compute takes torch's path."""
+    from _oracle import engine_evaluations  # tests/_oracle.py
+
     from attnkit.kernels.native import build
-    from attnkit.masks import _program
 
     if not build.available():
         pytest.skip("the native engine does not run here")
     fn = predicate(tree)
     note(repr(tree))
     allowed = flex_module.create_mask(fn, B, H, lq, lk, device="cpu")
-    answered = []
-    evaluate = _program.evaluate
-
-    def counting(*args, **kwargs):
-        out = evaluate(*args, **kwargs)
-        answered.append(out is not None)
-        return out
-
-    with mock.patch.object(_from_fn, "NATIVE_FROM", 0), mock.patch.object(_program, "evaluate", counting):
-        _cache.clear()
+    with engine_evaluations() as answered:
         mask = masks.from_fn(fn, batch_size=B, num_heads=H)
         bq, bk = blocks
         assert torch.equal(mask.block_map(lq, lk, bq, bk).expand(B, H, -1, -1), codes_of_pairs(allowed, bq, bk))

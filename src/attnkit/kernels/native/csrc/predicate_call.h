@@ -154,7 +154,7 @@ at::Tensor native_predicate(const at::Tensor& program, const std::vector<at::Ten
         }
     // a tile's all / any stops at the first chunk that holds both: small chunks there
     const int64_t rows = std::max<int64_t>(1, (mode == 2 ? PRED_LANES / 8 : PRED_LANES) / Y);
-    const int64_t per_tile = (X + rows - 1) / rows;
+    const int64_t chunks_per_tile = (X + rows - 1) / rows;
     std::vector<std::atomic<uint8_t>> seen(mode == 2 ? T : 0);
     for (auto& s : seen) s.store(0);
     std::atomic<int> failed{E_NONE};
@@ -163,12 +163,12 @@ at::Tensor native_predicate(const at::Tensor& program, const std::vector<at::Ten
     p.lower();
     auto evaluate = [&](auto lane) {
         using V = decltype(lane);
-        at::parallel_for(0, T * per_tile, grain, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, T * chunks_per_tile, grain, [&](int64_t begin, int64_t end) {
             const int64_t lanes = rows * Y, Yl = Y, Xl = X;  // locals: byte stores may alias anything
             std::vector<V> regs(p.buffers * lanes);
             int64_t last_tile = -1;
             for (int64_t w = begin; w < end && failed.load(std::memory_order_relaxed) == E_NONE; ++w) {
-                const int64_t t = w / per_tile, x0 = (w % per_tile) * rows, nx = std::min(rows, Xl - x0);
+                const int64_t t = w / chunks_per_tile, x0 = (w % chunks_per_tile) * rows, nx = std::min(rows, Xl - x0);
                 if (mode == 2 && seen[t].load(std::memory_order_relaxed) == 3) continue;
                 const int err = p.run<V>(t, x0, nx, regs.data(), lanes, t == last_tile);
                 last_tile = t;
