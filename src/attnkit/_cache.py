@@ -87,11 +87,15 @@ class Bounded:
         _ALL.append(weakref.ref(self))
 
     def get(self, key) -> Any:
-        with self._lock:
-            found = self._items.get(key)
-            if found is not None:
+        # a hit takes no lock (each OrderedDict operation is atomic; a decoding step looks up a
+        # runner per layer): the entry is moved to the end unless another thread evicted it meanwhile
+        found = self._items.get(key)
+        if found is not None:
+            try:
                 self._items.move_to_end(key)
-            return found
+            except KeyError:
+                pass
+        return found
 
     def put(self, key, value) -> None:
         with self._lock:

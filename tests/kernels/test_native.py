@@ -214,6 +214,29 @@ def test_few_query_rows_never_read_hidden_keys():
     assert (clean[0][2] == 0).all() and torch.isneginf(clean[1][2]).all()
 
 
+def test_few_query_rows_split_between_threads_by_cost():
+    """The row path splits its items (sequence, K/V head) between the threads by the keys each
+    reads, in one fixed order: sequences of very different lengths (one empty) give the same
+    answer, bit for bit, on 1, 2 and 3 threads (each item is computed whole by one thread), and
+    the formula's (the float64 oracle)."""
+    lengths = torch.tensor([700, 3, 0, 511, 64])
+    q, k, v = randn(5, 6, 1, 32), randn(5, 6, 700, 32), randn(5, 6, 700, 32)
+    mask = masks.padding(lengths)
+    before = torch.get_num_threads()
+    try:
+        answers = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            answers.append(attnkit.attention(q, k, v, mask, kernel="native", return_lse=True))
+    finally:
+        torch.set_num_threads(before)
+    for out, lse in answers[1:]:
+        assert torch.equal(out, answers[0][0]) and torch.equal(lse, answers[0][1])
+    gold, naive = gold_and_naive(q, k, v, allowed_of(mask, 1, 700))
+    assert_oracle(answers[0][0], gold, naive)
+    assert (answers[0][0][2] == 0).all() and torch.isneginf(answers[0][1][2]).all()
+
+
 def test_grouped_heads_equal_repeated_kv():
     q = randn(2, 8, 200, 32)
     k, v = randn(2, 2, 200, 32), randn(2, 2, 200, 32)

@@ -86,6 +86,25 @@ inline const float* padded_row(const T* src, int64_t width, int64_t padded, floa
     return dst;
 }
 
+// o[0, NV * W) += the sum over the step's keys u that row sees of p[u] V[u][x0, x0 + NV * W), NV
+// vectors of o in registers (a compile-time count: no per-key test of which are live)
+template <int NV>
+inline void pv_part(float* orow, const float* p, const float* const* vrows, const uint32_t* bits, uint32_t row,
+                    int64_t n, int64_t x0) {
+    vf acc[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[j] = vf{};
+    for (int64_t u = 0; u < n; ++u) {
+        if (!(bits[u] & row)) continue;  // a key this query may not see adds nothing, NaN included
+        const vf pu = splat(p[u]);
+        const float* vr = vrows[u] + x0;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[j] += pu * load(vr + j * W);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
+}
+
 template <typename T>
 struct ForwardFew {
     const Problem& pb;
@@ -198,20 +217,9 @@ struct ForwardFew {
             for (int64_t r = 0; r < R; ++r) {
                 const float* pr = s + r * sp;
                 const uint32_t row = 1u << (r % Lq);
-                for (int64_t x0 = 0; x0 < Dvp; x0 += 4 * W) {
-                    const int nv = int(std::min<int64_t>(4, (Dvp - x0) / W));
-                    vf acc[4] = {vf{}, vf{}, vf{}, vf{}};
-                    for (int64_t u = 0; u < n; ++u) {
-                        if (!(bits[u] & row)) continue;  // a key this query may not see adds nothing, NaN included
-                        const vf p = splat(pr[u]);
-                        const float* vr = vrows[u] + x0;
-#pragma GCC unroll 4
-                        for (int j = 0; j < 4; ++j)
-                            if (j < nv) acc[j] += p * load(vr + j * W);
-                    }
-                    float* orow = o + r * Dvp + x0;
-                    for (int j = 0; j < nv; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
-                }
+                int64_t x0 = 0;
+                for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_part<4>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
+                for (; x0 < Dvp; x0 += W) pv_part<1>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
             }
         }
         for (int64_t r = 0; r < R; ++r) {

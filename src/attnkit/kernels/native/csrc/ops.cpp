@@ -213,7 +213,9 @@ void forward_typed(const Checked& c, at::Tensor& out, at::Tensor& lse) {
     if (pb.Lq <= FEW_ROWS) {
         int64_t heads = 1;
         const std::vector<Item> items = few_items(pb, heads);
-        run_items(items, ForwardFew<T>{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>(), heads});
+        std::vector<int64_t> cost;  // the keys an item reads, at least one block (its fixed cost)
+        for (const Item& it : items) cost.push_back(std::max(pb.key_end(it.b), pb.bk));
+        run_items_static(items, cost, ForwardFew<T>{pb, q, k, v, view_of<T>(out), lse.data_ptr<float>(), heads});
         return;
     }
     if constexpr (std::is_same_v<T, c10::BFloat16>)

@@ -239,6 +239,34 @@ std::vector<typename Work::State> run_items(const std::vector<Item>& items, cons
     return states;
 }
 
+// Runs every item on PyTorch's threads in a static partition by cost: thread t takes the items
+// whose share of the summed cost falls in its t-th part, consecutive items, so a call repeated with
+// the same items (decoding steps) has each thread read the K/V rows it read the step before, still
+// in its own core's cache (a dynamic schedule moved them between cores: one query over 512 keys,
+// 8 heads, 2 threads, Intel Xeon, 1.03x -> 0.96x SDPA's time for the kernel).
+template <typename Work>
+void run_items_static(const std::vector<Item>& items, const std::vector<int64_t>& cost, const Work& work) {
+    const int64_t n = static_cast<int64_t>(items.size());
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+    std::vector<int64_t> first(threads + 1, n);  // thread t: items [first[t], first[t + 1])
+    int64_t total = 0;
+    for (int64_t c : cost) total += c;
+    first[0] = 0;
+    int64_t before = 0;
+    for (int64_t i = 0, t = 1; i < n; ++i) {
+        // item i goes to the part holding the middle of its cost
+        const int64_t part = total > 0 ? std::min<int64_t>(threads - 1, (2 * before + cost[i]) * threads / (2 * total)) : i * threads / n;
+        for (; t <= part; ++t) first[t] = i;
+        before += cost[i];
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+        typename Work::State state;
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t i = first[t]; i < first[t + 1]; ++i) work(items[i], state);
+        release_tiles();
+    });
+}
+
 // Items (batch row, query head, row block), the costliest first: threads take them in this
 // order (a dynamic schedule), so a causal mask's long last rows do not end the call alone.
 std::vector<Item> forward_items(const Problem& pb) {
