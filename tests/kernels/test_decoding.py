@@ -10,11 +10,13 @@ the keys no query uses are zeroed on every call (test_cache.py: why no copy is r
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._python_dispatch
-from _oracle import Ops, assert_oracle, gold_and_naive, naive_attention, randn
+from _oracle import OpCounter, Ops, assert_oracle, gold_and_naive, naive_attention, randn
 
 import attnkit
 from attnkit import call, functional, masks
@@ -97,25 +99,36 @@ def test_the_lean_dense_runner_keeps_gradients_and_inference_mode():
         torch.testing.assert_close(out.double(), naive_attention(qi.double(), ki.double(), vi.double(), dense)[0])
 
 
-def test_a_cached_causal_mask_that_hides_nothing_runs_unmasked(monkeypatch):
+@pytest.mark.parametrize("engine", ["native", "sdpa"])
+def test_a_cached_causal_mask_that_hides_nothing_runs_unmasked(monkeypatch, engine):
     """Every sequence of the batch at the same fill: the decoding step's causal mask hides nothing,
-    and the runner calls SDPA with no mask."""
+    and the runner reads every key with no mask: the native row path over the stored keys where the
+    engine runs, else SDPA with no mask."""
+    if engine == "native" and not native_build.available():
+        pytest.skip(native_build.status()[1])
+    pinned = attnkit.use_kernels if engine == "sdpa" else lambda *_: contextlib.nullcontext()
     cache = KVCache(2, 2, 10, 8)
     seen = []
-    real = torch.nn.functional.scaled_dot_product_attention
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def spy(q, k, v, attn_mask=None, **kw):
+    def spy_sdpa(q, k, v, attn_mask=None, **kw):
         seen.append(attn_mask)
-        return real(q, k, v, attn_mask=attn_mask, **kw)
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy_sdpa)
     for _ in range(3):
         cache.append(randn(2, 2, 1, 8), randn(2, 2, 1, 8))
         k, v = cache.stored()
         q = randn(2, 2, 1, 8)
-        out = attnkit.attention(q, k, v, cache.mask(masks.causal()))
+        mask = cache.mask(masks.causal())
+        with pinned("sdpa"), OpCounter("attnkit::native_forward") as ops:
+            out = attnkit.attention(q, k, v, mask)
         torch.testing.assert_close(out.double(), naive_attention(q.double(), k.double(), v.double())[0])
-    assert seen and seen[-1] is None
+        if engine == "native":
+            assert "the row path reads" in str(attnkit.explain(q, k, v, mask))  # keys as they are, no mask
+            assert ops.counts == {"attnkit::native_forward": 1} and not seen
+    if engine == "sdpa":
+        assert seen and seen[-1] is None
 
 
 def test_the_cache_appends_a_common_fill_as_a_slice_and_mixed_fills_by_index():
@@ -189,9 +202,18 @@ def test_decoding_over_a_growing_cache_is_validated_once(monkeypatch):
         assert torch.equal(attnkit.attention(q, keys[:, :, :0], values[:, :, :0]), torch.zeros(1, 4, 1, 24))
 
 
-def test_a_decoding_step_with_a_causal_mask_goes_to_sdpa_unmasked():
+def test_a_decoding_step_with_a_causal_mask_runs_unmasked():
+    """One query under a bottom-right causal mask sees every key: float32 takes the native row path
+    over every key where the engine runs, else (and in half precision) SDPA with no mask."""
     q, k, v = randn(2, 4, 1, 16), randn(2, 4, 600, 16), randn(2, 4, 600, 16)
-    assert str(attnkit.explain(q, k, v, masks.causal())) == "sdpa: the mask hides nothing here"
+    if native_build.available():
+        assert "row path reads K and V once" in str(attnkit.explain(q, k, v, masks.causal()))
+    half = [t.bfloat16() for t in (q, k, v)]
+    assert str(attnkit.explain(*half, masks.causal())) == "sdpa: the mask hides nothing here"
+    with attnkit.use_kernels("sdpa"):
+        torch.testing.assert_close(
+            attnkit.attention(q, k, v, masks.causal()), attnkit.attention(q, k, v, masks.causal(), kernel="reference")
+        )
     torch.testing.assert_close(
         attnkit.attention(q, k, v, masks.causal()), attnkit.attention(q, k, v, masks.causal(), kernel="reference")
     )

@@ -197,6 +197,37 @@ def test_few_query_rows_with_score_modifications(kind, dtype):
     check_forward_and_gradients(q, k, v, mask, f"{kind} {dtype}", theirs=theirs, small=True, **ours)
 
 
+@pytest.mark.parametrize("lq, hkv", [(1, 4), (1, 2), (3, 2)])
+@pytest.mark.parametrize("kind", ["plain", "softcap", "alibi", "sinks"])
+@pytest.mark.parametrize("mask_name", ["none", "padding", "causal_hiding_nothing"])
+def test_few_query_rows_over_one_run_of_keys(lq, hkv, kind, mask_name):
+    """float32 rows of a multiple of 16 dims whose keys are one run (no mask, padding, a causal
+    mask that hides nothing): the row path reads K and V rows in place with no list of keys; the
+    formula's output, lse and gradients with each score modification, sequences of every fill (one
+    empty), over 333 keys (steps of 512 keys cut short) and 1100 (three steps)."""
+    b, hq, d = 4, 4, 64
+    for lk in (333, 1100):
+        mask = {
+            "none": None,
+            "padding": masks.padding(torch.tensor([lk, 0, lk // 3, 1])),
+            "causal_hiding_nothing": masks.causal(),
+        }[mask_name]
+        if mask_name == "causal_hiding_nothing" and lq > 1:
+            mask = masks.causal() & masks.padding(torch.tensor([lk - 5, lk, 9, 200]))  # the run cut per sequence
+        q = randn(b, hq, lq, d, requires_grad=True)
+        k, v = (randn(b, hkv, lk, d, requires_grad=True) for _ in range(2))
+        slopes, sinks = bias.alibi_slopes(hq), torch.randn(hq)
+        ours, theirs = {
+            "plain": ({}, {}),
+            "softcap": ({"softcap": 2.5}, {"softcap": 2.5}),
+            "alibi": ({"attn_bias": bias.alibi(slopes)}, {"add": alibi_formula(slopes, lq, lk)}),
+            "sinks": ({"sinks": sinks}, {"sinks": sinks.double()}),
+        }[kind]
+        check_forward_and_gradients(
+            q, k, v, mask, f"{kind} {mask_name} lq={lq} lk={lk}", theirs=theirs, small=True, **ours
+        )
+
+
 def test_few_query_rows_never_read_hidden_keys():
     """The row path reads no key that no query of the call may see: NaN and inf stored past each
     sequence's length and in hidden blocks leave the output and lse bit for bit as they were."""

@@ -83,6 +83,8 @@ class Positional:
 
     def _position_value(self):
         """Alignment and offsets, tensors by value where small (None where they cannot be keyed)."""
+        if type(self.q_offset) is int and type(self.kv_offset) is int:  # the common case, once per call
+            return (self.align, self.q_offset, self.kv_offset)
         offsets = values_of(self.q_offset, self.kv_offset)
         return None if offsets is None else (self.align, *offsets)
 

@@ -27,6 +27,9 @@ Equivalent PyTorch code (forward)::
 
 from __future__ import annotations
 
+import array
+from collections.abc import Callable
+
 import torch
 
 from attnkit import _cache
@@ -160,22 +163,26 @@ def _few_rows(call: Call) -> bool:
 def _few_rows_over_every_key(call: Call) -> bool:
     """Whether the row path takes this call, which sees every key (no mask, or one that hides
     nothing here: a causal mask at a decoding step): where K/V heads are shared (GQA), see
-    :func:`_grouped_over_every_key`."""
-    return _few_rows(call) and _grouped_over_every_key(call) and call.shapes.lk > 0
+    :func:`_row_path_pays_over_every_key`."""
+    return _few_rows(call) and _row_path_pays_over_every_key(call) and call.shapes.lk > 0
 
 
-def _grouped_over_every_key(call: Call) -> bool:
-    """A call that sees every key, over shared K/V heads, in float32 (asked without the engine).
+def _row_path_pays_over_every_key(call: Call) -> bool:
+    """A float32 call that sees every key, over shared K/V heads or with one query (a decoding
+    step), asked without the engine.
 
-    The row path reads each key once for the group's query heads; SDPA's ``enable_gqa`` reads it once
-    per query head. Measured on an Intel Xeon (one query, 1k-8k keys, 8 query heads, 2 threads): float32
-    0.42-0.76x SDPA's time with groups of 4 (without groups SDPA's vectorised GEMV is faster).
-    bfloat16 with groups of 4 is 0.67-0.73x SDPA's time alone at 4 sequences (1.15-1.28x at one), but
-    inside a whole model (benchmarks/models.py, where the weights evict the cache between layers and
-    both read K/V from memory) 1.06x / 0.98x at 1k / 8k keys against SDPA's 1.02x / 1.00x: it stays on
-    SDPA."""
+    The row path reads each key once for the group's query heads (SDPA's ``enable_gqa`` reads it once
+    per query head) and, over every key of a sequence, one run of K/V rows with no list of keys:
+    measured on an Intel Xeon (one query, 8 query heads, 2 threads), the kernel alone 0.42-0.76x
+    SDPA's time with groups of 4 over 1k-8k keys, and 0.66-0.84x without groups over 512-4096 keys
+    (0.9-1.0x on one thread). Without groups a call of 2-8 queries stays on SDPA: such a call is as
+    often a short self-attention (8 tokens) as a step of a decoder, and SDPA's fixed cost is lower
+    there. bfloat16 with groups of 4 is 0.67-0.73x SDPA's time alone at 4 sequences (1.15-1.28x at
+    one), but inside a whole model (benchmarks/models.py, where the weights evict the cache between
+    layers and both read K/V from memory) 1.06x / 0.98x at 1k / 8k keys against SDPA's 1.02x / 1.00x:
+    it stays on SDPA."""
     s = call.shapes
-    return call.form in (Form.NONE, Form.ALL) and s.hkv < s.hq and call.q.dtype == torch.float32
+    return call.form in (Form.NONE, Form.ALL) and call.q.dtype == torch.float32 and (s.hkv < s.hq or s.lq == 1)
 
 
 def _few_rows_by_limit(call: Call) -> bool:
@@ -188,15 +195,18 @@ def _few_rows_by_limit(call: Call) -> bool:
     return _few_rows(call)
 
 
-def _row_path(call: Call) -> LimitRunner:
-    """``(q, k, v, limits) -> out``: the row path over each sequence's first ``limits`` keys, at any
-    key length (a growing cache's), with no gradient (the fast path's signatures say so)."""
+def _row_path(call: Call) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None], torch.Tensor]:
+    """``(q, k, v, limits) -> out``: the row path over each sequence's first ``limits`` keys (None:
+    every key), at any key length (a growing cache's), with no gradient (the fast path's signatures
+    say so); a :data:`LimitRunner`."""
     scale, lq = call.scale, call.shapes.lq
     bq, bk = BLOCK_SIZE
     op = torch.ops.attnkit.native_forward
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple) -> torch.Tensor:
-        kv_limit = torch.tensor(limits, dtype=torch.int64)
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple | None) -> torch.Tensor:
+        # the limits as a tensor over an array's memory (torch.tensor of a tuple costs 3x as much,
+        # ~3.5 us, a tenth of a decoding step); None: every key of every sequence
+        kv_limit = None if limits is None else torch.frombuffer(array.array("q", limits), dtype=torch.int64)
         with torch._C._AutoDispatchBelowAutograd():
             return op(q, k, v, *_dense_plan(lq, k.shape[2]), kv_limit, None, bq, bk, scale, 0.0)[0]
 
@@ -270,7 +280,7 @@ def _worth_loading(call: Call) -> bool:
             and not call.mods
             and call.dropout_p == 0.0
             and not isinstance(call.mask, PreparedMask)
-            and (call.limits is not None or _grouped_over_every_key(call))
+            and (call.limits is not None or _row_path_pays_over_every_key(call))
         )
     if call.mods or call.return_lse or sparsity.rows_of(call) >= MIN_QUERIES:
         return True
@@ -342,8 +352,13 @@ class NativeKernel(Kernel):
                 return (
                     True,
                     lambda: (
-                        f"{s.lq} queries over every key, {s.hq // s.hkv} query heads a K/V head: the row path "
-                        f"reads each key once for the group; {_row_path_in_words(call)}"
+                        (
+                            f"{s.lq} queries over every key, {s.hq // s.hkv} query heads a K/V head: the row path "
+                            f"reads each key once for the group; {_row_path_in_words(call)}"
+                            if s.hq > s.hkv
+                            else f"{s.lq} queries over every key: the row path reads K and V once, as one run of "
+                            f"rows; {_row_path_in_words(call)}"
+                        )
                         if call.limits is None
                         else f"{s.lq} queries whose keys end at each sequence's limit: the row path reads only "
                         f"those keys, no mask; {_row_path_in_words(call)}"
@@ -407,7 +422,7 @@ class NativeKernel(Kernel):
         if call.mask is not None or call.backward or not _few_rows_over_every_key(call):
             return None
         by_limits = _row_path(call)
-        return lambda q, k, v: by_limits(q, k, v, (k.shape[2],) * q.shape[0])  # every key of every sequence
+        return lambda q, k, v: by_limits(q, k, v, None)  # every key of every sequence
 
     def limit_runner(self, call: Call) -> LimitRunner | None:
         if call.backward or not _few_rows_by_limit(call):

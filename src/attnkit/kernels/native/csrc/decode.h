@@ -105,6 +105,37 @@ inline void pv_part(float* orow, const float* p, const float* const* vrows, cons
     for (int j = 0; j < NV; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
 }
 
+// The same over n consecutive V rows (row u at v0 + u * stride), every key seen by the row.
+template <int NV>
+inline void pv_run(float* orow, const float* p, const float* v0, int64_t stride, int64_t n) {
+    vf acc[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[j] = vf{};
+    for (int64_t u = 0; u < n; ++u) {
+        const vf pu = splat(p[u]);
+        const float* vr = v0 + u * stride;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[j] += pu * load(vr + j * W);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
+}
+
+// Where a row's listed blocks are all full (no tile of bits) and follow each other up to the
+// sequence's end: true, with the keys [run[0], run[1]) (a padding mask's or no mask's plan).
+inline bool dense_run(const PlanRow& plan, int64_t end, int64_t bk, int64_t* run) {
+    run[0] = run[1] = 0;
+    bool first = true;
+    for (int64_t t = 0; t < plan.num; ++t) {
+        const int64_t k0 = int64_t(plan.idx[t]) * bk, kn = std::min(bk, end - k0);
+        if (kn <= 0) continue;
+        if (plan.tid[t] >= 0 || (!first && k0 != run[1])) return false;
+        if (first) run[0] = k0, first = false;
+        run[1] = k0 + kn;
+    }
+    return true;
+}
+
 template <typename T>
 struct ForwardFew {
     const Problem& pb;
@@ -146,27 +177,12 @@ struct ForwardFew {
         float m[ITEM_ROWS], l[ITEM_ROWS];
         for (int64_t r = 0; r < R; ++r) m[r] = NEG_INF, l[r] = 0.0f;
         const uint32_t all = first_rows(Lq);
-        for (int64_t t = 0; t < plan.num;) {
-            // one step: the keys some row sees in the next listed blocks, whole blocks up to SPAN keys
-            int64_t n = 0;
-            for (; t < plan.num; ++t) {
-                const int64_t k0 = int64_t(plan.idx[t]) * pb.bk, kn = std::min(pb.bk, end - k0);
-                if (kn <= 0) continue;
-                if (n + kn > span) break;
-                const uint8_t* tile = plan.tid[t] >= 0 ? pb.bits + int64_t(plan.tid[t]) * pb.bk * (pb.bq / 8) : nullptr;
-                for (int64_t c = 0; c < kn; ++c) {
-                    const uint32_t w = tile ? uint32_t(tile[c * (pb.bq / 8)]) & all : all;  // Lq <= 8: byte 0 holds the rows
-                    if (w) keys[n] = k0 + c, bits[n++] = w;
-                }
-            }
-            if (n == 0) continue;
-            const int64_t np = round_up(n, W);
-            // S (R x n) = Q K^T, one dot product per score, W keys at a time (W independent sums,
-            // folded together at the end)
+        // One step's scores, W keys at a time: kr(c) is the step's c-th key row as float32 (W
+        // independent dot products, folded together at the end)
+        auto scores = [&](int64_t n, const auto& krow) {
             for (int64_t c0 = 0; c0 < n; c0 += W) {
                 const float* kr[W];
-                for (int64_t c = 0; c < W; ++c)
-                    kr[c] = c0 + c < n ? padded_row(k.row(b, hk, keys[c0 + c]), pb.D, Dp, kbuf + c * Dp) : zeros;
+                for (int64_t c = 0; c < W; ++c) kr[c] = c0 + c < n ? krow(c0 + c, c) : zeros;
                 // no software prefetch: the keys of a step are consecutive rows, which the hardware's
                 // stream prefetcher follows; asking for K two groups ahead and V during the scores
                 // filled the line-fill buffers and stalled there (perf: 60% of this loop's samples on
@@ -174,10 +190,15 @@ struct ForwardFew {
                 // SDPA's time on an Intel Xeon; V alone prefetched 1.35-1.42x)
                 for (int64_t r = 0; r < R; ++r) store(s + r * sp + c0, row_dots(kr, qf + r * Dp, Dp));
             }
+        };
+        // The modifications of one step's scores, in the tile path's order (scale or soft-capping,
+        // the band, the mask: key(c) is the step's c-th key, hidden(c, i) whether query i may not
+        // see it), and each row's online softmax over the step: s becomes P
+        auto softmax = [&](int64_t n, const auto& key, const auto& hidden) {
+            const int64_t np = round_up(n, W);
             for (int64_t r = 0; r < R; ++r) {
                 float* sr = s + r * sp;
                 const int64_t i = r % Lq;
-                // the modifications, in the tile path's order: scale or soft-capping, the band, the mask
                 if (pb.softcap > 0.0f) {
                     const vf cap = splat(pb.softcap);
                     for (int64_t c = 0; c < np; c += W) {
@@ -188,12 +209,10 @@ struct ForwardFew {
                     for (int64_t c = 0; c < np; c += W) store(sr + c, load(sr + c) * splat(pb.scale));
                 }
                 if (const float* band = pb.band_of(h0 + r / Lq))
-                    for (int64_t c = 0; c < n; ++c) sr[c] += band[pb.Lk - 1 - keys[c] + i];
-                if (all != 1u)
-                    for (int64_t c = 0; c < n; ++c)
-                        if (!((bits[c] >> i) & 1u)) sr[c] = NEG_INF;
+                    for (int64_t c = 0; c < n; ++c) sr[c] += band[pb.Lk - 1 - key(c) + i];
+                for (int64_t c = 0; c < n; ++c)
+                    if (hidden(c, i)) sr[c] = NEG_INF;
                 for (int64_t c = n; c < np; ++c) sr[c] = NEG_INF;
-                // the online softmax of this row over the step
                 vf mt = splat(NEG_INF);
                 for (int64_t c = 0; c < np; c += W) mt = vmax_nan(mt, load(sr + c));
                 const float bm = hmax_nan(mt);
@@ -211,15 +230,53 @@ struct ForwardFew {
                 l[r] = l[r] * alpha + hsum(sum);
                 m[r] = mn;
             }
-            // O (R x Dv) += P V, 4 vectors of a row's O in registers
-            for (int64_t u = 0; u < n; ++u)
-                vrows[u] = padded_row(v.row(b, hk, keys[u]), pb.Dv, Dvp, vbuf ? vbuf + u * Dvp : nullptr);
-            for (int64_t r = 0; r < R; ++r) {
-                const float* pr = s + r * sp;
-                const uint32_t row = 1u << (r % Lq);
-                int64_t x0 = 0;
-                for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_part<4>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
-                for (; x0 < Dvp; x0 += W) pv_part<1>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
+        };
+        bool ran = false;
+        int64_t run[2];
+        if constexpr (std::is_same_v<T, float>) ran = pb.D == Dp && pb.Dv == Dvp && dense_run(plan, end, pb.bk, run);
+        if (ran) {
+            // every listed block is full and they follow each other: keys [run[0], run[1]), each seen
+            // by every row, float32 rows read in place; no list of keys, no test per key
+            const float* kbase = reinterpret_cast<const float*>(k.row(b, hk, 0));
+            const float* vbase = reinterpret_cast<const float*>(v.row(b, hk, 0));
+            for (int64_t k0 = run[0]; k0 < run[1]; k0 += span) {
+                const int64_t n = std::min(span, run[1] - k0);
+                scores(n, [&](int64_t c, int64_t) { return kbase + (k0 + c) * k.s2; });
+                softmax(n, [&](int64_t c) { return k0 + c; }, [](int64_t, int64_t) { return false; });
+                for (int64_t r = 0; r < R; ++r) {
+                    int64_t x0 = 0;
+                    for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_run<4>(o + r * Dvp + x0, s + r * sp, vbase + k0 * v.s2 + x0, v.s2, n);
+                    for (; x0 < Dvp; x0 += W) pv_run<1>(o + r * Dvp + x0, s + r * sp, vbase + k0 * v.s2 + x0, v.s2, n);
+                }
+            }
+        } else {
+            for (int64_t t = 0; t < plan.num;) {
+                // one step: the keys some row sees in the next listed blocks, whole blocks up to SPAN keys
+                int64_t n = 0;
+                for (; t < plan.num; ++t) {
+                    const int64_t k0 = int64_t(plan.idx[t]) * pb.bk, kn = std::min(pb.bk, end - k0);
+                    if (kn <= 0) continue;
+                    if (n + kn > span) break;
+                    const uint8_t* tile = plan.tid[t] >= 0 ? pb.bits + int64_t(plan.tid[t]) * pb.bk * (pb.bq / 8) : nullptr;
+                    for (int64_t c = 0; c < kn; ++c) {
+                        const uint32_t w = tile ? uint32_t(tile[c * (pb.bq / 8)]) & all : all;  // Lq <= 8: byte 0 holds the rows
+                        if (w) keys[n] = k0 + c, bits[n++] = w;
+                    }
+                }
+                if (n == 0) continue;
+                scores(n, [&](int64_t c, int64_t slot) { return padded_row(k.row(b, hk, keys[c]), pb.D, Dp, kbuf + slot * Dp); });
+                softmax(n, [&](int64_t c) { return keys[c]; },
+                        [&](int64_t c, int64_t i) { return all != 1u && !((bits[c] >> i) & 1u); });
+                // O (R x Dv) += P V, 4 vectors of a row's O in registers
+                for (int64_t u = 0; u < n; ++u)
+                    vrows[u] = padded_row(v.row(b, hk, keys[u]), pb.Dv, Dvp, vbuf ? vbuf + u * Dvp : nullptr);
+                for (int64_t r = 0; r < R; ++r) {
+                    const float* pr = s + r * sp;
+                    const uint32_t row = 1u << (r % Lq);
+                    int64_t x0 = 0;
+                    for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_part<4>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
+                    for (; x0 < Dvp; x0 += W) pv_part<1>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
+                }
             }
         }
         for (int64_t r = 0; r < R; ++r) {

@@ -260,7 +260,8 @@ void run_items_static(const std::vector<Item>& items, const std::vector<int64_t>
         before += cost[i];
     }
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-        typename Work::State state;
+        // each thread's buffers kept between calls (a decoding step would allocate them anew)
+        static thread_local typename Work::State state;
         for (int64_t t = begin; t < end; ++t)
             for (int64_t i = first[t]; i < first[t + 1]; ++i) work(items[i], state);
         release_tiles();
