@@ -44,8 +44,8 @@ import torch
 
 from attnkit import _cache
 from attnkit import masks as _masks
-from attnkit._context import any_autocast, in_transform
-from attnkit._validate import compiling
+from attnkit._context import any_autocast, forward_ad_active
+from attnkit._validate import _PROXY, _dispatch_mode
 from attnkit.call import clamped_limits, make_call
 from attnkit.kernels import registry
 from attnkit.kernels.contract import Runner
@@ -78,13 +78,32 @@ def _scale_key(scale) -> Hashable:
     return struct.pack("<d", scale)
 
 
+#: The tests of :func:`signature` as single C calls (each Python call it saves is ~50-100 ns of a
+#: decoding step's few microseconds of host work).
+_is_compiling = torch.compiler.is_compiling
+_peek_transform = torch._C._functorch.peek_interpreter_stack
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference = torch.is_inference_mode_enabled
+
+
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike, scale: float | None) -> tuple | None:
-    """The key that decides this call's validation and its kernel, or None (no fast path)."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor) or compiling() or in_transform():
-        return None  # under a transform the call chooses again (only some kernels follow it)
-    if any_autocast():
-        return None  # the call is cast first (make_call)
-    if scale is not None and type(scale) not in (float, int):
+    """The key that decides this call's validation and its kernel, or None (no fast path).
+
+    None while compiling or tracing (``compiling``), under a torch.func transform or a forward-mode
+    AD level (``in_transform``: the call chooses again, only some kernels follow it) and under
+    autocast (the call is cast first, in ``make_call``)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor):
+        return None
+    if _is_compiling() or _dispatch_mode(_PROXY) is not None or _peek_transform() is not None:
+        return None  # compiling() and in_transform(), inline
+    if forward_ad_active() or any_autocast():
+        return None
+    scale_key: Hashable
+    if scale is None or type(scale) is int:
+        scale_key = scale
+    elif type(scale) is float:
+        scale_key = scale if scale else _scale_key(scale)  # 0.0 and -0.0 by their sign
+    else:
         return None
     if mask is None:
         mask_key = None
@@ -96,7 +115,7 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike,
         mask_key = ("prepared", mask.uid)  # unique for the process's life, and never changed
     else:
         return None  # tensors: their values decide, and reading them costs what the path saves
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return (
         q.shape,
         k.shape,
@@ -108,9 +127,9 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike,
         k.device,
         v.device,
         mask_key,
-        scale if scale is None or type(scale) is int else _scale_key(scale),
+        scale_key,
         grad,
-        torch.is_inference_mode_enabled(),
+        _is_inference(),
         registry_state(),
     )
 

@@ -117,7 +117,7 @@ _GENERATION = [0]  # bumped by every change to the registry
 def registry_state() -> tuple:
     """What the choice of a kernel depends on besides the call: the registry's version, the innermost
     use_kernels and each kernel's own :meth:`Kernel.state` (keys of cached choices)."""
-    stack = _active_stack()
+    stack = _LOCAL.stack
     return (_GENERATION[0], stack[-1] if stack else None, *[state() for state in _STATEFUL])
 
 
