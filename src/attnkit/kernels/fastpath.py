@@ -45,7 +45,6 @@ import torch
 from attnkit import _cache
 from attnkit import masks as _masks
 from attnkit._context import any_autocast, forward_ad_active
-from attnkit._validate import _PROXY, _dispatch_mode
 from attnkit.call import clamped_limits, make_call
 from attnkit.kernels import registry
 from attnkit.kernels.contract import Runner
@@ -81,6 +80,8 @@ def _scale_key(scale) -> Hashable:
 #: The tests of :func:`signature` as single C calls (each Python call it saves is ~50-100 ns of a
 #: decoding step's few microseconds of host work).
 _is_compiling = torch.compiler.is_compiling
+_proxy_mode = torch._C._get_dispatch_mode  # with PROXY: make_fx tracing (attnkit._validate.compiling's test)
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
 _peek_transform = torch._C._functorch.peek_interpreter_stack
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
@@ -94,7 +95,7 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike,
     autocast (the call is cast first, in ``make_call``)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
-    if _is_compiling() or _dispatch_mode(_PROXY) is not None or _peek_transform() is not None:
+    if _is_compiling() or _proxy_mode(_PROXY) is not None or _peek_transform() is not None:
         return None  # compiling() and in_transform(), inline
     if forward_ad_active() or any_autocast():
         return None

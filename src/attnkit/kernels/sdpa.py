@@ -28,16 +28,37 @@ __all__ = ["SMALL_PAIRS", "SDPAKernel", "by_limit", "sdpa"]
 SMALL_PAIRS = 256 * 256
 
 
+#: Calls of at most this many queries over grouped K/V heads that see every key run as one query
+#: head per K/V head (see :func:`_over_every_key`).
+FOLD_ROWS = 8
+
+
+def _over_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
+    """SDPA of 4-D inputs where every query sees every key. Over grouped K/V heads with at most
+    FOLD_ROWS queries (a decoding step) and no dropout, a group's query heads go to SDPA as the rows
+    of one head, ``(B, Hkv, group x Lq, D)``: each K/V row is read once for the group, where
+    ``enable_gqa`` reads it once per query head (one query, 8 query heads over 2 K/V heads, 4
+    sequences, Intel Xeon: 0.69-0.92x its time in bfloat16, 0.39-0.66x in float32). Each row's
+    scores, weights and output are the same formula over the same keys."""
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    gqa = _grouped(hq, hkv)
+    if not gqa or lq > FOLD_ROWS or dropout_p > 0.0:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    folded = F.scaled_dot_product_attention(q.reshape(b, hkv, (hq // hkv) * lq, d), k, v, scale=scale)
+    return folded.reshape(b, hq, lq, v.shape[-1])
+
+
 def _every_key(call: Call) -> Runner:
     """The runner of a rank-4 call that sees every key as it comes (no mask, or none that hides
     anything): over one key the exact path, else SDPA over them all. It reads Lk from its inputs, so
     the fast path keeps it for any key length."""
-    scale, gqa = call.scale, _grouped(call.shapes.hq, call.shapes.hkv)
+    scale = call.scale
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if k.shape[-2] == 1:
             return _own_keys(q, k, v, 1, scale, 0.0)
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return _over_every_key(q, k, v, scale, 0.0)
 
     return run
 
@@ -97,9 +118,7 @@ def _own_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: 
         wide = torch.float64 if v.dtype in (torch.float32, torch.float64) else torch.float32
         out = (w.to(wide) * v[:, :, :1].to(wide)).to(v.dtype)
         return out.reshape(b, hq, lq, v.shape[-1])
-    return F.scaled_dot_product_attention(
-        q, k[:, :, :n], v[:, :, :n], dropout_p=dropout_p, scale=scale, enable_gqa=_grouped(q.shape[1], k.shape[1])
-    )
+    return _over_every_key(q, k[:, :, :n], v[:, :, :n], scale, dropout_p)
 
 
 def by_limit(
@@ -291,6 +310,8 @@ class SDPAKernel(Kernel):
             return _dense.zero_empty_rows(out, dense).to(call.q.dtype), None
         how = _plain(call)
         if how in ("plain", "all"):
+            if call.shapes.rank == 4:
+                return _over_every_key(call.q, call.k, call.v, call.scale, call.dropout_p), None
             return sdpa(call.q, call.k, call.v, None, **kw), None
         if how == "causal":
             return sdpa(call.q, call.k, call.v, None, causal=True, **kw), None
