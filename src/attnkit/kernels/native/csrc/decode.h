@@ -86,18 +86,18 @@ inline const float* padded_row(const T* src, int64_t width, int64_t padded, floa
     return dst;
 }
 
-// o[0, NV * W) += the sum over the step's keys u that row sees of p[u] V[u][x0, x0 + NV * W), NV
-// vectors of o in registers (a compile-time count: no per-key test of which are live)
-template <int NV>
-inline void pv_part(float* orow, const float* p, const float* const* vrows, const uint32_t* bits, uint32_t row,
-                    int64_t n, int64_t x0) {
+// o[0, NV * W) += the sum over the step's n keys u that the row sees (sees(u)) of p[u] times
+// V row u's [x0, x0 + NV * W) (row(u): the row as float32), NV vectors of o in registers (a
+// compile-time count: no per-key test of which are live)
+template <int NV, typename Row, typename Sees>
+inline void pv_part(float* orow, const float* p, int64_t n, int64_t x0, const Row& row, const Sees& sees) {
     vf acc[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[j] = vf{};
     for (int64_t u = 0; u < n; ++u) {
-        if (!(bits[u] & row)) continue;  // a key this query may not see adds nothing, NaN included
+        if (!sees(u)) continue;  // a key this query may not see adds nothing, NaN included
         const vf pu = splat(p[u]);
-        const float* vr = vrows[u] + x0;
+        const float* vr = row(u) + x0;
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) acc[j] += pu * load(vr + j * W);
     }
@@ -105,20 +105,12 @@ inline void pv_part(float* orow, const float* p, const float* const* vrows, cons
     for (int j = 0; j < NV; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
 }
 
-// The same over n consecutive V rows (row u at v0 + u * stride), every key seen by the row.
-template <int NV>
-inline void pv_run(float* orow, const float* p, const float* v0, int64_t stride, int64_t n) {
-    vf acc[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[j] = vf{};
-    for (int64_t u = 0; u < n; ++u) {
-        const vf pu = splat(p[u]);
-        const float* vr = v0 + u * stride;
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[j] += pu * load(vr + j * W);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
+// O row += P row V over the step, Dvp columns: four vectors at a time, then one
+template <typename Row, typename Sees>
+inline void pv(float* orow, const float* p, int64_t n, int64_t Dvp, const Row& row, const Sees& sees) {
+    int64_t x0 = 0;
+    for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_part<4>(orow + x0, p, n, x0, row, sees);
+    for (; x0 < Dvp; x0 += W) pv_part<1>(orow + x0, p, n, x0, row, sees);
 }
 
 // Where a row's listed blocks are all full (no tile of bits) and follow each other up to the
@@ -243,11 +235,9 @@ struct ForwardFew {
                 const int64_t n = std::min(span, run[1] - k0);
                 scores(n, [&](int64_t c, int64_t) { return kbase + (k0 + c) * k.s2; });
                 softmax(n, [&](int64_t c) { return k0 + c; }, [](int64_t, int64_t) { return false; });
-                for (int64_t r = 0; r < R; ++r) {
-                    int64_t x0 = 0;
-                    for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_run<4>(o + r * Dvp + x0, s + r * sp, vbase + k0 * v.s2 + x0, v.s2, n);
-                    for (; x0 < Dvp; x0 += W) pv_run<1>(o + r * Dvp + x0, s + r * sp, vbase + k0 * v.s2 + x0, v.s2, n);
-                }
+                const float* v0 = vbase + k0 * v.s2;
+                for (int64_t r = 0; r < R; ++r)
+                    pv(o + r * Dvp, s + r * sp, n, Dvp, [&](int64_t u) { return v0 + u * v.s2; }, [](int64_t) { return true; });
             }
         } else {
             for (int64_t t = 0; t < plan.num;) {
@@ -271,11 +261,9 @@ struct ForwardFew {
                 for (int64_t u = 0; u < n; ++u)
                     vrows[u] = padded_row(v.row(b, hk, keys[u]), pb.Dv, Dvp, vbuf ? vbuf + u * Dvp : nullptr);
                 for (int64_t r = 0; r < R; ++r) {
-                    const float* pr = s + r * sp;
                     const uint32_t row = 1u << (r % Lq);
-                    int64_t x0 = 0;
-                    for (; x0 + 4 * W <= Dvp; x0 += 4 * W) pv_part<4>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
-                    for (; x0 < Dvp; x0 += W) pv_part<1>(o + r * Dvp + x0, pr, vrows, bits, row, n, x0);
+                    pv(o + r * Dvp, s + r * sp, n, Dvp, [&](int64_t u) { return vrows[u]; },
+                       [&](int64_t u) { return (bits[u] & row) != 0; });
                 }
             }
         }
