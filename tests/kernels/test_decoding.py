@@ -229,3 +229,50 @@ def test_small_padding_masks_read_only_each_sequences_keys():
     assert plan.kernel == PADDING_KERNEL and ("only those keys" in str(plan) or "over those keys" in str(plan))
     gold, naive = gold_and_naive(q, k, v, mask.materialize(1, 500))
     assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_padding_steps_run_sdpa_over_each_sequences_first_keys(monkeypatch, dtype):
+    """Half-precision decoding steps over grouped K/V heads with a new padding mask each step (a
+    StaticCache's step: one limit for all; a padded batch: one per sequence, zeros among them): after
+    the first step no call is validated or chosen again, SDPA sees only each sequence's first keys as
+    one query head per K/V head (junk past the limits never read), one SDPA call per distinct limit
+    (over one key: that key's value, no SDPA), and every step is the formula's within SDPA's own
+    error on those keys (docs/testing.md)."""
+    b, hq, hkv, lk, d = 4, 8, 2, 90, 16
+    k, v = randn(b, hkv, lk, d, dtype=dtype), randn(b, hkv, lk, d, dtype=dtype)
+    draws = ([40] * b, [41] * b, [1, 7, 90, 33], [0, 0, 5, 5], [0] * b, [90, 90, 89, 90], [1] * b)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q_, k_, v_, *args, **kw):
+        seen.append((tuple(q_.shape), k_.shape[2], kw.get("enable_gqa", False)))
+        return real(q_, k_, v_, *args, **kw)
+
+    calls = _calls(monkeypatch)
+    with torch.no_grad():
+        for step, lengths in enumerate(draws):
+            mask = masks.padding(torch.tensor(lengths))
+            junk_k, junk_v = k.clone(), v.clone()
+            for i, n in enumerate(lengths):
+                junk_k[i, :, n:], junk_v[i, :, n:] = float("nan"), float("inf")
+            q = randn(b, hq, 1, d, dtype=dtype)
+            assert attnkit.explain(q, junk_k, junk_v, mask).kernel == "sdpa"
+            seen.clear()
+            monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+            before = calls["n"]
+            out = attnkit.attention(q, junk_k, junk_v, mask)
+            monkeypatch.setattr(F, "scaled_dot_product_attention", real)
+            assert step == 0 or calls["n"] == before, f"step {step} was validated and chosen again"
+            limits = sorted(set(n for n in lengths if n > 1))  # one key: its value, exactly (no SDPA)
+            assert sorted(n for _, n, _ in seen) == limits, (lengths, seen)  # each distinct limit once
+            assert all(shape[1:3] == (hkv, hq // hkv) and not gqa for shape, _, gqa in seen), seen
+            for i, n in enumerate(lengths):
+                if n == 0:
+                    assert (out[i] == 0).all()  # a sequence that sees no key gives 0
+                    continue
+                qi, kn, vn = q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n]
+                gold, naive = gold_and_naive(qi, kn.repeat_interleave(4, 1), vn.repeat_interleave(4, 1))
+                folded = real(qi.reshape(1, hkv, hq // hkv, d), kn, vn).reshape(1, hq, 1, d)
+                worse = max(naive, folded, key=lambda t: (t.double() - gold).abs().max().item())
+                assert_oracle(out[i : i + 1], gold, worse, what=f"step {step} sequence {i} of {lengths}")

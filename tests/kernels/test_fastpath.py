@@ -2,7 +2,7 @@
 
 Two of its caches leave a part of the call out of their key: LEAN_ANY_LENGTH the key length of an
 unmasked rank-4 call SDPA runs, LEAN_LIMITS the lengths of a padding mask the native engine's row
-path runs. That is right only while the registry's choice for such calls does not depend on what
+path or SDPA runs. That is right only while the registry's choice for such calls does not depend on what
 is left out; these tests ask the registry (``explain``) across the values left out.
 """
 
@@ -72,19 +72,23 @@ def test_a_grouped_decoding_step_over_a_growing_cache_takes_the_row_path_and_the
     assert "row path" in str(attnkit.explain(q, keys, values, masks.causal()))  # a causal mask hides nothing here
 
 
-def test_a_padding_masks_choice_does_not_depend_on_its_lengths():
-    """Where the native engine's row path takes a decoding step with a padding mask, it takes it
-    for any lengths (equal, different, 0, Lk): the runner LEAN_LIMITS keeps without them is the
-    registry's choice for all of them."""
-    if not native_build.available():
-        pytest.skip(native_build.status()[1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_padding_masks_choice_does_not_depend_on_its_lengths(dtype):
+    """Where the native engine's row path (float32) or SDPA (half precision) takes a decoding step
+    with a padding mask, it takes it for any lengths (equal, different, 0, Lk): the runner
+    LEAN_LIMITS keeps without them is the registry's choice for all of them (without the engine,
+    SDPA's for every dtype)."""
     assert fastpath.builtin_registry()
-    shapes = itertools.product((1, 2, native.few_rows()), ((1, 4, 4), (3, 8, 2), (2, 2, 1)), (8, 96, 1000))
+    engine = native_build.available()
+    expected = "native" if dtype == torch.float32 and engine else "sdpa"
+    shapes = itertools.product(
+        (1, 2, native.few_rows() if engine else 8), ((1, 4, 4), (3, 8, 2), (2, 2, 1)), (8, 96, 1000)
+    )
     for lq, (b, hq, hkv), lk in shapes:  # LEAN_LIMITS leaves Lk out too (a growing cache)
-        q, k = torch.empty(b, hq, lq, 16), torch.empty(b, hkv, lk, 16)
+        q, k = torch.empty(b, hq, lq, 16, dtype=dtype), torch.empty(b, hkv, lk, 16, dtype=dtype)
         draws = [[0] * b, [1] * b, list(range(1, b + 1)), [lk // 2] * b, [lk - 1 - i for i in range(b)]]
         chosen = {attnkit.explain(q, k, k, masks.padding(torch.tensor(n))).kernel for n in draws}
-        assert chosen == {"native"}, (lq, b, hq, hkv, lk, chosen)
+        assert chosen == {expected}, (lq, b, hq, hkv, lk, chosen)
         # every key of every sequence: the fast path serves it as no mask, and the registry agrees
         assert attnkit.explain(q, k, k, masks.padding(torch.tensor([lk] * b))).kernel == attnkit.explain(q, k, k).kernel
 

@@ -26,8 +26,9 @@ when SDPA takes it (every kernel before SDPA in the priority list declines or re
 reason that does not read Lk) or when the native engine's row path takes it (in float32, at most ``FEW_ROWS``
 queries over grouped K/V heads, or one query: it takes them whatever Lk), and the choice of a call whose mask
 only cuts keys does not depend on the cut or on Lk when the native engine's row path takes it (at
-most ``FEW_ROWS`` queries: it takes them whatever the limits that cut something; limits that cut
-nothing, every one equal to Lk, are served as no mask, as the registry chooses for them). Entries
+most ``FEW_ROWS`` float32 queries: it takes them whatever the limits that cut something) or SDPA
+takes it (half precision, or no engine: each sequence's first keys, whatever the limits); limits that
+cut nothing, every one equal to Lk, are served as no mask, as the registry chooses for them. Entries
 are made only where that holds.
 
 A mask whose value cannot be keyed (a ``from_fn`` predicate over state that cannot be

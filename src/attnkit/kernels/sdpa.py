@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from attnkit.call import Shapes
 from attnkit.kernels import dense as _dense
-from attnkit.kernels.contract import Call, Form, Kernel, Reason, Runner, first_derivative_only
+from attnkit.kernels.contract import Call, Form, Kernel, LimitRunner, Reason, Runner, first_derivative_only
 from attnkit.kernels.sparsity import limit_groups
 from attnkit.plan import DEFAULT_BLOCK_SIZE
 
@@ -254,6 +254,22 @@ class SDPAKernel(Kernel):
             return None
         run = _every_key(call)
         return first_derivative_only(run, self) if call.backward else run
+
+    def limit_runner(self, call: Call) -> LimitRunner | None:
+        # a rank-4 call whose mask cuts each sequence's keys at a limit, with no gradient: SDPA over
+        # each sequence's first keys whatever the limits (the registry's choice for any of them:
+        # attnkit.kernels.fastpath); one call when they are equal (a StaticCache's step)
+        if call.backward or call.shapes.rank != 4 or _plain(call) not in ("limit", "limits"):
+            return None
+        scale = call.scale
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: tuple) -> torch.Tensor:
+            first = limits[0]
+            if first > 0 and limits.count(first) == len(limits):
+                return _own_keys(q, k, v, first, scale, 0.0)
+            return by_limit(q, k, v, limits, scale=scale)
+
+        return run
 
     def runner(self, call: Call) -> Runner | None:
         if call.bias is not None or call.dropout_p > 0.0:

@@ -187,12 +187,15 @@ def _row_path_pays_over_every_key(call: Call) -> bool:
 
 def _few_rows_by_limit(call: Call) -> bool:
     """Whether the row path takes this call whatever its key limits: a rank-4 call of at most
-    FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), or
-    one that sees every key where :func:`_few_rows_over_every_key` says so; no modification or
-    dropout, eager."""
+    FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), in
+    float32, or one that sees every key where :func:`_few_rows_over_every_key` says so; no
+    modification or dropout, eager. Half precision stays on SDPA whatever the limits: the row path
+    widens bfloat16 rows to float32, SDPA over each sequence's first keys multiplies them as they
+    are (a bfloat16 ``StaticCache`` step of benchmarks/models.py: 1.03-1.08x SDPA's time on the row
+    path)."""
     if call.form is Form.ALL or call.limits is None:  # every key seen: as with no mask
         return _few_rows_over_every_key(call)
-    return _few_rows(call)
+    return _few_rows(call) and call.q.dtype == torch.float32
 
 
 def _row_path(call: Call) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None], torch.Tensor]:
