@@ -34,7 +34,9 @@ def problems(draw, dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.f
 def test_every_kernel_equals_the_reference(problem, kernel):
     q, k, v, mask = problem
     gold, naive = gold_and_naive(q, k, v, mask)
-    assert_oracle(attnkit.attention(q, k, v, mask, kernel=kernel), gold, naive)
+    # at most 12 x 12 scores: the naive error can be a lucky rounding far below its usual size (one
+    # query over 3 keys: 1e-9 against SDPA's 5e-8, half a rounding), so it is floored (docs/testing.md)
+    assert_oracle(attnkit.attention(q, k, v, mask, kernel=kernel), gold, naive, small=True)
 
 
 @SETTINGS
