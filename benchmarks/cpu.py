@@ -12,7 +12,9 @@ interleaved, ``--repeats`` times each, and the median time is reported:
   (causal) or the equivalent dense bool mask (every other case);
 - ``flex``: ``flex_attention`` compiled with ``torch.compile``, its block mask built
   once; its compile time is reported apart, and a failure is recorded with its error;
-- ``ideal``: dense SDPA time x the fraction of 128 x 128 blocks the mask keeps.
+- ``ideal``: dense SDPA time x the fraction of 128 x 128 blocks the mask keeps, the dense SDPA
+  call timed interleaved with the case's own (``dense_ms``): a ratio of one run, not of two runs
+  minutes apart (the dense time alone moved 15.8-19.4 ms over three runs at L=4096 on one machine).
 
 Peak memory is the largest rise of the process's resident memory during one call,
 sampled every 0.5 ms; with ``--live``, also the exact peak bytes of the tensors one attnkit
@@ -154,6 +156,10 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
     impls = {"attnkit": lambda q, k, v: attnkit.attention(q, k, v, mask)}
     if sdpa_max_len is not None and length > sdpa_max_len:
         pass  # too long for a dense mask: the ideal is extrapolated (see the module's docstring)
+    elif name != "dense":  # the ideal's denominator, interleaved with this case's own calls
+        impls["dense"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+    if sdpa_max_len is not None and length > sdpa_max_len:
+        pass
     elif sdpa_arg == "mask":
         dense_mask = mask.materialize(length, length)
         impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)
@@ -199,7 +205,7 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
     key = (row["dtype"], mode)
     if name == "dense" and "sdpa_ms" in row:
         dense_times[(length, *key)] = row["sdpa_ms"]
-    dense = dense_times.get((length, *key))
+    dense = row.get("dense_ms", dense_times.get((length, *key)))  # this case's own run first
     if dense is None:  # not measured at this length: the longest measured, scaled by (L / L0)^2
         measured = [n for (n, *k) in dense_times if tuple(k) == key]
         if measured:

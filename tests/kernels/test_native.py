@@ -293,6 +293,27 @@ def test_strided_transposed_and_expanded_inputs_equal_contiguous():
         assert_oracle(got, gold, naive)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("first, width", [(0, 1), (-3, 7), (5, 18), (-40, 9), (-17, 40)])
+def test_a_narrow_band_inside_each_step_is_the_formula(first, width, dtype):
+    """A narrow band of keys per query (key j for query i where first <= j - i < first + width): each
+    step of 32 rows uses a few keys in the middle of its 64, from offsets that are not multiples of
+    anything, with unused keys at either end. The forward and the gradients are the formula's,
+    keys used by other rows of the block read in full; junk in the keys no query uses at all never
+    reaches the output."""
+    lq, lk = 200, 230
+    mask = masks.from_fn(lambda b, h, i, j: (j - i >= first) & (j - i < first + width))
+    q = randn(1, 2, lq, 16, dtype=dtype, requires_grad=True)
+    k, v = (randn(1, 2, lk, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    check_forward_and_gradients(q, k, v, mask, f"band {first}+{width} {dtype}", small=True)
+    unused = ~allowed_of(mask, lq, lk).any(dim=2)[0, 0]  # (Lk,): keys no query attends
+    with torch.no_grad():
+        pk, pv = k.detach().clone(), v.detach().clone()
+        pk[:, :, unused], pv[:, :, unused] = float("nan"), float("inf")
+        clean = attnkit.attention(q, k, v, mask, kernel="native")
+        assert torch.equal(attnkit.attention(q, pk, pv, mask, kernel="native"), clean)
+
+
 def test_junk_in_unread_keys_and_queries_never_leaks():
     """NaN and inf in keys past a sequence's length, in keys no query may attend and in queries that
     attend no key: the output and the gradients are those of the clean inputs, bit for bit."""
