@@ -210,7 +210,7 @@ def test_decoding_steps_with_a_new_padding_mask_each_share_one_runner_and_stay_e
             _close(got, _want(q, k, v, mask, 1, 40))
         chosen = attnkit.explain(q, k, v, masks.padding(torch.tensor([3, 4, 5]))).kernel
         assert chosen == ("native" if native else "sdpa")
-        assert len(fastpath.LEAN_LIMITS) == (1 if native else 0)
+        assert len(fastpath.LEAN_LIMITS) == 1  # the row path's runner, or SDPA's over each sequence's keys
         with pytest.raises(ValueError, match="Lk=40"):
             attnkit.attention(q, k, v, masks.padding(torch.tensor([41, 1, 1])))
         with pytest.raises(ValueError, match="Lk=40"):  # past Lk everywhere: not "every key", an error
@@ -219,7 +219,7 @@ def test_decoding_steps_with_a_new_padding_mask_each_share_one_runner_and_stay_e
         k2, v2 = randn(3, 2, 50, 16), randn(3, 2, 50, 16)
         mask = masks.padding(torch.tensor([50, 9, 20]))
         _close(attnkit.attention(q, k2, v2, mask), _want(q, k2, v2, mask, 1, 50))
-        assert len(fastpath.LEAN_LIMITS) == (1 if native else 0)
+        assert len(fastpath.LEAN_LIMITS) == 1
 
 
 # --- state a predicate reaches: followed by value, or never cached ----------------------------------
