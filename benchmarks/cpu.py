@@ -154,11 +154,10 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
     row = {"case": name, "L": length, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
 
     impls = {"attnkit": lambda q, k, v: attnkit.attention(q, k, v, mask)}
-    if sdpa_max_len is not None and length > sdpa_max_len:
-        pass  # too long for a dense mask: the ideal is extrapolated (see the module's docstring)
-    elif name != "dense":  # the ideal's denominator, interleaved with this case's own calls
+    too_long = sdpa_max_len is not None and length > sdpa_max_len  # no dense mask: the ideal is extrapolated
+    if not too_long and name != "dense":  # the ideal's denominator, interleaved with this case's own calls
         impls["dense"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
-    if sdpa_max_len is not None and length > sdpa_max_len:
+    if too_long:
         pass
     elif sdpa_arg == "mask":
         dense_mask = mask.materialize(length, length)
