@@ -314,16 +314,21 @@ def test_a_narrow_band_inside_each_step_is_the_formula(first, width, dtype):
         assert torch.equal(attnkit.attention(q, pk, pv, mask, kernel="native"), clean)
 
 
-def test_junk_in_unread_keys_and_queries_never_leaks():
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("d", [16, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_junk_in_unread_keys_and_queries_never_leaks(dtype, d, softcap):
     """NaN and inf in keys past a sequence's length, in keys no query may attend and in queries that
-    attend no key: the output and the gradients are those of the clean inputs, bit for bit."""
+    attend no key: the output and the gradients are those of the clean inputs, bit for bit (bf16
+    on AMX tiles: K^T read in place or copied with such keys zeroed, V read in place; a softcap's
+    kept tanh of a hidden score)."""
     mask = masks.padding(torch.tensor([150, 41])) & masks.from_fn(lambda b, h, i, j: (j % 7 != 3) & (i % 9 != 2))
-    q, k, v = (randn(2, 2, 200, 16) for _ in range(3))
-    dout = randn(2, 2, 200, 16)
+    q, k, v = (randn(2, 2, 200, d, dtype=dtype) for _ in range(3))
+    dout = randn(2, 2, 200, d, dtype=dtype)
 
     def run(q, k, v):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = attnkit.attention(q, k, v, mask, kernel="native")
+        out = attnkit.attention(q, k, v, mask, kernel="native", softcap=softcap)
         out.backward(dout)
         return out.detach(), q.grad, k.grad, v.grad
 

@@ -26,12 +26,14 @@ struct Backward {
     T* dq;  // (B, Hq, Lq, D) contiguous
     float* dk_acc;  // (B, Hkv, chunks, nk * bk, Dp)
     float* dv_acc;  // (B, Hkv, chunks, nk * bk, Dvp)
+    StepGrads<T> products;
     struct State {
         Buffer<> qt, qr, qc, dot, dor, ot, dqt, kc, vc, ps, dps, ts;
         std::vector<uint8_t> used;
         std::vector<Step> steps;
         std::vector<float> gband;  // the band's gradient, reversed like band_rev (band_grad only)
         typename StepScores<T>::State scores;  // the forward's products, recomputed (bf16.h for bfloat16)
+        typename StepGrads<T>::State grads;
     };
 
     void operator()(const Item& it, State& st) const {
@@ -94,7 +96,8 @@ struct Backward {
         float* qt = st.qt.get(2 * Dpair * SB);  // Q^T (for the scores), rows past D zero
         float* qr = st.qr.get(SB * Dp);    // Q rows (for dK)
         float* qc = st.qc.get(SB * Dp);    // the same, rows that see no key of a step zeroed
-        float* dot = st.dot.get(Dv * SB);  // dO^T (for dP^T)
+        const int64_t Dvpair = (Dv + 1) / 2;
+        float* dot = st.dot.get(2 * Dvpair * SB);  // dO^T (for dP^T), rows past Dv zero
         float* dor = st.dor.get(SB * Dvp); // dO rows (for dV)
         float* dqt = st.dqt.get(D * SB);   // dQ^T
         float* ot = st.ot.get(Dv * SB);    // the forward's O^T (for delta of a part of the keys)
@@ -102,6 +105,7 @@ struct Backward {
         float* vc = st.vc.get(pb.bk * Dv);
         alignas(64) float shift[SB], delta[SB], gl[SB];
         std::fill_n(qt + D * SB, (2 * Dpair - D) * SB, 0.0f);
+        std::fill_n(dot + Dv * SB, (2 * Dvpair - Dv) * SB, 0.0f);
         for (int64_t j = 0; j < SB; ++j) {
             const bool in = j < n;
             const T* qj = in ? q.row(b, h, r0 + j) : nullptr;
@@ -129,6 +133,7 @@ struct Backward {
         }
         const StepScores<T> recompute{};
         recompute.begin(st.scores, pb, qt);
+        products.begin(st.grads, pb, qr, dor, dot);
         // Pass 1: every step's P^T = exp(S^T - lse) (0 where hidden) and dP^T = V dO^T, kept in this
         // thread's row buffers (O(keys of the row) floats), with the row sums of P and of P dP.
         const int64_t tile = pb.bk * SB;
@@ -142,8 +147,6 @@ struct Backward {
             Step step;
             if (!open_step(pb, plan, i, end, row_in_block, n, st.used.data(), step)) continue;
             const uint8_t* used = step.all_used ? nullptr : st.used.data();
-            int64_t vstride;
-            const float* vrows = rows_f32(v.row(b, hk, step.k0), v.s2, step.kn, Dv, used, vc, Dv, vstride);
             float* si = ps + i * tile;
             float* dpi = dps + i * tile;
             if (pb.Lq <= FEW_ROWS)  // the row path's scores (its forward ran on these calls)
@@ -151,17 +154,19 @@ struct Backward {
             else
                 recompute(st.scores, pb, step, k.row(b, hk, step.k0), k.s2, used, qt, kc, si);
             modify_scores(pb, step, si, ts ? ts + i * tile : nullptr, band, r0);
-            gemm<false>(step.kn, SB, Dv, vrows, vstride, 1, dot, SB, dpi, SB);  // dP^T (kn x SB)
+            products.dp(st.grads, pb, step, v.row(b, hk, step.k0), v.s2, vc, dot, dpi);  // dP^T (kn x SB)
             vf part_p[NVS], part_pdp[NVS];  // this step's sums from zero, then added: sums of per-step sums
             for (int j = 0; j < NVS; ++j) part_p[j] = part_pdp[j] = vf{};
             for (int64_t c = 0; c < step.kn; ++c)
                 for (int j = 0; j < NVS; ++j) {
                     const vf x = load(si + c * SB + j * W);
+                    const vi hidden = x == splat(NEG_INF);
                     vf p = vexp(x - load(shift + j * W));
-                    p = x == splat(NEG_INF) ? vf{} : p;  // hidden: exactly 0, even where the lse is NaN
+                    p = hidden ? vf{} : p;  // hidden: exactly 0, even where the lse is NaN
                     store(si + c * SB + j * W, p);
                     part_p[j] += p;
-                    part_pdp[j] += p * load(dpi + c * SB + j * W);
+                    const vf pdp = p * load(dpi + c * SB + j * W);
+                    part_pdp[j] += hidden ? vf{} : pdp;  // (its dP may be NaN: V is read as it is)
                 }
             for (int j = 0; j < NVS; ++j) sum_p[j] += part_p[j], sum_pdp[j] += part_pdp[j];
             st.steps[i] = step;
@@ -194,18 +199,6 @@ struct Backward {
                 scan(pb, step.bits, step.kn, n, st.used.data());
                 used = st.used.data();
             }
-            int64_t kstride;
-            const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, D, used, kc, D, kstride);
-            const float* qrows = qr;  // Q rows for dK: rows that see no key of the step zeroed
-            if (step.seen != first_rows(n)) {
-                for (int64_t j = 0; j < SB; ++j) {
-                    if (j < n && ((step.seen >> j) & 1u))
-                        std::memcpy(qc + j * Dp, qr + j * Dp, Dp * sizeof(float));
-                    else
-                        std::memset(qc + j * Dp, 0, Dp * sizeof(float));
-                }
-                qrows = qc;
-            }
             float* pi = ps + i * tile;
             float* dsi = dps + i * tile;
             const float* ti = ts ? ts + i * tile : nullptr;
@@ -232,21 +225,18 @@ struct Backward {
                 for (int j = 0; j < SB; j += W) {
                     const int64_t at = c * SB + j;
                     vf ds = load(dsi + at);
-                    if (ti) {
+                    if (ti) {  // a hidden pair's dS stays 0 (its tanh is NaN where its row or key is)
                         vf th = load(ti + at);
-                        ds = ds * (splat(1.0f) - th * th);
+                        ds = ds == vf{} ? ds : ds * (splat(1.0f) - th * th);
                     }
                     store(dsi + at, ds * scale);
                 }
-            // dV[k0:] += P^T (kn x SB) dO (SB x Dvp); dK[k0:] += dS^T (kn x SB) Q (SB x Dp)
-            gemm<true>(step.kn, Dvp, SB, pi, SB, 1, dor, Dvp, dv + step.k0 * Dvp, Dvp);
-            gemm<true>(step.kn, Dp, SB, dsi, SB, 1, qrows, Dp, dk + step.k0 * Dp, Dp);
-            // dQ^T (D x SB) += K^T (D x kn) dS^T (kn x SB)
-            gemm<true>(D, SB, step.kn, krows, 1, kstride, dsi, SB, dqt, SB);
+            products.grads(st.grads, pb, step, b, hk, k.row(b, hk, step.k0), k.s2, used, n, kc, qr, qc, dor, pi, dsi, dv,
+                           dk, dqt);
         }
         for (int64_t j = 0; j < n; ++j) {
             T* dst = dq + ((b * pb.Hq + h) * pb.Lq + r0 + j) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = narrow<T>(dqt[d * SB + j]);
+            column_as_row(dqt, D, j, 1.0f, dst);
         }
     }
 };

@@ -28,8 +28,12 @@ const c10::BFloat16* bf16_rows(const c10::BFloat16* src, int64_t stride, int64_t
     const int64_t ld = round_up(width, 2);
     for (int64_t c = 0; c < kn; ++c) {
         c10::BFloat16* d = dst + c * ld;
-        const bool use = used == nullptr || used[c];
-        for (int64_t x = 0; x < ld; ++x) d[x] = use && x < width ? src[c * stride + x] : c10::BFloat16(0.0f);
+        if (used == nullptr || used[c]) {
+            std::memcpy(d, src + c * stride, width * sizeof(c10::BFloat16));
+            if (width < ld) d[width] = c10::BFloat16(0.0f);
+        } else {
+            std::memset(d, 0, ld * sizeof(c10::BFloat16));  // +0.0 in bfloat16
+        }
     }
     out_stride = ld;
     return dst;
@@ -186,7 +190,7 @@ struct ForwardBF16 {
                 l[j] = soft.lse(j);
                 const float inv = soft.inverse(j);
                 bf16* dst = out.row(b, h, r0 + j);
-                for (int64_t d = 0; d < pb.Dv; ++d) dst[d] = bf16(ot[d * SB + j] * inv);
+                column_as_row(ot, pb.Dv, j, inv, dst);
             }
         }
     }
@@ -249,10 +253,124 @@ struct StepScores<c10::BFloat16> {
     }
     void operator()(State& st, const Problem& pb, const Step& step, const c10::BFloat16* k0, int64_t k_stride,
                     const uint8_t* used, const float*, float*, float* s) const {
+        // K in place as the forward reads it with AMX tiles (a key no row uses is hidden from every
+        // row: its score becomes -inf whatever K holds), but not under a softcap, whose tanh of such
+        // a score the backward keeps
         const int64_t Dpair = (pb.D + 1) / 2;
         int64_t kstride;
-        const c10::BFloat16* kr = bf16_rows(k0, k_stride, step.kn, pb.D, used, st.kb.get(pb.bk * 2 * Dpair), kstride);
+        const uint8_t* zeroed = pb.softcap > 0.0f ? used : nullptr;
+        const c10::BFloat16* kr = bf16_rows(k0, k_stride, step.kn, pb.D, zeroed, st.kb.get(pb.bk * 2 * Dpair), kstride);
         scores_bf16(step, Dpair, kr, kstride, st.packed, s);
+    }
+};
+
+// The backward's products with AMX tiles in bfloat16 (as PyTorch's CPU flash backward: P and dS
+// rounded to bfloat16, every sum float32). Operands, each packed once per 32 rows from its float32
+// copy (exact: they are widened bfloat16): dO^T pair-major by dims (for dP^T = V dO^T, V rows in
+// place), dO and Q pair-major by rows (for dV += P^T dO and dK += dS^T Q). Per step: P^T and dS^T
+// narrowed, dS^T pair-major by keys (for dQ^T += K^T dS^T, K^T made once per call and read in
+// place where the step's keys are even and those no row uses are finite, else copied with them
+// zeroed). With the AVX512-BF16 dot products (no AMX) the float32 products stay: measured on a
+// Xeon with ATTNKIT_NATIVE_AMX=0, bfloat16 dot products there made document & causal's backward
+// 1.4x slower (their peak equals float32 FMAs' on that core, and the packing is extra work).
+template <>
+struct StepGrads<c10::BFloat16> {
+    using bf16 = c10::BFloat16;
+    bool tiles = false;                     // AMX tiles: else WidenedGrads's float32 products
+    View<const bf16> kt{nullptr, 0, 0, 0};  // K^T (B or 1, Hkv, D, Lk)
+    const uint8_t* finite = nullptr;        // 1 where key c's row of K is finite, at kt's (b, h) offset / D; or null
+    struct State {
+        Buffer<bf16> dot2, do2, q2, qz2, vb, p16, d16, ds2, kt2;
+        const bf16 *dot_pairs = nullptr, *do_pairs = nullptr, *q_pairs = nullptr;  // begin()'s packs
+        WidenedGrads<bf16>::State widened;
+    };
+    static constexpr WidenedGrads<bf16> widened{};
+
+    // K^T for the call and, where some listed block is partial (keys no row uses), K's finite rows
+    static StepGrads make(const at::Tensor& k, const at::Tensor& tile_ids, at::Tensor& kt, at::Tensor& finite) {
+        if (!amx_tiles()) return {};
+        const int32_t* tid = tile_ids.data_ptr<int32_t>();
+        const bool partial = std::any_of(tid, tid + tile_ids.numel(), [](int32_t x) { return x >= 0; });
+        transpose_values(k, partial, kt, finite);
+        StepGrads g;
+        g.tiles = true;
+        g.kt = view_of<const bf16>(kt);
+        if (kt.size(0) == 1) g.kt.s0 = 0;  // K broadcast over the batch
+        g.finite = finite.defined() ? finite.data_ptr<uint8_t>() : nullptr;
+        return g;
+    }
+
+    void begin(State& st, const Problem& pb, const float* qr, const float* dor, const float* dot) const {
+        if (!tiles) return;
+        bf16* dot2 = st.dot2.get((pb.Dv + 1) / 2 * 2 * SB);
+        bf16* do2 = st.do2.get(SB * pb.Dvp);
+        bf16* q2 = st.q2.get(SB * pb.Dp);
+        pack_columns(dot, (pb.Dv + 1) / 2, dot2);
+        for (int64_t p = 0; p < SB / 2; ++p) {
+            pack_pair(dor + 2 * p * pb.Dvp, dor + (2 * p + 1) * pb.Dvp, pb.Dvp, do2 + p * 2 * pb.Dvp);
+            pack_pair(qr + 2 * p * pb.Dp, qr + (2 * p + 1) * pb.Dp, pb.Dp, q2 + p * 2 * pb.Dp);
+        }
+        st.dot_pairs = dot2, st.do_pairs = do2, st.q_pairs = q2;
+    }
+
+    void dp(State& st, const Problem& pb, const Step& step, const bf16* v0, int64_t v_stride, float* vc, const float* dot,
+            float* dpt) const {
+        if (!tiles) return widened.dp(st.widened, pb, step, v0, v_stride, vc, dot, dpt);
+        const int64_t pairs = (pb.Dv + 1) / 2;
+        int64_t vstride;
+        const bf16* vr = bf16_rows(v0, v_stride, step.kn, pb.Dv, nullptr, st.vb.get(pb.bk * 2 * pairs), vstride);
+        gemm_bf16<false>(step.kn, pairs, vr, vstride, st.dot_pairs, dpt, SB);
+    }
+
+    void grads(State& st, const Problem& pb, const Step& step, int64_t b, int64_t hk, const bf16* k0, int64_t k_stride,
+               const uint8_t* used, int64_t n, float* kc, const float* qr, float* qc, const float* dor, const float* p,
+               const float* ds, float* dv, float* dk, float* dqt) const {
+        if (!tiles)
+            return widened.grads(st.widened, pb, step, b, hk, k0, k_stride, used, n, kc, qr, qc, dor, p, ds, dv, dk, dqt);
+        const int64_t kn = step.kn, pairs = (kn + 1) / 2;
+        bf16* p16 = st.p16.get(kn * SB);
+        bf16* d16 = st.d16.get(kn * SB);
+        bf16* ds2 = st.ds2.get(pairs * 2 * SB);
+        narrow_bf16(p, kn * SB, p16);
+        narrow_bf16(ds, kn * SB, d16);
+        alignas(64) static const float zero[SB] = {};
+        for (int64_t x = 0; x < pairs; ++x)
+            pack_pair(ds + 2 * x * SB, 2 * x + 1 < kn ? ds + (2 * x + 1) * SB : zero, ds2 + x * 2 * SB);
+        // dV[k0:] (kn x Dvp) += P^T (kn x SB) dO (SB x Dvp)
+        gemm_bf16<true>(kn, pb.Dvp, SB / 2, p16, SB, st.do_pairs, dv + step.k0 * pb.Dvp, pb.Dvp);
+        // dK[k0:] (kn x Dp) += dS^T (kn x SB) Q (SB x Dp), Q rows that see no key of the step zeroed
+        const bf16* q2 = st.q_pairs;
+        if (step.seen != first_rows(n)) {
+            bf16* qz = st.qz2.get(SB * pb.Dp);
+            std::memcpy(qz, q2, SB * pb.Dp * sizeof(bf16));
+            for (int64_t j = 0; j < SB; ++j)
+                if (!(j < n && ((step.seen >> j) & 1u)))
+                    for (int64_t d = 0; d < pb.Dp; ++d) qz[((j / 2) * pb.Dp + d) * 2 + (j & 1)] = bf16(0.0f);
+            q2 = qz;
+        }
+        gemm_bf16<true>(kn, pb.Dp, SB / 2, d16, SB, q2, dk + step.k0 * pb.Dp, pb.Dp);
+        // dQ^T (D x SB) += K^T (D x kn) dS^T (kn x SB)
+        bool in_place = kn % 2 == 0;
+        if (in_place && used != nullptr) {
+            const uint8_t* fin = finite ? finite + (kt.row(b, hk, 0) - kt.p) / pb.D + step.k0 : nullptr;
+            for (int64_t c = 0; c < kn && in_place; ++c) in_place = used[c] || (fin != nullptr && fin[c]);
+        }
+        if (in_place) {
+            gemm_bf16<true>(pb.D, pairs, kt.row(b, hk, 0) + step.k0, kt.s2, ds2, dqt, SB);
+            return;
+        }
+        bf16* k2 = st.kt2.get(pb.D * pairs * 2);  // K^T with keys in pairs, keys no row uses 0
+        for (int64_t x = 0; x < pairs; ++x) {
+            const int64_t c0 = 2 * x, c1 = 2 * x + 1;
+            const bool u0 = used == nullptr || used[c0], u1 = c1 < kn && (used == nullptr || used[c1]);
+            const bf16* a0 = k0 + c0 * k_stride;
+            const bf16* a1 = k0 + c1 * k_stride;
+            for (int64_t d = 0; d < pb.D; ++d) {
+                k2[(d * pairs + x) * 2] = u0 ? a0[d] : bf16(0.0f);
+                k2[(d * pairs + x) * 2 + 1] = u1 ? a1[d] : bf16(0.0f);
+            }
+        }
+        gemm_bf16<true>(pb.D, pairs, k2, 2 * pairs, ds2, dqt, SB);
     }
 };
 

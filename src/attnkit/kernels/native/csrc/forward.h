@@ -108,7 +108,7 @@ struct Forward {
             l[j] = soft.lse(j);
             const float inv = soft.inverse(j);
             T* dst = out.row(b, h, r0 + j);
-            for (int64_t d = 0; d < pb.Dv; ++d) dst[d] = narrow<T>(ot[d * SB + j] * inv);
+            column_as_row(ot, pb.Dv, j, inv, dst);
         }
     }
 };

@@ -253,6 +253,7 @@ void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, cons
     const int64_t rows = pb.nk * pb.bk;
     at::Tensor dk_acc = at::zeros({pb.B, pb.Hkv, pb.chunks, rows, pb.Dp}, c.q.options().dtype(at::kFloat));
     at::Tensor dv_acc = at::zeros({pb.B, pb.Hkv, pb.chunks, rows, pb.Dvp}, c.q.options().dtype(at::kFloat));
+    at::Tensor kt, k_finite;  // what the products may keep for the call (bf16.h: K^T)
     Backward<T> work{pb,
                      view_of<const T>(c.q),
                      view_of<const T>(c.k),
@@ -263,7 +264,8 @@ void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, cons
                      gl.has_value() ? gl->data_ptr<float>() : nullptr,
                      dq.data_ptr<T>(),
                      dk_acc.data_ptr<float>(),
-                     dv_acc.data_ptr<float>()};
+                     dv_acc.data_ptr<float>(),
+                     StepGrads<T>::make(c.k, c.tile_ids, kt, k_finite)};
     const auto states = run_items(backward_items(pb), work);
     if (pb.band_grad) {  // the threads' sums, back in the band's own order
         const int64_t width = pb.Lq + pb.Lk - 1;
@@ -280,18 +282,23 @@ void backward_typed(Checked& c, const at::Tensor& go, const at::Tensor& of, cons
     T* dkp = dk.data_ptr<T>();
     T* dvp = dv.data_ptr<T>();
     at::parallel_for(0, pb.B * pb.Hkv, 1, [&](int64_t begin, int64_t end) {
+        Buffer<> row;
+        float* sum = row.get(std::max(pb.Dp, pb.Dvp));
+        // one key's row of the chunks' sums (the first chunk's own row where there is one chunk)
+        auto summed = [&](const float* acc, int64_t bh, int64_t key, int64_t width) -> const float* {
+            const float* first = acc + (bh * pb.chunks * rows + key) * width;
+            if (pb.chunks == 1) return first;
+            std::memcpy(sum, first, width * sizeof(float));
+            for (int64_t ch = 1; ch < pb.chunks; ++ch) {
+                const float* part = first + ch * rows * width;
+                for (int64_t d = 0; d < width; d += W) store(sum + d, load(sum + d) + load(part + d));
+            }
+            return sum;
+        };
         for (int64_t bh = begin; bh < end; ++bh)
             for (int64_t key = 0; key < pb.Lk; ++key) {
-                for (int64_t d = 0; d < pb.D; ++d) {
-                    float sum = 0.0f;
-                    for (int64_t ch = 0; ch < pb.chunks; ++ch) sum += ka[((bh * pb.chunks + ch) * rows + key) * pb.Dp + d];
-                    dkp[(bh * pb.Lk + key) * pb.D + d] = narrow<T>(sum);
-                }
-                for (int64_t d = 0; d < pb.Dv; ++d) {
-                    float sum = 0.0f;
-                    for (int64_t ch = 0; ch < pb.chunks; ++ch) sum += va[((bh * pb.chunks + ch) * rows + key) * pb.Dvp + d];
-                    dvp[(bh * pb.Lk + key) * pb.Dv + d] = narrow<T>(sum);
-                }
+                narrow_row(summed(ka, bh, key, pb.Dp), pb.D, dkp + (bh * pb.Lk + key) * pb.D);
+                narrow_row(summed(va, bh, key, pb.Dvp), pb.Dv, dvp + (bh * pb.Lk + key) * pb.Dv);
             }
     });
 }

@@ -219,6 +219,56 @@ struct StepScores {
     }
 };
 
+// ---- the backward's products of one step ---------------------------------------------------
+// dP^T = V dO^T, then dV += P^T dO, dK += dS^T Q and dQ^T += K^T dS^T. StepGrads<T> is what the
+// backward calls: float32 products of widened tiles (WidenedGrads); bf16.h specialises it with
+// bfloat16 products on AMX tiles (P and dS rounded to bfloat16, float32 sums).
+// float32 products of widened tiles. begin() once per 32 rows, with Q rows qr (SB x Dp), dO rows
+// dor (SB x Dvp) and dO^T dot (2 * ceil(Dv / 2) rows of SB, past Dv zero), all zero-padded; the
+// buffers kc and vc hold bk rows of D and Dv.
+template <typename T>
+struct WidenedGrads {
+    struct State {};
+    void begin(State&, const Problem&, const float*, const float*, const float*) const {}
+
+    // dP^T (kn x SB) = V (kn x Dv) dO^T, V read as it is: a hidden pair's dP (NaN where its key's
+    // value row is) is never used
+    void dp(State&, const Problem& pb, const Step& step, const T* v0, int64_t v_stride, float* vc, const float* dot,
+            float* dpt) const {
+        int64_t vstride;
+        const float* vrows = rows_f32(v0, v_stride, step.kn, pb.Dv, nullptr, vc, pb.Dv, vstride);
+        gemm<false>(step.kn, SB, pb.Dv, vrows, vstride, 1, dot, SB, dpt, SB);
+    }
+
+    // dV[k0:] += P^T dO, dK[k0:] += dS^T Q (Q rows that see no key of the step zeroed), dQ^T += K^T dS^T;
+    // p and ds: P^T and dS^T (kn x SB, the scale applied to dS)
+    void grads(State&, const Problem& pb, const Step& step, int64_t, int64_t, const T* k0, int64_t k_stride,
+               const uint8_t* used, int64_t n, float* kc, const float* qr, float* qc, const float* dor,
+               const float* p, const float* ds, float* dv, float* dk, float* dqt) const {
+        int64_t kstride;
+        const float* krows = rows_f32(k0, k_stride, step.kn, pb.D, used, kc, pb.D, kstride);
+        const float* qrows = qr;
+        if (step.seen != first_rows(n)) {
+            for (int64_t j = 0; j < SB; ++j) {
+                if (j < n && ((step.seen >> j) & 1u))
+                    std::memcpy(qc + j * pb.Dp, qr + j * pb.Dp, pb.Dp * sizeof(float));
+                else
+                    std::memset(qc + j * pb.Dp, 0, pb.Dp * sizeof(float));
+            }
+            qrows = qc;
+        }
+        gemm<true>(step.kn, pb.Dvp, SB, p, SB, 1, dor, pb.Dvp, dv + step.k0 * pb.Dvp, pb.Dvp);
+        gemm<true>(step.kn, pb.Dp, SB, ds, SB, 1, qrows, pb.Dp, dk + step.k0 * pb.Dp, pb.Dp);
+        gemm<true>(pb.D, SB, step.kn, krows, 1, kstride, ds, SB, dqt, SB);
+    }
+};
+
+template <typename T>
+struct StepGrads : WidenedGrads<T> {
+    // what the products keep for one call (nothing here; bf16.h: K^T)
+    static StepGrads make(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&) { return {}; }
+};
+
 struct Item {
     int64_t b, h, qb;  // forward: query head h, row block qb; backward: K/V head h, chunk qb
 };
