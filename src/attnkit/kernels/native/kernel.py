@@ -381,15 +381,20 @@ class NativeKernel(Kernel):
             mods = sparsity.modifications_in_words(call, True) or "return_lse=True"
             return True, lambda: f"{_kept_in_words(call)}, {mods}; {how}"
         rows = sparsity.rows_of(call)
-        # half precision with a backward, on PyTorch's own dense or causal SDPA: its bf16 backward uses
-        # bf16 products, the engine's computes in float32 (where bf16 runs on AMX tiles, causal too)
-        half_training = call.half and call.backward and (call.mask is None or (_amx() and call.causal_shift() == 0))
+        # half precision with a backward, on PyTorch's own dense (fp16: and causal, where bf16 runs on
+        # AMX tiles) SDPA: its backward uses half-precision products, the engine's computes in float32,
+        # but for bf16 on AMX tiles (docs/benchmarks.md: 0.7-0.85x SDPA's time there, causal and dense)
+        tiles = _amx() and call.q.dtype == torch.bfloat16
+        half_training = (
+            call.half and call.backward and not tiles and (call.mask is None or (_amx() and call.causal_shift() == 0))
+        )
         if rows >= MIN_QUERIES and not call.tensor_mask and not half_training and call.dropout_p == 0.0:
             return True, lambda: f"{_kept_in_words(call)}, {rows} query rows; {how}"
         if half_training and rows >= MIN_QUERIES:
             return False, (
-                f"{'no mask' if call.mask is None else 'causal'}, half precision with a backward: SDPA's bf16 "
-                "backward uses bf16 products (the engine's backward computes in float32)"
+                f"{'no mask' if call.mask is None else 'causal'}, half precision with a backward: SDPA's "
+                "backward uses half-precision products (the engine's computes in float32 but for bfloat16 "
+                "on AMX tiles)"
             )
         yes, why = sparsity.sparse_pays(call, sparsity.LIMITS, squares=True)
         if not yes:
