@@ -2,9 +2,10 @@
 
     python benchmarks/mods.py [--length 4096] [--modes fwd fwd+bwd] [--repeats 5] [--no-flex]
 
-Four cases at B=1, H=8, D=64, fp32: ALiBi + causal, relative bias + document (8
-documents), softcap + sliding window (256), sinks + sliding window (256). For each,
-interleaved, the median of ``--repeats`` runs of:
+Five cases at B=1, H=8, D=64, fp32: ALiBi + causal, relative bias + document (8
+documents), softcap + sliding window (256), softcap 50 + causal (Gemma 2's attention
+logits), sinks + sliding window (256). For each, interleaved, the median of ``--repeats``
+runs of:
 
 - ``attnkit``: ``attnkit.attention(q, k, v, mask, attn_bias=..., softcap=..., sinks=...)``;
 - ``baseline``: what PyTorch offers eagerly. For the two biases, SDPA given the bias
@@ -13,17 +14,18 @@ interleaved, the median of ``--repeats`` runs of:
   sink column, softmax, matmul: Gemma 2's and gpt-oss's eager code);
 - ``flex``: FlexAttention compiled with ``torch.compile`` for the CPU (score_mod and
   block mask; sinks from its returned log-sum-exp), forward only, compile time apart;
-- ``ideal``: dense SDPA (no mask) time x the fraction of 128 x 128 blocks kept.
+- ``ideal``: dense SDPA (no mask) time x the fraction of 128 x 128 blocks kept, the dense
+  SDPA call timed interleaved with the case's own calls (one process's median of the same call
+  moves by up to 20% between runs on a shared machine; a ratio of one run does not).
 
-Writes ``benchmarks/results/mods.json`` and prints a table of ratios.
+Writes ``benchmarks/results/mods.json`` (with ``lscpu``'s model and flags) and prints a table
+of ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu import PeakRSS, flex_cell, interleaved_medians, make_step, timed  # noqa: E402
+import machine  # noqa: E402  (benchmarks/machine.py)
+from cpu import PeakRSS, flex_cell, interleaved_medians, make_step  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
@@ -83,6 +86,15 @@ def cases(length: int):
             lambda s, b, h, qi, kj: 30.0 * torch.tanh(s / 30.0),
             window,
         ),
+        "softcap+causal": (
+            masks.causal(),
+            {"softcap": 50.0},
+            None,
+            50.0,
+            None,
+            lambda s, b, h, qi, kj: 50.0 * torch.tanh(s / 50.0),
+            lambda b, h, qi, kj: kj <= qi,
+        ),
         "sinks+window": (
             masks.sliding_window(256),
             {"sinks": sinks},
@@ -107,7 +119,7 @@ def eager_formula(q, k, v, allowed, softcap, sinks):
     return torch.softmax(s, dim=-1) @ v
 
 
-def run_case(name, length, mode, repeats, use_flex, dense_ms):
+def run_case(name, length, mode, repeats, use_flex):
     mask, kwargs, dense_bias, softcap, sinks, score_mod, mask_mod = cases(length)[name]
     backward = mode == "fwd+bwd"
     torch.manual_seed(0)
@@ -141,6 +153,7 @@ def run_case(name, length, mode, repeats, use_flex, dense_ms):
             impls["flex"] = flex
         except Exception as err:  # a failure is a result: record it
             row["flex_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    impls["dense"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # for the ideal
     steps = {key: make_step(fn, inputs, backward) for key, fn in impls.items()}
     for key, ms in interleaved_medians(steps, repeats).items():
         row[f"{key}_ms"] = ms
@@ -151,16 +164,8 @@ def run_case(name, length, mode, repeats, use_flex, dense_ms):
     q = inputs[0]
     row["kernel"] = str(attnkit.explain(q, q, q, mask, **kwargs))
     row["kept_128"] = attnkit.prepare(mask, length, length, block_size=(128, 128)).kept
-    row["ideal_ms"] = dense_ms * row["kept_128"]
+    row["ideal_ms"] = row["dense_ms"] * row["kept_128"]
     return row
-
-
-def dense_sdpa_ms(length, mode, repeats):
-    backward = mode == "fwd+bwd"
-    inputs = [torch.randn(B, H, length, D, requires_grad=backward) for _ in range(3)]
-    step = make_step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), inputs, backward)
-    step()
-    return 1e3 * statistics.median(timed(step) for _ in range(repeats))
 
 
 def ratio(a, b):
@@ -195,9 +200,8 @@ def main():
     args = parser.parse_args()
     rows = []
     for mode in args.modes:
-        dense_ms = dense_sdpa_ms(args.length, mode, args.repeats)
         for name in args.cases:
-            row = run_case(name, args.length, mode, args.repeats, not args.no_flex, dense_ms)
+            row = run_case(name, args.length, mode, args.repeats, not args.no_flex)
             rows.append(row)
             print(
                 f"{name} {mode}: attnkit {row['attnkit_ms']:.1f} ms, ideal {row['ideal_ms']:.1f} ms, "
@@ -206,7 +210,7 @@ def main():
             )
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
+    meta = {**machine.describe(), "shape": {"B": B, "H": H, "D": D}, "repeats": args.repeats}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -203,7 +203,9 @@ struct Backward {
             float* dsi = dps + i * tile;
             const float* ti = ts ? ts + i * tile : nullptr;
             // a hidden pair has P = 0 and no gradient whatever the row holds (its lse or delta may be
-            // NaN); a visible pair of a NaN row is NaN, even where its own score is -inf (as the formula's)
+            // NaN); a visible pair of a NaN row is NaN, even where its own score is -inf (as the formula's).
+            // dS then goes through the softcap's tanh and times the scale, in the same pass; a learned
+            // band sums its gradient (dS before those) in a pass between the two
             for (int64_t c = 0; c < step.kn; ++c) {
                 const uint32_t w = step.masked ? mask_word(step.bits + c * (pb.bq / 8)) : ~0u;
                 for (int j = 0; j < SB; j += W) {
@@ -211,8 +213,16 @@ struct Backward {
                     const vi shown = kept(w, j);
                     const vf p = shown ? load(pi + at) * norm[j / W] : vf{};
                     store(pi + at, p);
-                    const vf ds = p * (load(dsi + at) - load(delta + j));
-                    store(dsi + at, shown ? ds : vf{});
+                    vf ds = p * (load(dsi + at) - load(delta + j));
+                    if (gband) {
+                        store(dsi + at, shown ? ds : vf{});
+                        continue;
+                    }
+                    if (ti) {
+                        const vf th = load(ti + at);
+                        ds = ds * (splat(1.0f) - th * th);
+                    }
+                    store(dsi + at, shown ? ds * scale : vf{});  // (a hidden pair's tanh may be NaN)
                 }
             }
             if (gband) {  // d loss / d bias(kv - q) = dS, summed along the tile's diagonals
@@ -220,17 +230,17 @@ struct Backward {
                     float* g = gband + (pb.Lk - 1 - step.k0 - c + r0);
                     for (int j = 0; j < SB; j += W) store(g + j, load(g + j) + load(dsi + c * SB + j));
                 }
-            }
-            for (int64_t c = 0; c < step.kn; ++c)
-                for (int j = 0; j < SB; j += W) {
-                    const int64_t at = c * SB + j;
-                    vf ds = load(dsi + at);
-                    if (ti) {  // a hidden pair's dS stays 0 (its tanh is NaN where its row or key is)
-                        vf th = load(ti + at);
-                        ds = ds == vf{} ? ds : ds * (splat(1.0f) - th * th);
+                for (int64_t c = 0; c < step.kn; ++c)
+                    for (int j = 0; j < SB; j += W) {
+                        const int64_t at = c * SB + j;
+                        vf ds = load(dsi + at);
+                        if (ti) {  // a hidden pair's dS stays 0 (its tanh is NaN where its row or key is)
+                            const vf th = load(ti + at);
+                            ds = ds == vf{} ? ds : ds * (splat(1.0f) - th * th);
+                        }
+                        store(dsi + at, ds * scale);
                     }
-                    store(dsi + at, ds * scale);
-                }
+            }
             products.grads(st.grads, pb, step, b, hk, k.row(b, hk, step.k0), k.s2, used, n, kc, qr, qc, dor, pi, dsi, dv,
                            dk, dqt);
         }

@@ -124,7 +124,8 @@ inline vf vexp(vf x) {
 }
 
 // tanh(x): an odd polynomial below 0.625, (1 - e) / (1 + e) with e = exp(-2|x|) above
-// (Cephes' tanhf, about 2 ulp); NaN stays NaN.
+// (Cephes' tanhf, about 2 ulp); NaN stays NaN. A vector whose lanes are all below 0.625 (every
+// score of a softcap of 50 up to |s| = 31) takes the polynomial alone.
 inline vf vtanh(vf x) {
     vf ax = x < 0 ? -x : x;
     vf z = x * x;
@@ -134,6 +135,7 @@ inline vf vtanh(vf x) {
     p = p * z + splat(1.33314422036e-1f);
     p = p * z + splat(-3.33332819422e-1f);
     vf small = x + x * z * p;
+    if (!any(!(ax < splat(0.625f)))) return small;  // (NaN < 0.625 is false: a NaN lane goes on)
     vf e = vexp(splat(-2.0f) * ax);
     vf big = (splat(1.0f) - e) / (splat(1.0f) + e);
     big = x < 0 ? -big : big;
