@@ -100,6 +100,19 @@ def test_every_mask_forward_and_gradients(name, dtype, spy):
     assert spy.counts == {"attnkit::native_forward": 1, "attnkit::native_backward": 1}
 
 
+@pytest.mark.parametrize("name", ["none", "causal", "document_causal", "window", "padding"])
+def test_bfloat16_keys_and_dims_in_blocks_of_32(name, spy):
+    """Lk, D and Dv multiples of 32 (Dv != D), K and V broadcast over the batch: where bf16 runs on
+    AMX tiles the engine transposes V for the forward and K for the backward in 32 x 32 blocks of
+    registers (elsewhere the same call runs the dot products); the formula's output and gradients."""
+    b, hq, hkv, lq, lk, d, dv = 2, 4, 2, 224, 256, 64, 32
+    q = randn(b, hq, lq, d, dtype=torch.bfloat16, requires_grad=True)
+    k = randn(1, hkv, lk, d, dtype=torch.bfloat16).expand(b, -1, -1, -1).requires_grad_()
+    v = randn(1, hkv, lk, dv, dtype=torch.bfloat16).expand(b, -1, -1, -1).requires_grad_()
+    check_forward_and_gradients(q, k, v, MASKS[name](b, hq, lq, lk), f"{name} blocks of 32")
+    assert spy.counts == {"attnkit::native_forward": 1, "attnkit::native_backward": 1}
+
+
 @pytest.mark.parametrize(
     "kind",
     ["alibi", "alibi_causal", "relative_fixed", "softcap", "sinks", "alibi_softcap_sinks", "relative_learned"],

@@ -5,7 +5,7 @@
 
 #include "gemm.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)  // (BW: the 16-bit permutes of bf16.h)
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #define ATTNKIT_BF16_DOT 1

@@ -196,14 +196,61 @@ struct ForwardBF16 {
     }
 };
 
-// V (B or 1, Hkv, Lk, Dv) bfloat16 as V^T (B or 1, Hkv, Dv, Lk), contiguous (ATen's blocked copy), and
+// V (B or 1, Hkv, Lk, Dv) bfloat16 as V^T (B or 1, Hkv, Dv, Lk), contiguous, and
 // where the plan has partial tiles finite (B or 1, Hkv, Lk): 1 where a key's value row holds no NaN
 // or Inf. The batch once where V is broadcast over it.
+// 32 x 32 bfloat16 (rows of 64 bytes, row r at src + r * ld) transposed into dst (row d at dst + d * ldd):
+// five rounds of two-register permutes, each swapping the off-diagonal halves of 2s x 2s blocks.
+struct TransposeLanes {
+    alignas(64) uint16_t lo[5][32], hi[5][32];  // round k (s = 16 >> k): new r[i] takes lane l - s of r[i + s] where l has bit s
+    TransposeLanes() {
+        for (int k = 0; k < 5; ++k)
+            for (int l = 0, s = 16 >> k; l < 32; ++l) {
+                lo[k][l] = uint16_t((l & s) ? 32 + l - s : l);
+                hi[k][l] = uint16_t((l & s) ? 32 + l : l + s);
+            }
+    }
+};
+
+inline void transpose_32x32(const uint16_t* src, int64_t ld, uint16_t* dst, int64_t ldd) {
+    static const TransposeLanes lanes;
+    __m512i r[32];
+    for (int i = 0; i < 32; ++i) r[i] = _mm512_loadu_si512(src + i * ld);
+    for (int k = 0; k < 5; ++k) {
+        const int s = 16 >> k;
+        const __m512i ilo = _mm512_load_si512(lanes.lo[k]), ihi = _mm512_load_si512(lanes.hi[k]);
+        for (int i = 0; i < 32; ++i) {
+            if (i & s) continue;
+            const __m512i a = r[i], b = r[i + s];
+            r[i] = _mm512_permutex2var_epi16(a, ilo, b);
+            r[i + s] = _mm512_permutex2var_epi16(a, ihi, b);
+        }
+    }
+    for (int i = 0; i < 32; ++i) _mm512_storeu_si512(dst + i * ldd, r[i]);
+}
+
 void transpose_values(const at::Tensor& v, bool partial, at::Tensor& vt, at::Tensor& finite) {
     const at::Tensor one = v.stride(0) == 0 ? v.narrow(0, 0, 1) : v;
-    vt = one.transpose(2, 3).contiguous();
-    if (!partial) return;
     const int64_t H = one.size(1), L = one.size(2), Dv = one.size(3);
+    // 32 x 32 blocks in registers where the sizes allow: ATen's strided copy of the transposed view
+    // was 9.4% of a bf16 document & causal forward under perf on the Xeon, these 3.4-4%
+    if (L % 32 == 0 && Dv % 32 == 0) {
+        vt = at::empty({one.size(0), H, Dv, L}, one.options());
+        const View<const c10::BFloat16> src = view_of<const c10::BFloat16>(one);
+        uint16_t* dst = reinterpret_cast<uint16_t*>(vt.data_ptr<c10::BFloat16>());
+        const int64_t kb = L / 32, db = Dv / 32;
+        at::parallel_for(0, one.size(0) * H * kb, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) {
+                const int64_t bh = i / kb, c0 = (i % kb) * 32;
+                const uint16_t* rows = reinterpret_cast<const uint16_t*>(src.row(bh / H, bh % H, c0));
+                for (int64_t d0 = 0; d0 < db * 32; d0 += 32)
+                    transpose_32x32(rows + d0, src.s2, dst + (bh * Dv + d0) * L + c0, L);
+            }
+        });
+    } else {
+        vt = one.transpose(2, 3).contiguous();
+    }
+    if (!partial) return;
     finite = at::empty({one.size(0), H, L}, one.options().dtype(at::kByte));
     const View<const c10::BFloat16> src = view_of<const c10::BFloat16>(one);
     uint8_t* fin = finite.data_ptr<uint8_t>();
