@@ -30,6 +30,9 @@ CASES = {
     "alibi & softcap": (masks.causal(), {"attn_bias": bias.alibi(bias.alibi_slopes(HQ)), "softcap": 6.0}),
     "sinks": (masks.causal(), {"sinks": torch.randn(HQ)}),
     "no mask, another scale": (None, {"scale": 0.3}),
+    # logits near 100 (a trained model's): a float32 lse of 80 is off by up to 4e-6, the same for its whole row
+    "large logits": (masks.causal(), {"scale": 2.0}),
+    "large logits & sinks": (masks.causal(), {"scale": 2.0, "sinks": torch.randn(HQ) * 20}),
 }
 
 
@@ -91,3 +94,29 @@ def test_float64_on_the_math_kernel_and_the_choice():
     assert_oracle(got, gold, gold)
     with attnkit.use_kernels("sdpa"), pytest.raises(ValueError, match="computes no relevance"):
         registry.choose_relevance(call)
+
+
+@pytest.mark.parametrize("kernel", ["native", "math"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_each_rows_weights_under_large_logits_as_exact_as_a_softmax(kernel, sinks):
+    """r = one row each: the reduction returns the weights themselves. With logits near 100 (lse 40-80,
+    as a trained model's can be) a float32 lse is off by up to half an ulp (4e-6 at 80), an error the
+    same for its row's weights that exp(s - lse) makes a relative error of each, largest on the
+    largest weight, where a softmax has none: the kernels divide it out with the row's sum."""
+    from attnkit.kernels.native import build as native_build
+
+    if kernel == "native" and not native_build.available():
+        pytest.skip(native_build.status()[1])
+    q, k, v, _, _ = _problem(4)
+    mods = {"scale": 4.0, **({"sinks": torch.tensor([30.0, -5.0, 60.0, 0.0])} if sinks else {})}
+    mask = masks.causal()
+    r = torch.eye(L).expand(2, L, L)
+    head_weights = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    _, lse = attnkit.attention(q, k, v, mask, return_lse=True, **mods)
+    assert lse.abs().max() > 40
+    call = functional.stats_call(q, k, v, mask, **mods)
+    with attnkit.use_kernels(kernel):
+        got = registry.relevance(call, RelevanceRequest(lse, r, None, head_weights))
+    gold = _formula(q, k, v, mask, r, None, head_weights, **mods)
+    naive = _formula(q, k, v, mask, r, None, head_weights, torch.float32, **mods)
+    assert_oracle(got, gold, naive, what=f"{kernel} weights, large logits")

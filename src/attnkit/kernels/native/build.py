@@ -93,7 +93,7 @@ __all__ = [
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCE = SOURCE_DIR / "ops.cpp"
 #: The interface version of the operators this module speaks to (``native_interface()`` in ops.cpp).
-VERSION = 10
+VERSION = 11
 #: Whether the engine may be used at all: ``ATTNKIT_NATIVE=0`` turns it off for the process
 #: (the other CPU kernels run instead), read once at import.
 ENABLED = os.environ.get("ATTNKIT_NATIVE", "1") != "0"

@@ -484,7 +484,8 @@ class NativeKernel(Kernel):
 
     def relevance(self, call: Call, request: RelevanceRequest) -> torch.Tensor:
         """The gradient rule's reduction from one operator call, ``torch.ops.attnkit.native_relevance``:
-        one pass over the listed blocks with the forward's lse, ``dA = dO V^T`` per step."""
+        per 32 rows, a pass summing the weights ``exp(s - lse)`` (and the sink's) with the forward's lse, whose
+        float32 rounding the sum divides out, then the pass over the listed blocks, ``dA = dO V^T`` per step."""
         _require()
         bq, bk = BLOCK_SIZE
         band = _band(call)
@@ -492,8 +493,9 @@ class NativeKernel(Kernel):
         def f32(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(torch.float32).contiguous()
 
+        sinks = None if call.sinks is None else f32(call.sinks).reshape(-1)
         return torch.ops.attnkit.native_relevance(
-            call.q, call.k, call.v, *_plan(call), None if band is None else band.detach(), f32(request.lse),
+            call.q, call.k, call.v, *_plan(call), None if band is None else band.detach(), sinks, f32(request.lse),
             None if request.d_out is None else f32(request.d_out), f32(request.r), f32(request.head_weights),
             bq, bk, call.scale, call.softcap or 0.0,
         )  # fmt: skip

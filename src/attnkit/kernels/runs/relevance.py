@@ -1,8 +1,11 @@
 """The gradient rule's reduction of the weights, tile by tile: the math kernel's
 :meth:`~attnkit.kernels.contract.Kernel.relevance`.
 
-With the row log-sum-exp of the call's forward, every weight is ``exp(s - lse)``; one pass over
-the tiles the plan keeps forms, per tile, ``dA = dO V^T`` (the gradient of a target with respect
+With the row log-sum-exp of the call's forward, every weight is ``exp(s - lse)``. A float32 lse
+is rounded by up to half an ulp of ``|lse|``, an error common to its row's weights (none on a
+softmax's largest weight): a first pass over a row's tiles sums its weights (and the sink's), and the
+row's weights are divided by that sum (1 but for the rounding). The pass over the tiles the plan
+keeps then forms, per tile, ``dA = dO V^T`` (the gradient of a target with respect
 to the weights), ``(dA * A)^+`` averaged over the chosen heads (or the weights ``A`` alone: rollout),
 and adds the rows' vectors ``r`` times it to each key's relevance (see
 :class:`~attnkit.kernels.contract.RelevanceRequest`), in O(L) memory. Row blocks whose ``r`` is 0 are skipped.
@@ -51,31 +54,42 @@ def reduce(call: Call, prepared: PreparedMask, request: RelevanceRequest) -> tor
         w_g = tiles.take(head_weights, 0, sel.q_heads)
         r_g = tiles.take(r, 0, sel.batch)
         part = torch.zeros(r_g.shape[0], r.shape[1], lk, dtype=ct, device=q.device)
-        _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, d_g, w_g, r_g, live, part)
+        sinks_g = None if call.sinks is None else tiles.take(call.sinks.to(q.device, ct), 0, sel.q_heads)
+        _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, d_g, w_g, r_g, live, part, sinks_g)
         tiles.put(total, 0, sel.batch, part, add=True)
     return total
 
 
-def _walk(tcall, gi, group, sel, q, k, v, lse, d_out, head_weights, r, live, part) -> None:
+def _walk(tcall, gi, group, sel, q, k, v, lse, d_out, head_weights, r, live, part, sinks) -> None:
     """Add every kept tile's ``r @ sum_h w_h (dA * A)^+`` to ``part (Bs, R, Lk)``."""
     hq, hkv = q.shape[1], k.shape[1]
+
+    def weights(row, chunk, lf):
+        qf, kr, vr, tile = tiles.run_inputs(tcall, gi, sel, q, k, v, row, chunk)
+        bias_tile = tiles.bias_tile(tcall, sel, row, chunk, hq, hkv)
+        s, _, _ = tiles.scores(tcall, qf, kr, tile, bias_tile, where=(sel, row, chunk))  # (Bs, Hkv, g*n, S)
+        d = s.sub_(lf)
+        counted = d > tiles.EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
+        return d.clamp_(min=tiles.EXP_FLOOR, max=0.0).exp_().mul_(counted), vr
+
     for row in tiles.math_rows(group.rows):
         if not row.runs or not any(live[row.q0 : row.q1]):
             continue
-        lf = tiles.fold(lse[:, :, row.q0 : row.q1, None], hkv)  # (Bs, Hkv, g*n, 1)
-        lf = torch.where(torch.isfinite(lf), lf, torch.zeros_like(lf))  # a row with no key: its scores are -inf
+        lse_rows = lse[:, :, row.q0 : row.q1, None]  # (Bs, Hs, n, 1)
+        seen = torch.isfinite(lse_rows)
+        lf = tiles.fold(torch.where(seen, lse_rows, torch.zeros_like(lse_rows)), hkv)  # no key seen: scores -inf
         df = None if d_out is None else tiles.fold(d_out[:, :, row.q0 : row.q1], hkv)  # (Bs, Hkv, g*n, Dv)
         r_rows = r[:, :, row.q0 : row.q1]  # (Bs, R, n)
-        for run in row.runs:
-            for k0 in range(run.k0, run.k1, KEYS):
-                chunk = Run(k0, min(k0 + KEYS, run.k1), run.full)
-                qf, kr, vr, tile = tiles.run_inputs(tcall, gi, sel, q, k, v, row, chunk)
-                bias_tile = tiles.bias_tile(tcall, sel, row, chunk, hq, hkv)
-                s, _, _ = tiles.scores(tcall, qf, kr, tile, bias_tile, where=(sel, row, chunk))  # (Bs, Hkv, g*n, S)
-                d = s.sub_(lf)
-                counted = d > tiles.EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
-                w = d.clamp_(min=tiles.EXP_FLOOR, max=0.0).exp_().mul_(counted)
-                m = w if df is None else (df @ vr.transpose(-2, -1).to(df.dtype)).mul_(w).clamp_min_(0)  # (dA * A)^+
-                per_head = tiles.unfold(m, hq)  # (Bs, Hs, n, S)
-                mixed = torch.einsum("bhis,h->bis", per_head, head_weights)
-                part[..., chunk.k0 : chunk.k1] += r_rows @ mixed
+        chunks = [Run(k0, min(k0 + KEYS, run.k1), run.full) for run in row.runs for k0 in range(run.k0, run.k1, KEYS)]
+        mass = sum(weights(row, chunk, lf)[0].sum(-1, keepdim=True) for chunk in chunks)  # (Bs, Hkv, g*n, 1)
+        if sinks is not None:
+            sink = (sinks.view(1, -1, 1, 1) - lse_rows).exp().where(seen, torch.zeros_like(lse_rows))
+            mass = mass + tiles.fold(sink, hkv)
+        scale = torch.where(mass > 0, 1 / mass, torch.zeros_like(mass))  # the lse's rounding divided out
+        for chunk in chunks:
+            w, vr = weights(row, chunk, lf)
+            w.mul_(scale)
+            m = w if df is None else (df @ vr.transpose(-2, -1).to(df.dtype)).mul_(w).clamp_min_(0)  # (dA * A)^+
+            per_head = tiles.unfold(m, hq)  # (Bs, Hs, n, S)
+            mixed = torch.einsum("bhis,h->bis", per_head, head_weights)
+            part[..., chunk.k0 : chunk.k1] += r_rows @ mixed

@@ -9,8 +9,8 @@
 //   torch.ops.attnkit.native_stats(q, k, <the plan>, sinks, qpos, kpos, block_q, block_k, scale, softcap,
 //                                  sink_tokens, topk) -> [lse, entropy, max_weight, argmax, sink_mass,
 //                                  mean_distance, received, topk_weights, topk_keys]
-//   torch.ops.attnkit.native_relevance(q, k, v, <the plan>, lse, d_out, r, head_weights, block_q, block_k,
-//                                      scale, softcap) -> out (B, R, Lk) float32: the gradient rule's
+//   torch.ops.attnkit.native_relevance(q, k, v, <the plan>, sinks, lse, d_out, r, head_weights, block_q,
+//                                      block_k, scale, softcap) -> out (B, R, Lk) float32: the gradient rule's
 //                                      sum_i r[b, :, i] sum_h w_h max(0, (dO V^T) exp(s - lse)), or
 //                                      without d_out the weights' sum_i r[b, :, i] sum_h w_h exp(s - lse)
 //   torch.ops.attnkit.native_predicate(program, inputs, tables, shape, mode) -> a mask predicate's program
@@ -69,7 +69,7 @@
 #include "vec.h"
 
 // The interface version build.py checks before it trusts a build (its VERSION).
-#define ATTNKIT_NATIVE_INTERFACE 10
+#define ATTNKIT_NATIVE_INTERFACE 11
 
 namespace {
 
@@ -395,7 +395,8 @@ std::vector<at::Tensor> native_stats(const at::Tensor& q, const at::Tensor& k, c
 at::Tensor native_relevance(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_num,
                             const at::Tensor& kv_indices, const at::Tensor& tile_ids, const at::Tensor& bits,
                             const std::optional<at::Tensor>& kv_limit, const std::optional<at::Tensor>& band,
-                            const at::Tensor& lse, const std::optional<at::Tensor>& d_out, const at::Tensor& r,
+                            const std::optional<at::Tensor>& sinks, const at::Tensor& lse,
+                            const std::optional<at::Tensor>& d_out, const at::Tensor& r,
                             const at::Tensor& head_weights, int64_t block_q, int64_t block_k, double scale,
                             double softcap) {
     Checked c = check_call(q, k, v, kv_num, kv_indices, tile_ids, bits, kv_limit, band, block_q, block_k, scale, softcap);
@@ -408,10 +409,12 @@ at::Tensor native_relevance(const at::Tensor& q, const at::Tensor& k, const at::
     if (d_out.has_value()) d_c = index_tensor(*d_out, "d_out", at::kFloat, {pb.B, pb.Hq, pb.Lq, pb.Dv});
     const at::Tensor r_c = index_tensor(r, "r", at::kFloat, {pb.B, R, pb.Lq});
     const at::Tensor w_c = index_tensor(head_weights, "head_weights", at::kFloat, {pb.Hq});
+    at::Tensor sk;
+    if (sinks.has_value()) sk = index_tensor(*sinks, "sinks", at::kFloat, {pb.Hq});
     at::Tensor out = at::zeros({pb.B, R, pb.Lk}, c.q.options().dtype(at::kFloat));
     if (pb.Lq > 0 && pb.Lk > 0 && R > 0) {
         Relevance rl{lse_c.data_ptr<float>(), d_c.defined() ? d_c.data_ptr<float>() : nullptr, r_c.data_ptr<float>(),
-                     w_c.data_ptr<float>(), R};
+                     w_c.data_ptr<float>(), sk.defined() ? sk.data_ptr<float>() : nullptr, R};
         auto run = [&](auto tag) {
             using T = decltype(tag);
             const auto states = run_items(forward_items(pb), RelevanceWork<T>{pb, view_of<const T>(c.q),
@@ -460,7 +463,8 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
         "float scale, float softcap, int sink_tokens, int topk) -> Tensor[]");
     m.def(
         "native_relevance(Tensor q, Tensor k, Tensor v, Tensor kv_num, Tensor kv_indices, Tensor tile_ids, "
-        "Tensor bits, Tensor? kv_limit, Tensor? band, Tensor lse, Tensor? d_out, Tensor r, Tensor head_weights, "
+        "Tensor bits, Tensor? kv_limit, Tensor? band, Tensor? sinks, Tensor lse, Tensor? d_out, Tensor r, "
+        "Tensor head_weights, "
         "int block_q, int block_k, float scale, float softcap) -> Tensor");
     m.def("native_predicate(Tensor program, Tensor[] inputs, Tensor[] tables, int[] shape, int mode) -> Tensor");
     m.def("native_interface() -> int", []() -> int64_t { return ATTNKIT_NATIVE_INTERFACE; });

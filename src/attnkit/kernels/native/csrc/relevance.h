@@ -14,12 +14,19 @@ namespace {
 // gradient of the weights dA = dO V^T (V's rows against dO^T: one more product of the scores'
 // shape), and out[b, a, key] += w_h sum_i r[b, a, i] max(0, dA A) summed per thread, then over the
 // threads. Without dO, the weights alone: out += w_h sum_i r[b, a, i] A (rollout's r @ A).
+//
+// The forward's lse is a float32: a rounding of up to half an ulp of |lse| (4e-6 at lse = 80), the
+// same for every weight of its row, which exp(s - lse) turns into a relative error of the whole
+// row (an eager softmax, exp(s - max) / sum, has none on its largest weight). A first pass over
+// the row's steps sums its weights (and the sink's exp(sink - lse)); each row's r is divided by
+// that sum, which is 1 but for that rounding: the weights then sum to 1 as the softmax's do.
 
 struct Relevance {
     const float* lse;     // (B, Hq, Lq): the forward's, with the sinks' mass
     const float* d_out;   // (B, Hq, Lq, Dv), or null: the weights alone (r @ A, rollout)
     const float* r;       // (B, R, Lq)
     const float* head_w;  // (Hq,)
+    const float* sinks;   // (Hq,): each head's sink logit, or null
     int64_t R;
 };
 
@@ -73,6 +80,32 @@ struct RelevanceWork {
                 lse_row[j] = std::isfinite(l) ? l : std::numeric_limits<float>::infinity();
             }
             const int64_t row_in_block = r0 - it.qb * pb.bq;
+            // pass 1: each row's sum of its weights (1 but for the lse's rounding), r divided by it
+            alignas(64) float total[SB];
+            {
+                vf sum[NVS];
+                for (int j = 0; j < NVS; ++j) sum[j] = vf{};
+                for (int64_t t = 0; t < plan.num; ++t) {
+                    Step step;
+                    if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) continue;
+                    int64_t kstride;
+                    const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
+                                                  step.all_used ? nullptr : ws.used.data(), kc, pb.D, kstride);
+                    scores_f32(pb, step, krows, kstride, qt, s);
+                    modify_scores(pb, step, s, nullptr, band, r0);
+                    for (int64_t c = 0; c < step.kn; ++c)
+                        for (int j = 0; j < NVS; ++j) {
+                            const vf d = load(s + c * SB + j * W) - load(lse_row + j * W);
+                            sum[j] += d > splat(EXP_FLOOR) ? vexp(d) : vf{};
+                        }
+                }
+                for (int j = 0; j < NVS; ++j) store(total + j * W, sum[j]);
+            }
+            for (int64_t j = 0; j < SB; ++j) {
+                const float mass = total[j] + (rl.sinks && std::isfinite(lse_row[j]) ? std::exp(rl.sinks[h] - lse_row[j]) : 0.0f);
+                const float scale = mass > 0.0f ? 1.0f / mass : 0.0f;
+                for (int64_t a = 0; a < R; ++a) rv[a * SB + j] *= scale;
+            }
             float* out = ws.out.data() + b * R * pb.Lk;
             for (int64_t t = 0; t < plan.num; ++t) {
                 Step step;
