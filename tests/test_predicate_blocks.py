@@ -69,6 +69,36 @@ def test_every_attention_gym_mask_prepared_equals_pair_by_pair(name):
     assert torch.equal(prepared.materialize().expand_as(truth), truth)
 
 
+@pytest.mark.parametrize("route", ["every pair", "ranges first"])
+@pytest.mark.parametrize("name", list(GYM_LONG))
+def test_codes_read_from_the_bits_equal_pair_by_pair(name, route, monkeypatch):
+    """prepare's one evaluation of a program's pairs (``FromFn.codes_with_tiles``: every pair of a small
+    problem, else the pairs the ranges leave undecided) gives each block's exact code and the partial
+    blocks' exact bits, as the block map followed by the bits does."""
+    fn, lq, lk, *lead = GYM_LONG[name]()
+    batch, heads = lead or (None, None)
+    monkeypatch.setattr(_from_fn, "EVERY_PAIR_UP_TO", 1 << 40 if route == "every pair" else 0)
+    monkeypatch.setattr(_from_fn, "TILES_AT_ONCE", 5)  # the tiles in several calls, their bits joined
+    truth = flex_module.create_mask(fn, batch or 1, heads or 1, lq, lk, device="cpu")
+    mask = masks.from_fn(fn, batch_size=batch, num_heads=heads)
+    made, original = [], FromFn.codes_with_tiles
+
+    def spy(self, *args):
+        made.append(original(self, *args))
+        return made[-1]
+
+    monkeypatch.setattr(FromFn, "codes_with_tiles", spy)
+    prepared = attnkit.prepare(mask, lq, lk, block_size=(128, 64))
+    # every gym mask but VSA's is a program; lengths that are not multiples of the blocks take the two passes
+    assert made and (made[-1] is not None) == (name != "vsa" and lq % 128 == 0 and lk % 64 == 0)
+    assert torch.equal(prepared.codes.expand(truth.shape[0], truth.shape[1], -1, -1), codes_of_pairs(truth, 128, 64))
+    assert torch.equal(prepared.materialize().expand_as(truth), truth)
+    monkeypatch.setattr(FromFn, "codes_with_tiles", lambda self, *args: None)
+    two_passes = attnkit.prepare(mask, lq, lk, block_size=(128, 64))  # the block map, then the bits
+    for name in ("codes", "kv_num", "kv_indices", "bits", "tile_ids"):
+        assert torch.equal(getattr(prepared, name), getattr(two_passes, name)), name
+
+
 def test_tiles_by_ranges_evaluate_only_the_parts_they_cannot_decide():
     """Causal tiles of 128 x 64 on the diagonal: of each tile's 32 parts of 16 x 16, the ranges
     decide all but the 4 the diagonal crosses."""

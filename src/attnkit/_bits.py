@@ -26,7 +26,7 @@ import torch
 from attnkit import masks as _masks
 from attnkit._indexing import as4d
 
-__all__ = ["TILES_AT_ONCE", "pack_queries", "partial_bits", "tile_coordinates"]
+__all__ = ["TILES_AT_ONCE", "listed_tiles", "pack_queries", "partial_bits", "tile_coordinates"]
 
 #: Partial tiles evaluated together by a mask's tile form (O(TILES_AT_ONCE x bq x bk) memory).
 TILES_AT_ONCE = 1024
@@ -45,16 +45,11 @@ def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[to
         keys_major = torch.zeros(1, bk, bq, dtype=torch.bool)
     else:
         assert mask is not None, "partial blocks come from a mask"
-        packed_ranges = _by_ranges(mask, q_len, kv_len, block_size, where)
-        if packed_ranges is not None:
-            ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
-            listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
-            return packed_ranges.to(device).contiguous(), listed.to(device).contiguous()
-        packed = mask.packed_tiles(where, q_len, kv_len, block_size)
+        packed = _by_ranges(mask, q_len, kv_len, block_size, where)
+        if packed is None:
+            packed = mask.packed_tiles(where, q_len, kv_len, block_size)
         if packed is not None:
-            ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
-            listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
-            return packed.to(device).contiguous(), listed.to(device).contiguous()
+            return listed_tiles(codes, kv_indices, where, packed)
         keys_major = _by_tiles(mask, q_len, kv_len, block_size, where)
         if keys_major is None:
             where, tiles = _by_rows(mask, q_len, kv_len, block_size, where, nq, nk)
@@ -64,6 +59,17 @@ def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[to
     packed = np.packbits(keys_major.numpy(), axis=-1, bitorder="little")
     listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
     return torch.from_numpy(packed).to(device).contiguous(), listed.to(device).contiguous()
+
+
+def listed_tiles(codes, kv_indices, where, packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bits, tile_ids)`` of :func:`partial_bits` from the partial blocks ``where (T, 4)`` (b, h, i, j)
+    and their packed bits ``(T, bk, ceil(bq / 8))`` (at least one tile: zeros where there is none)."""
+    if where.shape[0] == 0:
+        packed = torch.zeros(1, *packed.shape[1:], dtype=torch.uint8)
+    ids = torch.full(codes.shape, -1, dtype=torch.int32)
+    ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
+    listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
+    return packed.to(codes.device).contiguous(), listed.to(codes.device).contiguous()
 
 
 def _by_ranges(mask, q_len, kv_len, block_size, where) -> torch.Tensor | None:

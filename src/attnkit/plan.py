@@ -36,7 +36,7 @@ import torch
 
 from attnkit import _cache
 from attnkit import masks as _masks
-from attnkit._bits import partial_bits
+from attnkit._bits import listed_tiles, partial_bits
 from attnkit._types import Device
 from attnkit._validate import AttnkitTypeError, AttnkitValueError, check_nonnegative_int, compiling
 
@@ -427,12 +427,20 @@ def prepare(
             limit = limit.to(device=device, dtype=torch.int64).clamp(0, kv_len)
             if bool((limit >= kv_len).all()):
                 limit = None  # nothing to cut
+        # one evaluation for the codes and the partial blocks' bits where the mask has it (a from_fn program)
+        found = mask.codes_with_tiles(q_len, kv_len, bq, bk, device) if limit is None else None
+        if found is not None:
+            codes, tiles = found[0].contiguous(), found[1:]
+            return _assemble(mask, q_len, kv_len, (bq, bk), codes, limit, mask_facts(mask, q_len, kv_len), None, tiles)
         codes = mask._block_map(q_len, kv_len, bq, bk, device, limit).contiguous()
     return _assemble(mask, q_len, kv_len, (bq, bk), codes, limit, mask_facts(mask, q_len, kv_len), None)
 
 
-def _assemble(mask, q_len, kv_len, block_size, codes, limit, facts: MaskFacts, bits_and_ids) -> PreparedMask:
-    """A PreparedMask from its block codes: the block lists, bits and facts."""
+def _assemble(
+    mask, q_len, kv_len, block_size, codes, limit, facts: MaskFacts, bits_and_ids, tiles=None
+) -> PreparedMask:
+    """A PreparedMask from its block codes: the block lists, bits and facts (``tiles``: the partial
+    blocks and their bits, where the mask made them with the codes)."""
     kept_blocks = codes != _masks.EMPTY
     order = torch.argsort((~kept_blocks).to(torch.int8), dim=-1, stable=True)
     kv_num = kept_blocks.sum(-1, dtype=torch.int32).contiguous()
@@ -441,7 +449,9 @@ def _assemble(mask, q_len, kv_len, block_size, codes, limit, facts: MaskFacts, b
     kept = float(kept_blocks.float().mean()) if codes.numel() else 0.0
     limits = None if limit is None else tuple(int(n) for n in limit.cpu().reshape(-1).tolist())
     masked = bool((codes == _masks.PARTIAL).any())
-    if bits_and_ids is None:
+    if tiles is not None:
+        bits, tile_ids = listed_tiles(codes, kv_indices, *tiles)
+    elif bits_and_ids is None:
         bits, tile_ids = partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices)
     else:
         bits, tile_ids = bits_and_ids

@@ -154,6 +154,15 @@ class Mask:
         lengths False; None where the kind does not make them itself (:meth:`tiles` is used)."""
         return None
 
+    def codes_with_tiles(
+        self, q_len: int, kv_len: int, bq: int, bk: int, device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The block codes ``(B or 1, H or 1, nq, nk)`` int8 with the partial blocks ``where (T, 4)`` and
+        their bits as :meth:`packed_tiles` gives them, made together where evaluating the pairs once
+        gives both; None where the kind does not (:meth:`block_codes`, then the bits of its partial
+        blocks, are used)."""
+        return None
+
     def query_ranges(self, b, h, kv_idx, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For each key of T tiles, the queries that may see it as one range: ``(lo, hi)``, query
         indices (inclusive; ``lo > hi``: none) broadcasting to ``kv_idx``'s shape ``(T, tk)``, with

@@ -19,7 +19,7 @@ from attnkit._validate import (
     compiling,
     short,
 )
-from attnkit.masks import _program
+from attnkit.masks import _base, _program
 from attnkit.masks._base import Mask, values_of
 from attnkit.masks._intervals import Interval, Unsupported, block_bounds
 from attnkit.masks._positions import at_sequence, indexed_positions
@@ -59,6 +59,11 @@ RANGES_FROM = 1 << 15
 #: Calls of at least this many pairs run the predicate as a program on the native engine where it
 #: is one (:mod:`._program`): below it, the engine is not loaded for a mask alone.
 NATIVE_FROM = 1 << 12
+#: Problems of at most this many pairs (B x H x Lq x Lk) have every pair evaluated once by
+#: :meth:`FromFn.codes_with_tiles`, no index ranges first.
+EVERY_PAIR_UP_TO = 1 << 21
+#: Tiles evaluated at once by :meth:`FromFn.codes_with_tiles` (their bits: bq x bk / 8 bytes each).
+TILES_AT_ONCE = 4096
 
 
 def _native(mask, shape, inputs, mode: int, sample, grid=None) -> torch.Tensor | None:
@@ -291,11 +296,54 @@ class FromFn(Mask):
         codes = self._codes_by_ranges(b)
         return codes if codes is not None else self._codes_by_rows(b)
 
-    def _codes_by_ranges(self, b, grid: int = 64, chunk_pairs: int = 1 << 22):
-        """Codes from the predicate run once on the index ranges of every ``grid``-sized part of
-        the blocks (:mod:`._intervals`); the parts it leaves undecided evaluated pair by pair, in
-        batches of ``chunk_pairs``; None where the predicate leaves the expression language (or
-        is being traced)."""
+    def codes_with_tiles(self, q_len, kv_len, bq, bk, device):
+        """The block codes and the partial blocks' packed bits from one evaluation of each pair the
+        index ranges leave undecided (the native engine's program, :meth:`packed_tiles`): a block's
+        code is read from its bits (every bit set: full, none: empty). Where the lengths are
+        multiples of the blocks; problems of at most :data:`EVERY_PAIR_UP_TO` pairs skip the ranges
+        (every pair evaluated once costs less than the ranges' host work). None where the
+        predicate is not a program (the block codes, then :func:`attnkit._bits.partial_bits`)."""
+        lead = (self.batch_size or 1, self.num_heads or 1)
+        if q_len == 0 or kv_len == 0 or q_len % bq or kv_len % bk or bq % 8 or torch.device(device).type != "cpu":
+            return None
+        if torch.compiler.is_compiling() or not _program.available():
+            return None
+        b = _base.Blocks(q_len, kv_len, bq, bk, device)
+        if math.prod(lead) * q_len * kv_len <= EVERY_PAIR_UP_TO:
+            full = torch.zeros(*lead, b.nq, b.nk, dtype=torch.bool)
+            empty = full.clone()
+        else:
+            found = self._part_bounds(b)
+            if found is None:
+                return None
+            full_parts, empty_parts, sq, sk = found
+            full, empty = (self._blocks_of_parts(x, b, sq, sk).clone() for x in (full_parts, empty_parts))
+        where = (~(full | empty)).nonzero()  # (N, 4): the blocks the ranges leave undecided
+        kept, packs = [], []
+        for start in range(0, where.shape[0], TILES_AT_ONCE):
+            part = where[start : start + TILES_AT_ONCE]
+            packed = self.packed_tiles(part, q_len, kv_len, (bq, bk))
+            if packed is None:
+                return None
+            flat = packed.view(packed.shape[0], -1)
+            every, none = flat.amin(1) == 255, flat.amax(1) == 0
+            bi, hi, qi, ki = part.unbind(1)
+            full[bi, hi, qi, ki], empty[bi, hi, qi, ki] = every, none
+            mixed = (~(every | none)).nonzero().view(-1)
+            if mixed.shape[0] < part.shape[0]:
+                part, packed = part.index_select(0, mixed), packed.index_select(0, mixed)
+            kept.append(part)
+            packs.append(packed)
+        if not kept:
+            return b.code(full, empty), where, torch.zeros(0, bk, bq // 8, dtype=torch.uint8)
+        where, packed = (x[0] if len(x) == 1 else torch.cat(x) for x in (kept, packs))
+        return b.code(full, empty), where, packed
+
+    def _part_bounds(self, b, grid: int = 64):
+        """The predicate run once on the index ranges of every ``grid``-sized part of the blocks
+        (:mod:`._intervals`): ``(full, empty, sq, sk)``, each part's bool "every pair allowed" / "none
+        allowed" as far as the ranges decide, and the parts' sizes; None where the predicate leaves the
+        expression language (or is being traced)."""
         if b.nq == 0 or b.nk == 0 or torch.compiler.is_compiling():
             return None
         dev = b.device
@@ -314,8 +362,19 @@ class FromFn(Mask):
             return None
         sure, maybe = (as4d(x) for x in torch.broadcast_tensors(out.lo, out.hi))
         sure, maybe = (x.expand(*x.shape[:2], nq, nk) for x in (sure, maybe))
-        full, empty = sure.clone(), ~maybe
-        where = (sure != maybe).nonzero()  # (N, 4): the parts the ranges leave undecided
+        return sure.clone(), ~maybe, sq, sk
+
+    def _codes_by_ranges(self, b, chunk_pairs: int = 1 << 22):
+        """Codes from the predicate run once on the index ranges of every part of the blocks
+        (:meth:`_part_bounds`); the parts it leaves undecided evaluated pair by pair, in
+        batches of ``chunk_pairs``; None where the predicate leaves the expression language (or
+        is being traced)."""
+        found = self._part_bounds(b)
+        if found is None:
+            return None
+        full, empty, sq, sk = found
+        dev = b.device
+        where = (~(full | empty)).nonzero()  # (N, 4): the parts the ranges leave undecided
         step = max(1, chunk_pairs // (sq * sk))
         q_in, k_in = torch.arange(sq, device=dev), torch.arange(sk, device=dev)
         if where.shape[0] == 0:
