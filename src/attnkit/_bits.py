@@ -35,30 +35,23 @@ TILES_AT_ONCE = 1024
 def partial_bits(mask, q_len, kv_len, block_size, codes, kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bits (T, bk, ceil(bq / 8)) uint8, tile_ids)`` of the partial blocks of ``codes`` (one host
     sync: which blocks are partial); at least one tile (all zeros where there is none)."""
-    device = codes.device
     bq, bk = block_size
-    bm, hm, nq, nk = codes.shape
+    nq, nk = codes.shape[-2:]
     where = (codes == _masks.PARTIAL).nonzero().cpu()  # (T, 4): b, h, i, j
-    ids = torch.full((bm, hm, nq, nk), -1, dtype=torch.int32)
-    keys_major: torch.Tensor | None = None
     if where.shape[0] == 0:
-        keys_major = torch.zeros(1, bk, bq, dtype=torch.bool)
-    else:
-        assert mask is not None, "partial blocks come from a mask"
-        packed = _by_ranges(mask, q_len, kv_len, block_size, where)
-        if packed is None:
-            packed = mask.packed_tiles(where, q_len, kv_len, block_size)
-        if packed is not None:
-            return listed_tiles(codes, kv_indices, where, packed)
+        return listed_tiles(codes, kv_indices, where, torch.zeros(0, bk, -(-bq // 8), dtype=torch.uint8))
+    assert mask is not None, "partial blocks come from a mask"
+    packed = _by_ranges(mask, q_len, kv_len, block_size, where)
+    if packed is None:
+        packed = mask.packed_tiles(where, q_len, kv_len, block_size)
+    if packed is None:
         keys_major = _by_tiles(mask, q_len, kv_len, block_size, where)
         if keys_major is None:
             where, tiles = _by_rows(mask, q_len, kv_len, block_size, where, nq, nk)
             keys_major = tiles.transpose(1, 2).contiguous()
-        ids[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = torch.arange(where.shape[0], dtype=torch.int32)
-    # key-major, eight queries a byte (bit r % 8 of byte r // 8 is query r; queries padded with zeros)
-    packed = np.packbits(keys_major.numpy(), axis=-1, bitorder="little")
-    listed = ids.gather(-1, kv_indices.long().cpu().clamp(min=0))
-    return torch.from_numpy(packed).to(device).contiguous(), listed.to(device).contiguous()
+        # key-major, eight queries a byte (bit r % 8 of byte r // 8 is query r; queries padded with zeros)
+        packed = torch.from_numpy(np.packbits(keys_major.numpy(), axis=-1, bitorder="little"))
+    return listed_tiles(codes, kv_indices, where, packed)
 
 
 def listed_tiles(codes, kv_indices, where, packed) -> tuple[torch.Tensor, torch.Tensor]:
