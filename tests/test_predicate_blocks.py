@@ -101,6 +101,21 @@ def test_codes_read_from_the_bits_equal_pair_by_pair(name, route, monkeypatch):
         assert torch.equal(getattr(prepared, name), getattr(two_passes, name)), name
 
 
+@pytest.mark.parametrize("route", ["every pair", "ranges first"])
+def test_codes_read_from_the_bits_with_an_offset_per_sequence(route, monkeypatch):
+    """A predicate shifted per sequence (as in a KV cache of mixed fills) has one map per sequence on
+    the one-evaluation route too, equal to the two passes' and to the mask's own pairs."""
+    monkeypatch.setattr(_from_fn, "EVERY_PAIR_UP_TO", 1 << 40 if route == "every pair" else 0)
+    mask = masks.from_fn(lambda b, h, q, kv: (q // 64) >= (kv // 64))._in_cache(torch.tensor([128, 256, 0]))
+    prepared = attnkit.prepare(mask, 256, 512, block_size=(128, 64))
+    truth = mask.materialize(256, 512)
+    assert torch.equal(prepared.materialize().expand_as(truth), truth)
+    monkeypatch.setattr(FromFn, "codes_with_tiles", lambda self, *args: None)
+    two_passes = attnkit.prepare(mask, 256, 512, block_size=(128, 64))
+    for name in ("codes", "kv_num", "kv_indices", "bits", "tile_ids"):
+        assert torch.equal(getattr(prepared, name), getattr(two_passes, name)), name
+
+
 def test_tiles_by_ranges_evaluate_only_the_parts_they_cannot_decide():
     """Causal tiles of 128 x 64 on the diagonal: of each tile's 32 parts of 16 x 16, the ranges
     decide all but the 4 the diagonal crosses."""

@@ -303,7 +303,8 @@ class FromFn(Mask):
         multiples of the blocks; problems of at most :data:`EVERY_PAIR_UP_TO` pairs skip the ranges
         (every pair evaluated once costs less than the ranges' host work). None where the
         predicate is not a program (the block codes, then :func:`attnkit._bits.partial_bits`)."""
-        lead = (self.batch_size or 1, self.num_heads or 1)
+        # per-sequence offsets (a mask in a KV cache, a part of one) give each sequence its own map
+        lead = (max([self.batch_size or 1] + [t.shape[0] for t in self.tensors() if t.dim()]), self.num_heads or 1)
         if q_len == 0 or kv_len == 0 or q_len % bq or kv_len % bk or bq % 8 or torch.device(device).type != "cpu":
             return None
         if torch.compiler.is_compiling() or not _program.available():
