@@ -303,12 +303,12 @@ class FromFn(Mask):
         multiples of the blocks; problems of at most :data:`EVERY_PAIR_UP_TO` pairs skip the ranges
         (every pair evaluated once costs less than the ranges' host work). None where the
         predicate is not a program (the block codes, then :func:`attnkit._bits.partial_bits`)."""
-        # per-sequence offsets (a mask in a KV cache, a part of one) give each sequence its own map
-        lead = (max([self.batch_size or 1] + [t.shape[0] for t in self.tensors() if t.dim()]), self.num_heads or 1)
         if q_len == 0 or kv_len == 0 or q_len % bq or kv_len % bk or bq % 8 or torch.device(device).type != "cpu":
             return None
         if torch.compiler.is_compiling() or not _program.available():
             return None
+        # per-sequence offsets (a mask in a KV cache, a part of one) give each sequence its own map
+        lead = (max([self.batch_size or 1] + [t.shape[0] for t in self.tensors() if t.dim()]), self.num_heads or 1)
         b = _base.Blocks(q_len, kv_len, bq, bk, device)
         if math.prod(lead) * q_len * kv_len <= EVERY_PAIR_UP_TO:
             full = torch.zeros(*lead, b.nq, b.nk, dtype=torch.bool)
@@ -318,7 +318,7 @@ class FromFn(Mask):
             if found is None:
                 return None
             full_parts, empty_parts, sq, sk = found
-            full, empty = (self._blocks_of_parts(x, b, sq, sk).clone() for x in (full_parts, empty_parts))
+            full, empty = (self._blocks_of_parts(x, b, sq, sk) for x in (full_parts, empty_parts))
         where = (~(full | empty)).nonzero()  # (N, 4): the blocks the ranges leave undecided
         kept, packs = [], []
         for start in range(0, where.shape[0], TILES_AT_ONCE):
@@ -335,9 +335,10 @@ class FromFn(Mask):
                 part, packed = part.index_select(0, mixed), packed.index_select(0, mixed)
             kept.append(part)
             packs.append(packed)
-        if not kept:
-            return b.code(full, empty), where, torch.zeros(0, bk, bq // 8, dtype=torch.uint8)
-        where, packed = (x[0] if len(x) == 1 else torch.cat(x) for x in (kept, packs))
+        if kept:
+            where, packed = (x[0] if len(x) == 1 else torch.cat(x) for x in (kept, packs))
+        else:  # the ranges decided every block
+            packed = torch.zeros(0, bk, bq // 8, dtype=torch.uint8)
         return b.code(full, empty), where, packed
 
     def _part_bounds(self, b, grid: int = 64):

@@ -80,6 +80,16 @@ struct RelevanceWork {
                 lse_row[j] = std::isfinite(l) ? l : std::numeric_limits<float>::infinity();
             }
             const int64_t row_in_block = r0 - it.qb * pb.bq;
+            // step t's scores of these rows into s, as the forward computes them (false: nothing listed)
+            auto scores_at = [&](int64_t t, Step& step) {
+                if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) return false;
+                int64_t kstride;
+                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
+                                              step.all_used ? nullptr : ws.used.data(), kc, pb.D, kstride);
+                scores_f32(pb, step, krows, kstride, qt, s);
+                modify_scores(pb, step, s, nullptr, band, r0);
+                return true;
+            };
             // pass 1: each row's sum of its weights (1 but for the lse's rounding), r divided by it
             alignas(64) float total[SB];
             {
@@ -87,12 +97,7 @@ struct RelevanceWork {
                 for (int j = 0; j < NVS; ++j) sum[j] = vf{};
                 for (int64_t t = 0; t < plan.num; ++t) {
                     Step step;
-                    if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) continue;
-                    int64_t kstride;
-                    const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
-                                                  step.all_used ? nullptr : ws.used.data(), kc, pb.D, kstride);
-                    scores_f32(pb, step, krows, kstride, qt, s);
-                    modify_scores(pb, step, s, nullptr, band, r0);
+                    if (!scores_at(t, step)) continue;
                     for (int64_t c = 0; c < step.kn; ++c)
                         for (int j = 0; j < NVS; ++j) {
                             const vf d = load(s + c * SB + j * W) - load(lse_row + j * W);
@@ -109,12 +114,9 @@ struct RelevanceWork {
             float* out = ws.out.data() + b * R * pb.Lk;
             for (int64_t t = 0; t < plan.num; ++t) {
                 Step step;
-                if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) continue;
+                if (!scores_at(t, step)) continue;
                 const uint8_t* used = step.all_used ? nullptr : ws.used.data();
-                int64_t kstride, vstride;
-                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D, used, kc, pb.D, kstride);
-                scores_f32(pb, step, krows, kstride, qt, s);
-                modify_scores(pb, step, s, nullptr, band, r0);
+                int64_t vstride;
                 if (rl.d_out) {  // dA^T (kn x SB) = V (kn x Dv) dO^T (Dv x SB)
                     const float* vrows = rows_f32(v.row(b, hk, step.k0), v.s2, step.kn, pb.Dv, used, vc, pb.Dv, vstride);
                     gemm<false>(step.kn, SB, pb.Dv, vrows, vstride, 1, dt, SB, da, SB);
