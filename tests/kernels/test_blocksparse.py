@@ -292,10 +292,11 @@ def test_dispatch_with_the_native_engine(monkeypatch, request):
         assert plan(None, h=1, lq=rows - 1, lk=lk).kernel == "sdpa"
     assert plan(None, b=rows // 16, h=1, lq=16).kernel == "native"
     assert plan(None, b=rows, h=1, lq=native.MIN_ROWS - 1).kernel == "sdpa"  # decoding steps
-    # a decoding step whose causal mask hides nothing: in float32 the row path over every key (one
-    # run of K/V rows, faster than SDPA's kernel), in half precision SDPA
+    # a decoding step whose causal mask hides nothing: the row path over every key (one run of K/V
+    # rows, faster than SDPA's kernel), in float32 and in half precision (its rows widened as read)
     assert "row path" in str(plan(masks.causal(), h=8, lq=1, lk=4096))
-    assert plan(masks.causal(), h=8, lq=1, lk=4096, dtype=torch.bfloat16).kernel == "sdpa"
+    bf16 = str(plan(masks.causal(), h=8, lq=1, lk=4096, dtype=torch.bfloat16))
+    assert "row path" in bf16 and "bfloat16 rows widened to float32" in bf16, bf16
     assert plan(None, dtype=torch.float64).kernel == "sdpa"
     # half-precision training: where the engine's bf16 runs on AMX tiles (forward and backward) it
     # takes bf16 unmasked and causal (0.7-0.85x SDPA's time, docs/benchmarks.md); elsewhere unmasked
@@ -369,8 +370,8 @@ def test_padding_of_one_length_runs_sdpa_over_the_kept_keys_exactly(lq, engine, 
     pin_engine(request, engine)
     few = native.few_rows() if engine == "native" else 8  # the row path's size (read from the loaded engine)
     for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.float32, 4, 2), (torch.bfloat16, 4, 1)):
-        # the row path takes float32 decoding steps; half precision ones run SDPA over the first keys
-        row_path = lq <= few and dtype == torch.float32
+        # the row path takes decoding steps (float32 and bfloat16); SDPA runs them without the engine
+        row_path = lq <= few
         expected = "native" if engine == "native" and (lq >= native.MIN_ROWS or row_path) else "sdpa"
         q = randn(2, hq, lq, 16, dtype=dtype, requires_grad=True)
         k, v = (randn(2, hkv, 700, 16, dtype=dtype, requires_grad=True) for _ in range(2))

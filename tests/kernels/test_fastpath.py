@@ -74,13 +74,12 @@ def test_a_grouped_decoding_step_over_a_growing_cache_takes_the_row_path_and_the
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_padding_masks_choice_does_not_depend_on_its_lengths(dtype):
-    """Where the native engine's row path (float32) or SDPA (half precision) takes a decoding step
-    with a padding mask, it takes it for any lengths (equal, different, 0, Lk): the runner
-    LEAN_LIMITS keeps without them is the registry's choice for all of them (without the engine,
-    SDPA's for every dtype)."""
+    """Where the native engine's row path (float32 and half precision) or SDPA (without the engine)
+    takes a decoding step with a padding mask, it takes it for any lengths (equal, different, 0,
+    Lk): the runner LEAN_LIMITS keeps without them is the registry's choice for all of them."""
     assert fastpath.builtin_registry()
     engine = native_build.available()
-    expected = "native" if dtype == torch.float32 and engine else "sdpa"
+    expected = "native" if engine else "sdpa"
     shapes = itertools.product(
         (1, 2, native.few_rows() if engine else 8), ((1, 4, 4), (3, 8, 2), (2, 2, 1)), (8, 96, 1000)
     )

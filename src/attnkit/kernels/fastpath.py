@@ -23,13 +23,13 @@ The invariant the last two rely on (:func:`builtin_registry`, tested in
 ``tests/kernels/test_fastpath.py``): with attnkit's own kernels registered as they are and no
 ``use_kernels`` active, the choice of an unmasked rank-4 call does not depend on its key length
 when SDPA takes it (every kernel before SDPA in the priority list declines or refuses it for a
-reason that does not read Lk) or when the native engine's row path takes it (in float32, at most ``FEW_ROWS``
-queries over grouped K/V heads, or one query: it takes them whatever Lk), and the choice of a call whose mask
-only cuts keys does not depend on the cut or on Lk when the native engine's row path takes it (at
-most ``FEW_ROWS`` float32 queries: it takes them whatever the limits that cut something) or SDPA
-takes it (half precision, or no engine: each sequence's first keys, whatever the limits); limits that
-cut nothing, every one equal to Lk, are served as no mask, as the registry chooses for them. Entries
-are made only where that holds.
+reason that does not read Lk) or when the native engine's row path takes it (float32, bfloat16 or
+float16, at most ``FEW_ROWS`` queries over grouped K/V heads, or one query: it takes them whatever
+Lk), and the choice of a call whose mask only cuts keys does not depend on the cut or on Lk when the
+native engine's row path takes it (at most ``FEW_ROWS`` queries of those types: it takes them
+whatever the limits that cut something) or SDPA takes it (no engine, or another type: each
+sequence's first keys, whatever the limits); limits that cut nothing, every one equal to Lk, are
+served as no mask, as the registry chooses for them. Entries are made only where that holds.
 
 A mask whose value cannot be keyed (a ``from_fn`` predicate over state that cannot be
 fingerprinted, a tensor mask) never takes the fast path: it is validated, chosen and prepared on

@@ -167,9 +167,13 @@ def _few_rows_over_every_key(call: Call) -> bool:
     return _few_rows(call) and _row_path_pays_over_every_key(call) and call.shapes.lk > 0
 
 
+#: The types the row path takes (it computes in float32 whatever the inputs', see ``_row_path_in_words``).
+_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _row_path_pays_over_every_key(call: Call) -> bool:
-    """A float32 call that sees every key, over shared K/V heads or with one query (a decoding
-    step), asked without the engine.
+    """A call that sees every key, over shared K/V heads or with one query (a decoding step), asked
+    without the engine, in float32, bfloat16 or float16.
 
     The row path reads each key once for the group's query heads (SDPA's ``enable_gqa`` reads it once
     per query head) and, over every key of a sequence, one run of K/V rows with no list of keys:
@@ -177,25 +181,26 @@ def _row_path_pays_over_every_key(call: Call) -> bool:
     SDPA's time with groups of 4 over 1k-8k keys, and 0.66-0.84x without groups over 512-4096 keys
     (0.9-1.0x on one thread). Without groups a call of 2-8 queries stays on SDPA: such a call is as
     often a short self-attention (8 tokens) as a step of a decoder, and SDPA's fixed cost is lower
-    there. bfloat16 with groups of 4 is 0.67-0.73x SDPA's time alone at 4 sequences (1.15-1.28x at
-    one), but inside a whole model (benchmarks/models.py, where the weights evict the cache between
-    layers and both read K/V from memory) 1.06x / 0.98x at 1k / 8k keys against SDPA's 1.02x / 1.00x:
-    it stays on SDPA."""
+    there. In half precision the row path widens each K/V row as it reads it; on an AMD Zen 4 (one
+    query, 1k and 8k keys, 1 and 2 threads) the kernel alone is 0.78-0.98x SDPA's time on a group's
+    query heads folded into one head's rows (bfloat16, 1 or 4 sequences) and 0.14-0.3x SDPA's
+    without groups (its half-precision kernel with one query); inside a whole model
+    (benchmarks/models.py, bfloat16, 4 sequences) 0.75-0.85x SDPA's folded call. (An Intel Xeon
+    measured earlier: 0.67-0.73x SDPA's time alone at 4 sequences, 1.15-1.28x at one.)"""
     s = call.shapes
-    return call.form in (Form.NONE, Form.ALL) and call.q.dtype == torch.float32 and (s.hkv < s.hq or s.lq == 1)
+    return call.form in (Form.NONE, Form.ALL) and call.q.dtype in _ROW_DTYPES and (s.hkv < s.hq or s.lq == 1)
 
 
 def _few_rows_by_limit(call: Call) -> bool:
     """Whether the row path takes this call whatever its key limits: a rank-4 call of at most
-    FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), in
-    float32, or one that sees every key where :func:`_few_rows_over_every_key` says so; no
-    modification or dropout, eager. Half precision stays on SDPA whatever the limits: the row path
-    widens bfloat16 rows to float32, SDPA over each sequence's first keys multiplies them as they
-    are (a bfloat16 ``StaticCache`` step of benchmarks/models.py: 1.03-1.08x SDPA's time on the row
-    path)."""
+    FEW_ROWS queries whose mask hides exactly the keys past each sequence's limit (padding), or one
+    that sees every key where :func:`_few_rows_over_every_key` says so; float32 or half precision, no
+    modification or dropout, eager. A bfloat16 ``StaticCache`` step of benchmarks/models.py (its
+    empty slots past each sequence's limit) on an AMD Zen 4: 0.83x the attention time of SDPA's
+    folded call over each sequence's first keys, 0.95x the whole step's."""
     if call.form is Form.ALL or call.limits is None:  # every key seen: as with no mask
         return _few_rows_over_every_key(call)
-    return _few_rows(call) and call.q.dtype == torch.float32
+    return _few_rows(call) and call.q.dtype in _ROW_DTYPES
 
 
 def _row_path(call: Call) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None], torch.Tensor]:
