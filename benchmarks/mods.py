@@ -197,7 +197,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    parser.add_argument("--cases", nargs="+", default=list(cases(256)))
+    parser.add_argument("--cases", nargs="+", default=list(cases(256)), choices=list(cases(256)))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     parser.add_argument("--out", type=Path, default=RESULTS / "mods.json")

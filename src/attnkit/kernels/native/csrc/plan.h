@@ -104,6 +104,10 @@ Scan scan(const Problem& pb, const uint8_t* tile, int64_t kn, int64_t n, uint8_t
     return sc;
 }
 
+// A step's keys are cut after the last one its rows see, to a multiple of this (the vector width of
+// AVX-512, two of AVX2's): the keys past it are hidden from every row of the step.
+constexpr int64_t TRIM_KEYS = 16;
+
 // Step i of a plan row for the n <= SB rows at row_in_block of its row block, with ``used`` filled
 // for a partial block; false when the keys are past the limit or these rows see none of them.
 bool open_step(const Problem& pb, const PlanRow& plan, int64_t i, int64_t end, int64_t row_in_block, int64_t n,
@@ -113,6 +117,14 @@ bool open_step(const Problem& pb, const PlanRow& plan, int64_t i, int64_t end, i
     if (step.kn <= 0) return false;
     if (plan.tid[i] >= 0) {
         const uint8_t* bits = pb.bits + int64_t(plan.tid[i]) * pb.bk * (pb.bq / 8) + row_in_block / 8;
+        // the keys past the last one these rows see are left out of the step (rows 0-31 of a causal
+        // diagonal tile see its keys 0-31 of 128): kn rounded up to a multiple of TRIM_KEYS, the
+        // first key kept where it is (the bfloat16 paths read keys in pairs from k0)
+        const uint32_t rows = first_rows(n);
+        int64_t last = step.kn;
+        while (last > 0 && (mask_word(bits + (last - 1) * (pb.bq / 8)) & rows) == 0) --last;
+        if (last == 0) return false;
+        step.kn = std::min(step.kn, round_up(last, TRIM_KEYS));
         const Scan sc = scan(pb, bits, step.kn, n, used);
         if (!sc.any) return false;
         step.bits = bits;
