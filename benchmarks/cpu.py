@@ -251,7 +251,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    parser.add_argument("--cases", nargs="+", default=list(cases(1024)))
+    parser.add_argument("--cases", nargs="+", default=list(cases(1024)), choices=list(cases(1024)))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--flex-max-len", type=int, default=4096, help="skip FlexAttention above this L")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")

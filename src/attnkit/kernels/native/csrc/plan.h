@@ -117,14 +117,21 @@ bool open_step(const Problem& pb, const PlanRow& plan, int64_t i, int64_t end, i
     if (step.kn <= 0) return false;
     if (plan.tid[i] >= 0) {
         const uint8_t* bits = pb.bits + int64_t(plan.tid[i]) * pb.bk * (pb.bq / 8) + row_in_block / 8;
-        // the keys past the last one these rows see are left out of the step (rows 0-31 of a causal
-        // diagonal tile see its keys 0-31 of 128): kn rounded up to a multiple of TRIM_KEYS, the
-        // first key kept where it is (the bfloat16 paths read keys in pairs from k0)
+        // the keys before the first and past the last one these rows see are left out of the step
+        // (rows 0-31 of a causal diagonal tile see its keys 0-31 of 128; a window's lower edge, a
+        // document's first rows): cut at multiples of TRIM_KEYS, so k0 stays even (the bfloat16
+        // paths read keys in pairs from it)
         const uint32_t rows = first_rows(n);
+        const int64_t stride = pb.bq / 8;
         int64_t last = step.kn;
-        while (last > 0 && (mask_word(bits + (last - 1) * (pb.bq / 8)) & rows) == 0) --last;
+        while (last > 0 && (mask_word(bits + (last - 1) * stride) & rows) == 0) --last;
         if (last == 0) return false;
-        step.kn = std::min(step.kn, round_up(last, TRIM_KEYS));
+        int64_t first = 0;
+        while ((mask_word(bits + first * stride) & rows) == 0) ++first;
+        first -= first % TRIM_KEYS;
+        step.kn = std::min(step.kn, round_up(last, TRIM_KEYS)) - first;
+        step.k0 += first;
+        bits += first * stride;
         const Scan sc = scan(pb, bits, step.kn, n, used);
         if (!sc.any) return false;
         step.bits = bits;
