@@ -557,7 +557,8 @@ def _dense_of(result, batch_size, lq, lk):
     "case",
     [
         "causal", "sliding", "bidirectional_window", "padded_left", "padded_right", "packed", "cache_offset", "chunked",
-        "decode_static", "decode_static_tensor_offset",
+        "decode_static", "decode_static_tensor_offset", "decode_static_int32_offset", "decode_kv_offset",
+        "past_the_keys_decode",
     ],
 )  # fmt: skip
 def test_mask_function_equals_transformers_dense_mask(case):
@@ -592,6 +593,12 @@ def test_mask_function_equals_transformers_dense_mask(case):
         lq, lk, q_off = 1, 16, 7
     elif case == "decode_static_tensor_offset":
         lq, lk, q_off = 1, 16, torch.tensor(9)
+    elif case == "decode_static_int32_offset":
+        lq, lk, q_off = 1, 16, torch.tensor([15], dtype=torch.int32)  # the last slot
+    elif case == "decode_kv_offset":  # keys from position 4 on (a cache that dropped its first entries)
+        lq, lk, q_off, kv_off = 1, 10, 12, 4
+    elif case == "past_the_keys_decode":  # a query past every key: no limit below Lk, the general path
+        lq, lk, q_off = 1, 16, 20
     elif case == "chunked":  # no formula in attnkit: a from_fn mask
         fn = mu.chunked_causal_mask_function(3, torch.zeros(b, dtype=torch.long))
     kw = dict(

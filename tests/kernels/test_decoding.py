@@ -235,6 +235,26 @@ def test_small_padding_masks_read_only_each_sequences_keys():
     assert_oracle(attnkit.attention(q, k, v, mask), gold, naive)
 
 
+def test_bfloat16_steps_stay_on_sdpa_where_the_engine_multiplies_on_amx_tiles(monkeypatch):
+    """Where the engine's bfloat16 products run on AMX tiles (PyTorch's bfloat16 kernel runs on them
+    too; an Intel Xeon measured the row path at 1.2-1.3x SDPA's time there), bfloat16 decoding
+    steps run SDPA, unmasked, causal or padded; float16 and float32 ones keep the row path. (Here
+    the engine is told it has the tiles: the CPUs this suite runs on may have none.)"""
+    if not native_build.available():
+        pytest.skip(native_build.status()[1])
+    from attnkit.kernels.native import kernel as native_kernel
+
+    q, k = randn(4, 8, 1, 16), randn(4, 2, 300, 16)
+    padding = masks.padding(torch.tensor([300, 120, 7, 300]))
+    for tiles in (False, True):
+        monkeypatch.setattr(native_kernel, "_amx", lambda tiles=tiles: tiles)
+        for mask in (None, masks.causal(), padding):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                plan = attnkit.explain(q.to(dtype), k.to(dtype), k.to(dtype), mask)
+                want = "sdpa" if tiles and dtype == torch.bfloat16 else "native"
+                assert plan.kernel == want and (want == "sdpa" or "row path" in str(plan)), (tiles, dtype, plan)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_padding_steps_read_only_each_sequences_first_keys(monkeypatch, dtype):
     """Half-precision decoding steps over grouped K/V heads with a new padding mask each step (a

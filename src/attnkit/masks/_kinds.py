@@ -292,7 +292,9 @@ class Padding(Mask):
             raise AttnkitTypeError(
                 f"lengths must be a sequence of ints or an integer tensor of shape (B,), but got {short(lengths)}."
             )
-        lengths = own(check_int_tensor(lengths, "lengths", (1,)))
+        listed = isinstance(lengths, (list, tuple))  # made into a new tensor here: nothing to copy
+        lengths = check_int_tensor(lengths, "lengths", (1,))
+        lengths = lengths if listed else own(lengths)
         # a decoding step's few lengths, read once as ints (masks are values): its checks, value
         # key and key limits need no further host read. Under torch.compile nothing is read (the
         # constructor traces: no data-dependent Python)

@@ -164,11 +164,20 @@ def _few_rows_over_every_key(call: Call) -> bool:
     """Whether the row path takes this call, which sees every key (no mask, or one that hides
     nothing here: a causal mask at a decoding step): where K/V heads are shared (GQA), see
     :func:`_row_path_pays_over_every_key`."""
-    return _few_rows(call) and _row_path_pays_over_every_key(call) and call.shapes.lk > 0
+    return _few_rows(call) and _row_path_pays_over_every_key(call) and call.shapes.lk > 0 and _row_path_type(call)
 
 
 #: The types the row path takes (it computes in float32 whatever the inputs', see ``_row_path_in_words``).
 _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _row_path_type(call: Call) -> bool:
+    """Whether the row path takes this call's type, asked with the engine loaded: every one of
+    :data:`_ROW_DTYPES` but bfloat16 where the engine's bfloat16 products run on AMX tiles. There
+    PyTorch's bfloat16 kernel runs on them too, and an Intel Xeon with AMX measured the row path
+    (bfloat16 rows widened to float32) at 1.2-1.3x SDPA's time for one layer of a ``StaticCache``
+    step (docs/benchmarks.md); those steps stay on SDPA over each sequence's first keys."""
+    return call.q.dtype in _ROW_DTYPES and not (call.q.dtype == torch.bfloat16 and _amx())
 
 
 def _row_path_pays_over_every_key(call: Call) -> bool:
@@ -200,7 +209,7 @@ def _few_rows_by_limit(call: Call) -> bool:
     folded call over each sequence's first keys, 0.95x the whole step's."""
     if call.form is Form.ALL or call.limits is None:  # every key seen: as with no mask
         return _few_rows_over_every_key(call)
-    return _few_rows(call) and call.q.dtype in _ROW_DTYPES
+    return _few_rows(call) and _row_path_type(call)
 
 
 def _row_path(call: Call) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None], torch.Tensor]:

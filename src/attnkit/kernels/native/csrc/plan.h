@@ -104,8 +104,9 @@ Scan scan(const Problem& pb, const uint8_t* tile, int64_t kn, int64_t n, uint8_t
     return sc;
 }
 
-// A step's keys are cut after the last one its rows see, to a multiple of this (the vector width of
-// AVX-512, two of AVX2's): the keys past it are hidden from every row of the step.
+// A step of a partial tile keeps the keys from the first to the last one its rows see, cut at
+// multiples of this (the vector width of AVX-512, two of AVX2's): the keys left out are hidden
+// from every row of the step.
 constexpr int64_t TRIM_KEYS = 16;
 
 // Step i of a plan row for the n <= SB rows at row_in_block of its row block, with ``used`` filled

@@ -110,7 +110,10 @@ struct StatsWork {
                 }
             }
             // the rows' results; lse with the sink
-            alignas(64) float lse_row[SB];
+            // pass 2's weight of a score s is exp(s - m) * share: exp of a difference that is exact
+            // for the largest scores, times the row's keys' share over l (a float32 lse near 80 is
+            // rounded by up to 4e-6, which exp(s - lse) would pass on to every weight of the row)
+            alignas(64) float lse_row[SB], max_row[SB], share_row[SB];
             for (int64_t j = 0; j < SB; ++j) {
                 const int64_t lane = j % W, v = j / W;
                 const float lj = l[v][lane], mj = m[v][lane];
@@ -124,10 +127,16 @@ struct StatsWork {
                 }
                 // padding rows and rows that see no key (lse -inf, every score -inf: -inf - -inf would be NaN): no weight
                 lse_row[j] = j < n && lse != NEG_INF ? lse : std::numeric_limits<float>::infinity();
+                max_row[j] = mj == NEG_INF ? 0.0f : mj;  // (no finite score: every weight is 0 below)
+                share_row[j] = 0.0f;
                 if (j >= n) continue;
                 const int64_t at = (b * pb.Hq + h) * pb.Lq + r0 + j;
-                const float r = lj > 0.0f ? std::exp(lk - lse) : (lj == 0.0f ? 0.0f : NaN);  // the keys' share
+                // the keys' share of the row's mass, l / (l + exp(sink - m)) with a sink: exp(lk - lse)
+                // would carry both lse's roundings (4e-6 each near 80)
+                const float r = lj > 0.0f ? (st.sinks ? lj / (lj + std::exp(st.sinks[h] - mj)) : 1.0f)
+                                          : (lj == 0.0f ? 0.0f : NaN);
                 const float inv = lj > 0.0f ? 1.0f / lj : (lj == 0.0f ? 0.0f : NaN);
+                share_row[j] = r * inv;
                 st.lse[at] = lse;
                 const float h_keys = lj > 0.0f ? std::log(lj) - tsum[v][lane] * inv : (lj == 0.0f ? 0.0f : NaN);
                 st.entropy[at] = r > 0.0f ? r * h_keys - r * std::log(r) : (r == 0.0f ? 0.0f : NaN);
@@ -149,8 +158,10 @@ struct StatsWork {
                 for (int64_t c = 0; c < step.kn; ++c) {
                     vf col{};
                     for (int j = 0; j < NVS; ++j) {
-                        const vf d = load(s + c * SB + j * W) - load(lse_row + j * W);
-                        const vf w = d > splat(EXP_FLOOR) ? vexp(d) : vf{};  // below exp(-60): 0 (NaN stays NaN)
+                        const vf x = load(s + c * SB + j * W);
+                        const vf d = x - load(lse_row + j * W);
+                        const vf e = vexp(x - load(max_row + j * W)) * load(share_row + j * W);
+                        const vf w = d > splat(EXP_FLOOR) ? e : vf{};  // below exp(-60): 0 (NaN stays NaN)
                         const vf wn = d != d ? d : w;
                         col += wn;
                         if (K && any(wn > load(tw + (K - 1) * SB + j * W))) {
