@@ -442,6 +442,7 @@ TABLES = {
     "models": models,
     "models_decode": models,
     "models_zen4": models,
+    "models_decode_zen4": models,
     "torch_flex_tests": torch_flex_tests,
     "rollout": rollout,
     "cpu": cpu,
