@@ -192,7 +192,8 @@ def mask_function(
         padding, q_length, kv_length, q_offset, kv_offset, kwargs.get("local_size")
     ):
         return None  # plain causal attention over every key (the attention function applies it)
-    if q_length == 1 and mask_function is compat.causal_mask_function and padding is None:
+    step = q_length == 1 and mask_function is compat.causal_mask_function and padding is None
+    if step:
         # one query (a decoding step) at position q_offset sees the keys up to it: a key limit per
         # sequence (a static cache's empty slots past it), which the kernels read as lengths (the
         # row path, with no mask and no plan) instead of a causal band over the whole cache. The
@@ -206,7 +207,7 @@ def mask_function(
                 return _carrier(masks.padding(lengths), batch_size, q_length, kv_length)
     q_off = _offset(q_offset)
     kv_off = _offset(kv_offset)
-    if q_length == 1 and mask_function is compat.causal_mask_function and padding is None:
+    if step:
         # the same with the limits as tensors (read on the host: under torch.compile a graph break,
         # the step's mask made eagerly)
         limit = q_off - kv_off + 1
