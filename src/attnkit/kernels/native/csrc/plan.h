@@ -224,6 +224,23 @@ __attribute__((noinline)) void scores_f32(const Problem& pb, const Step& st, con
 }
 
 
+// Step t of a plan row for the n rows at row_in_block of sequence b, K/V head hk, opened and its
+// scores written to s (S^T, kn x SB) as the forward computes them, modifications included; false
+// where these rows see none of its keys. The statistics and relevance passes walk the forward's
+// steps again with it.
+template <typename T>
+bool scored_step(const Problem& pb, const PlanRow& plan, int64_t t, int64_t end, int64_t row_in_block, int64_t n,
+                 uint8_t* used, const View<const T>& k, int64_t b, int64_t hk, float* kc, const float* qt,
+                 const float* band, int64_t r0, float* s, Step& step) {
+    if (!open_step(pb, plan, t, end, row_in_block, n, used, step)) return false;
+    int64_t kstride;
+    const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D, step.all_used ? nullptr : used, kc,
+                                  pb.D, kstride);
+    scores_f32(pb, step, krows, kstride, qt, s);
+    modify_scores(pb, step, s, nullptr, band, r0);
+    return true;
+}
+
 // The scores of one step recomputed by the backward as the forward of dtype T computed them (bit for
 // bit): float32 products of widened tiles; bf16.h specialises it where bfloat16's forward used
 // bfloat16 products. begin() once per 32 rows (qt: Q^T, 2 * ceil(D / 2) rows of SB, past D zero).

@@ -80,15 +80,9 @@ struct RelevanceWork {
                 lse_row[j] = std::isfinite(l) ? l : std::numeric_limits<float>::infinity();
             }
             const int64_t row_in_block = r0 - it.qb * pb.bq;
-            // step t's scores of these rows into s, as the forward computes them (false: nothing listed)
+            // step t's scores of these rows into s, as the forward computes them (false: nothing to see)
             auto scores_at = [&](int64_t t, Step& step) {
-                if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) return false;
-                int64_t kstride;
-                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
-                                              step.all_used ? nullptr : ws.used.data(), kc, pb.D, kstride);
-                scores_f32(pb, step, krows, kstride, qt, s);
-                modify_scores(pb, step, s, nullptr, band, r0);
-                return true;
+                return scored_step(pb, plan, t, end, row_in_block, n, ws.used.data(), k, b, hk, kc, qt, band, r0, s, step);
             };
             // pass 1: each row's sum of its weights (1 but for the lse's rounding), r divided by it
             alignas(64) float total[SB];

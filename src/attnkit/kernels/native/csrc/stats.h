@@ -62,15 +62,9 @@ struct StatsWork {
             }
             alignas(64) float pos[SB];
             for (int64_t j = 0; j < SB; ++j) pos[j] = j < n ? qpos[r0 + j] : 0.0f;
-            // the scores of step t (S^T, kn x SB), as the forward computes them; false: nothing to see
+            // step t's scores of these rows into s, as the forward computes them (false: nothing to see)
             auto scores = [&](int64_t t, Step& step) {
-                if (!open_step(pb, plan, t, end, row_in_block, n, ws.used.data(), step)) return false;
-                int64_t kstride;
-                const float* krows = rows_f32(k.row(b, hk, step.k0), k.s2, step.kn, pb.D,
-                                              step.all_used ? nullptr : ws.used.data(), kc, pb.D, kstride);
-                scores_f32(pb, step, krows, kstride, qt, s);
-                modify_scores(pb, step, s, nullptr, band, r0);
-                return true;
+                return scored_step(pb, plan, t, end, row_in_block, n, ws.used.data(), k, b, hk, kc, qt, band, r0, s, step);
             };
             // pass 1: online per row
             vf m[NVS], l[NVS], tsum[NVS], sink[NVS], dist[NVS], arg[NVS];
