@@ -15,6 +15,10 @@ interleaved, ``--repeats`` times each, and the median time is reported:
 - ``ideal``: dense SDPA time x the fraction of 128 x 128 blocks the mask keeps, the dense SDPA
   call timed interleaved with the case's own (``dense_ms``): a ratio of one run, not of two runs
   minutes apart (the dense time alone moved 15.8-19.4 ms over three runs at L=4096 on one machine).
+  attnkit/ideal is the median over rounds of the ratio of the two calls of one round, with the
+  half-width of the rounds' middle half beside it (``±``): a long dense call slowed by a busy
+  neighbour for a whole run moves a ratio of medians, not a ratio of neighbouring calls.
+  Every sample is written (``*_samples_ms``).
 
 Peak memory is the largest rise of the process's resident memory during one call,
 sampled every 0.5 ms; with ``--live``, also the exact peak bytes of the tensors one attnkit
@@ -124,16 +128,34 @@ def timed(step) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
-    """``name -> median ms`` of the steps run in turn ``repeats`` times, after one warm-up
-    call each (plans, caches, one-time costs)."""
+def interleaved_times(steps: dict, repeats: int) -> dict[str, list[float]]:
+    """``name -> [ms, ...]``: the steps run in turn, one round after another, ``repeats`` rounds,
+    after one warm-up call each (plans, caches, one-time costs). Sample ``i`` of every step comes
+    from round ``i``: calls seconds apart, not minutes."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {key: [] for key in steps}
     for _ in range(repeats):
         for key, step in steps.items():
-            times[key].append(timed(step))
-    return {key: 1e3 * statistics.median(ts) for key, ts in times.items()}
+            times[key].append(1e3 * timed(step))
+    return times
+
+
+def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
+    """``name -> median ms`` of :func:`interleaved_times`."""
+    return {key: statistics.median(ts) for key, ts in interleaved_times(steps, repeats).items()}
+
+
+def ideal_ratio(row: dict, samples: dict) -> None:
+    """Set ``row["attnkit_ideal"]``, the median over rounds of attnkit's time over the ideal's
+    (dense SDPA x the blocks kept) in the same round, and ``row["attnkit_ideal_spread"]``, the
+    half-width of the rounds' middle half over that median. A ratio of neighbouring calls
+    cancels a slow phase of a shared machine that a ratio of two medians carries into one of
+    them; the spread says how far one run can be trusted."""
+    ratios = sorted(a / (d * row["kept_128"]) for a, d in zip(samples["attnkit"], samples["dense"]))
+    q1, mid, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    row["attnkit_ideal"] = mid
+    row["attnkit_ideal_spread"] = (q3 - q1) / 2 / mid
 
 
 def flex_cell(row: dict) -> str:
@@ -183,8 +205,10 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
             row["flex_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
     steps = {key: make_step(fn, inputs, backward) for key, fn in impls.items()}
-    for key, ms in interleaved_medians(steps, repeats).items():
-        row[f"{key}_ms"] = ms
+    samples = interleaved_times(steps, repeats)
+    for key, ms in samples.items():
+        row[f"{key}_ms"] = statistics.median(ms)
+        row[f"{key}_samples_ms"] = [round(t, 3) for t in ms]
     for key in ("attnkit", "sdpa"):
         if key in steps:
             with PeakRSS() as peak:
@@ -213,6 +237,8 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
             row["ideal_from_L"] = base
     if dense is not None:
         row["ideal_ms"] = dense * row["kept_128"]
+        if "dense" in samples:
+            ideal_ratio(row, samples)
         row["sdpa_dense_gflops"] = flops(length, mode) / dense / 1e6
     row["attnkit_gflops_kept"] = flops(length, mode) * row["kept_128"] / row["attnkit_ms"] / 1e6
     return row
@@ -220,6 +246,14 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
 
 def fmt_ratio(a, b):
     return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def ideal_cell(row: dict) -> str:
+    """The table's attnkit/ideal column: the median ratio of rounds with its spread, or the ratio
+    of the medians where the ideal was not timed beside the case (extrapolated from another L)."""
+    if "attnkit_ideal" in row:
+        return f"{row['attnkit_ideal']:.2f} ±{100 * row['attnkit_ideal_spread']:.0f}%"
+    return fmt_ratio(row["attnkit_ms"], row.get("ideal_ms"))
 
 
 def table(rows) -> str:
@@ -240,7 +274,7 @@ def table(rows) -> str:
         lines.append(
             f"| {r['case']} | {r['L']} | {r['dtype']} | {r['mode']} | {r['attnkit_ms']:.1f} | "
             f"{sdpa} | {fmt_ratio(r['attnkit_ms'], r.get('sdpa_ms'))} | "
-            f"{ideal if 'ideal_ms' in r else '-'} | {fmt_ratio(r['attnkit_ms'], r.get('ideal_ms'))} | {gflops} | "
+            f"{ideal if 'ideal_ms' in r else '-'} | {ideal_cell(r)} | {gflops} | "
             f"{flex} | {fmt_ratio(r['attnkit_ms'], r.get('flex_ms'))} | {peak} | {live} | {r['kernel']} |"
         )
     return "\n".join(lines)

@@ -16,7 +16,9 @@ runs of (the baseline's median of at most 3, timed apart):
   block mask; sinks from its returned log-sum-exp), forward only, compile time apart;
 - ``ideal``: dense SDPA (no mask) time x the fraction of 128 x 128 blocks kept, the dense
   SDPA call timed interleaved with the case's own calls (one process's median of the same call
-  moves by up to 20% between runs on a shared machine; a ratio of one run does not).
+  moves by up to 20% between runs on a shared machine; a ratio of one run does not). attnkit/ideal
+  is the median over rounds of the two calls' ratio in each round, ``±`` the half-width of the
+  rounds' middle half; every sample is written (``*_samples_ms``).
 
 Writes ``benchmarks/results/mods.json`` (with ``lscpu``'s model and flags) and prints a table
 of ratios.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import machine  # noqa: E402  (benchmarks/machine.py)
-from cpu import PeakRSS, flex_cell, interleaved_medians, make_step  # noqa: E402
+from cpu import PeakRSS, flex_cell, ideal_cell, ideal_ratio, interleaved_medians, interleaved_times, make_step  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
@@ -158,8 +161,10 @@ def run_case(name, length, mode, repeats, use_flex):
     # attnkit, dense SDPA (the ideal) and FlexAttention interleaved; the O(L^2) baseline apart, after
     # them, so that no timed call follows the L x L tensors it allocates and frees
     quick = {key: step for key, step in steps.items() if key != "baseline"}
-    for key, ms in interleaved_medians(quick, repeats).items():
-        row[f"{key}_ms"] = ms
+    samples = interleaved_times(quick, repeats)
+    for key, ms in samples.items():
+        row[f"{key}_ms"] = statistics.median(ms)
+        row[f"{key}_samples_ms"] = [round(t, 3) for t in ms]
     row["baseline_ms"] = interleaved_medians({"baseline": steps["baseline"]}, min(repeats, 3))["baseline"]
     for key in ("attnkit", "baseline"):
         with PeakRSS() as peak:
@@ -169,6 +174,7 @@ def run_case(name, length, mode, repeats, use_flex):
     row["kernel"] = str(attnkit.explain(q, q, q, mask, **kwargs))
     row["kept_128"] = attnkit.prepare(mask, length, length, block_size=(128, 128)).kept
     row["ideal_ms"] = row["dense_ms"] * row["kept_128"]
+    ideal_ratio(row, samples)
     return row
 
 
@@ -186,7 +192,7 @@ def table(rows) -> str:
         flex = flex_cell(r)
         lines.append(
             f"| {r['case']} | {r['mode']} | {r['attnkit_ms']:.1f} | {r['ideal_ms']:.1f} | "
-            f"{ratio(r['attnkit_ms'], r['ideal_ms'])} | {r['baseline']} | {r['baseline_ms']:.1f} | "
+            f"{ideal_cell(r)} | {r['baseline']} | {r['baseline_ms']:.1f} | "
             f"{ratio(r['baseline_ms'], r['attnkit_ms'])} | {flex} | {ratio(r['attnkit_ms'], r.get('flex_ms'))} | "
             f"{r['attnkit_peak_mib']:.0f} / {r['baseline_peak_mib']:.0f} |"
         )
@@ -208,7 +214,8 @@ def main():
             row = run_case(name, args.length, mode, args.repeats, not args.no_flex)
             rows.append(row)
             print(
-                f"{name} {mode}: attnkit {row['attnkit_ms']:.1f} ms, ideal {row['ideal_ms']:.1f} ms, "
+                f"{name} {mode}: attnkit {row['attnkit_ms']:.1f} ms, ideal {row['ideal_ms']:.1f} ms "
+                f"({ideal_cell(row)}), "
                 f"{row['baseline']} {row['baseline_ms']:.1f} ms",
                 flush=True,
             )

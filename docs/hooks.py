@@ -35,12 +35,20 @@ def _ratio(a, b):
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _ideal(r: dict) -> str:
+    """attnkit over the block ideal: the median of the rounds' ratios with its spread where the
+    run recorded them, else the ratio of the two medians (results written before that)."""
+    if "attnkit_ideal" in r:
+        return f"{r['attnkit_ideal']:.2f}x ±{100 * r['attnkit_ideal_spread']:.0f}%"
+    return _ratio(r["attnkit_ms"], r.get("ideal_ms"))
+
+
 def cpu(name: str) -> str:
     d = _load(name)
     rows = []
     for r in d["rows"]:
         flex = _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-"
-        ideal = _ratio(r["attnkit_ms"], r.get("ideal_ms"))
+        ideal = _ideal(r)
         if "ideal_from_L" in r:
             ideal += f" (dense from L={r['ideal_from_L']})"
         gflops = "-"
@@ -101,7 +109,7 @@ def mods(name: str) -> str:
             round(r["attnkit_ms"], 2),
             r["baseline"],
             _ratio(r["attnkit_ms"], r["baseline_ms"]),
-            _ratio(r["attnkit_ms"], r["ideal_ms"]),
+            _ideal(r),
             _ratio(r["attnkit_ms"], r["flex_ms"]) if r.get("flex_ms") else "-",
         ]
         for r in d["rows"]
