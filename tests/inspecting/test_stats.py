@@ -107,27 +107,30 @@ def test_every_statistic_equals_the_dense_computation(name, path, monkeypatch):
     torch.testing.assert_close(st.lse, lse)
 
 
+@pytest.mark.parametrize("engine", ["native", "math"])
 @pytest.mark.parametrize("scale", [4.0, 6.0])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_native_weights_under_large_logits_as_exact_as_a_softmax(sinks, scale):
+def test_weights_under_large_logits_as_exact_as_a_softmax(sinks, scale, engine):
     """Logits near 100 (lse 40-80, as a trained model's can be): a float32 lse is off by up to half
     an ulp (4e-6 at 80), an error common to its row that exp(s - lse) would make a relative error of
-    every weight. The engine's second pass forms each weight as exp(s - max) times the row's share,
-    from its first pass's sums, and the keys' share beside a sink is l / (l + exp(sink - max)): the
-    top-k weights, the mass each key receives and the statistics of each row are as exact as a float32
-    softmax's (TESTING.md's rule against the float64 weights; before, the received mass reached 2.9x
-    the softmax's error and the sink tokens' mass 2.6x)."""
+    every weight. Both engines form each weight from the row's largest score and its sum, found in a
+    first pass (the native engine as exp(s - max) times the row's share, the math kernel as
+    exp((s - max) - log sum)), a sink counted in the sum: the top-k weights, the mass each key
+    receives and the statistics of each row are as exact as a float32 softmax's (TESTING.md's rule
+    against the float64 weights; with exp(s - lse), the received mass reached 2.9x the softmax's
+    error and the sink tokens' mass 2.6x)."""
     from _oracle import assert_oracle
 
     from attnkit.kernels.native import build as native_build
 
-    if not native_build.available():
+    if engine == "native" and not native_build.available():
         pytest.skip(native_build.status()[1])
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, 160, 16, generator=g) for _ in range(3))
     mods = {"scale": scale, **({"sinks": torch.tensor([30.0, -5.0, 60.0, 0.0]) * scale / 4} if sinks else {})}
     mask = masks.causal()
-    st = attention_stats(q, k, v, mask, topk=4, **mods)
+    with attnkit.use_kernels(engine):
+        st = attention_stats(q, k, v, mask, topk=4, **mods)
     assert st.lse.abs().max() > 40
     gold = dense_stats(q, k, v, mask, topk=4, **mods)
     naive = dense_stats(q, k, v, mask, topk=4, dtype=torch.float32, **mods)

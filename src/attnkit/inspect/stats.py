@@ -1,12 +1,13 @@
 """Exact attention statistics at any length, without the ``Lq x Lk`` matrix.
 
-With the row log-sum-exp of a forward pass, every weight is ``exp(s - lse)``; so one
-more pass over the tiles the prepared mask keeps can reduce them (entropy, largest
-weight, mass on the first keys, mean distance, mass each key receives, top-k keys)
-in O(L) memory. This is how :func:`attnkit.capture` records long inputs. The kernel that
-computes them is the registry's choice among the kernels that compute statistics
-(:func:`attnkit.kernels.registry.stats`: the native engine's two passes, or the math
-kernel's walk); :func:`attnkit.explain` with ``stats=True`` names it.
+Every weight is ``exp(s - lse)`` with its row's log-sum-exp; so a pass over the tiles the
+prepared mask keeps for each row's largest score and sum, and one more that forms the weights
+from them (a large float32 lse's rounding kept out), can reduce them (entropy, largest weight,
+mass on the first keys, mean distance, mass each key receives, top-k keys) in O(L) memory.
+This is how :func:`attnkit.capture` records long inputs. The kernel that computes them is the
+registry's choice among the kernels that compute statistics (:func:`attnkit.kernels.registry.stats`:
+the native engine's two passes, or the math kernel's walk); :func:`attnkit.explain` with
+``stats=True`` names it.
 """
 
 from __future__ import annotations
@@ -146,9 +147,9 @@ def attention_stats(
 ) -> AttentionStats:
     """Exact statistics of the attention weights, in O(L) memory (see :class:`AttentionStats`).
 
-    The arguments are :func:`attnkit.attention`'s (inputs of rank 2 to 4). One forward
-    pass gives the lse, a second pass over the tiles the mask keeps reduces the
-    weights ``exp(s - lse)``; no tensor of ``Lq x Lk`` elements is made (a tile holds
+    The arguments are :func:`attnkit.attention`'s (inputs of rank 2 to 4). A first pass
+    over the tiles the mask keeps gives each row's largest score and sum (its lse), a second
+    reduces the weights ``exp(s - lse)``; no tensor of ``Lq x Lk`` elements is made (a tile holds
     ``128 x 2048`` pairs per head at most). ``v`` is checked, not used.
 
     >>> import torch, attnkit

@@ -6,9 +6,10 @@ cannot take: any bias (evaluated one tile at a time, with the gradients of its o
 soft-capping, any ``score_mod`` (autograd on each tile), dropout (a keep-mask drawn per run from a
 generator seeded once per call from the global generator, so ``torch.manual_seed`` reproduces
 it), Dv != D, float64, and any device (off the CPU a Python loop of small matmuls:
-``kernel="math"`` forces it). Its statistics (:meth:`MathKernel.stats`) reduce the weights
-``exp(s - lse)`` tile by tile (:mod:`attnkit.kernels.runs.stats`), and so does its gradient rule
-(:meth:`MathKernel.relevance`, :mod:`attnkit.kernels.runs.relevance`).
+``kernel="math"`` forces it). Its statistics (:meth:`MathKernel.stats`) reduce the weights tile
+by tile after a sweep for each row's largest score and sum (:mod:`attnkit.kernels.runs.stats`),
+and its gradient rule (:meth:`MathKernel.relevance`, :mod:`attnkit.kernels.runs.relevance`) the
+weights ``exp(s - lse)``.
 
 Equivalent pytorch code: ``reference.attention(q, k, v, prepared.materialize(), scale=scale)``.
 """
@@ -27,7 +28,6 @@ from attnkit.kernels.contract import (
     StatsRequest,
     first_derivative_only,
 )
-from attnkit.kernels.lse import sink_factor
 from attnkit.kernels.runs import compiled, relevance, stats, walk
 
 __all__ = ["MathKernel"]
@@ -117,12 +117,9 @@ class MathKernel(Kernel):
         )
 
     def stats(self, call: Call, request: StatsRequest) -> dict[str, torch.Tensor]:
-        """A forward for the lse (the sinks' mass included), then one pass over the kept tiles."""
-        _, lse = self.run(call.replace(sinks=None, return_lse=True, backward=False))
-        assert lse is not None, "return_lse was asked for"
-        if call.sinks is not None:
-            lse = sink_factor(lse, call.sinks)[1]
-        return stats.reduce(call, call.prepared_at(self.block_size), lse, request)
+        """Two sweeps over the kept tiles of each block of rows: its largest score and sum, then
+        its weights reduced (:mod:`attnkit.kernels.runs.stats`)."""
+        return stats.reduce(call, call.prepared_at(self.block_size), request)
 
     def relevance(self, call: Call, request: RelevanceRequest) -> torch.Tensor:
         """One pass over the kept tiles (:mod:`attnkit.kernels.runs.relevance`)."""

@@ -1,9 +1,13 @@
 """Exact statistics of the attention weights, tile by tile: the math kernel's
 :meth:`~attnkit.kernels.contract.Kernel.stats`.
 
-With the row log-sum-exp of a forward pass, every weight is ``exp(s - lse)``; one more pass over
-the tiles the plan keeps reduces them (entropy, largest weight, mass on the first keys, mean
-distance, mass each key receives, top-k keys) in O(L) memory, without the ``Lq x Lk`` matrix.
+Each block of query rows is walked twice over the tiles the plan keeps: the first sweep finds the
+row's largest score ``m`` and its sum ``l = sum exp(s - m)`` (with a sink, ``l + exp(sink - m)``), the
+second forms every weight as ``exp((s - m) - log l)`` and reduces it (entropy, largest weight, mass
+on the first keys, mean distance, mass each key receives, top-k keys) in O(L) memory, without the
+``Lq x Lk`` matrix. Subtracting ``m`` and ``log l`` one after the other keeps the rounding of a
+large log-sum-exp out of the weights: a float32 lse near 80 is off by up to 4e-6, and
+``exp(s - lse)`` would pass that on to every weight of its row as a relative error.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ class _Accumulator:
             self.topk_keys[..., rows, :] = torch.where(best > 0, idx.gather(-1, pick), -1)
 
 
+#: Scores of one block of rows kept from the statistics' first sweep for their second (32 MiB in
+#: float32); past that the second sweep computes them again.
+KEPT_SCORES = 1 << 23
+
+
 #: Keys per sub-block when looking for a row's largest weights (see :func:`_row_max`).
 _SUB = 64
 
@@ -113,15 +122,21 @@ def _row_topk(w: torch.Tensor, k: int):
     return vals, keys.flatten(-2).gather(-1, pick)
 
 
-def reduce(call: Call, prepared: PreparedMask, lse: torch.Tensor, request: StatsRequest) -> dict[str, torch.Tensor]:
-    """The statistics of a 4-D call from its lse (the sinks' mass included): one pass over the
-    plan's kept tiles, their weights ``exp(s - lse)`` reduced as they come (see the module)."""
+def reduce(call: Call, prepared: PreparedMask, request: StatsRequest) -> dict[str, torch.Tensor]:
+    """The statistics of a 4-D call and its row log-sum-exp (the sinks' mass included): two
+    sweeps over the plan's kept tiles for each block of rows (see the module)."""
     q, k, v = call.q, call.k, call.v
     sink_tokens, topk = request.sink_tokens, request.topk
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     ct = tiles.compute_dtype(q.dtype)
-    lse = lse.to(ct)
+    # a row that sees no key: lse -inf, or the sink's logit (its only outcome)
+    if call.sinks is None:
+        lse = torch.full((b, hq, lq), float("-inf"), dtype=ct, device=q.device)
+        sinks = None
+    else:
+        sinks = call.sinks.to(q.device, ct).view(1, hq, 1).expand(b, hq, lq)
+        lse = sinks.clone()
     qpos, kpos = request.qpos.to(q.device, ct), request.kpos.to(q.device, ct)
     tcall = tiles.TileCall.reduction(call, prepared)
     out = {
@@ -142,30 +157,69 @@ def reduce(call: Call, prepared: PreparedMask, lse: torch.Tensor, request: Stats
             )
             qg, kg, vg = tiles.group_inputs(sel, q, k, v)
             lse_g = tiles.take(tiles.take(lse, 0, sel.batch), 1, sel.q_heads)
+            sinks_g = None if sinks is None else tiles.take(tiles.take(sinks, 0, sel.batch), 1, sel.q_heads)
             qpos_g, kpos_g = (pos if pos.shape[0] == 1 else tiles.take(pos, 0, sel.batch) for pos in (qpos, kpos))
             acc = _Accumulator(lse_g, lk, sink_tokens, topk, qpos_g, kpos_g)
-            _walk(tcall, gi, group, sel, qg, kg, vg, lse_g, acc)
+            lse_g = lse_g.clone()
+            _walk(tcall, gi, group, sel, qg, kg, vg, sinks_g, lse_g, acc)
+            tiles.put_rows(lse, sel, lse_g)
             for name in out:
                 tiles.put_rows(out[name], sel, getattr(acc, name))
     return {"lse": lse, **out}
 
 
-def _walk(tcall, gi, group, sel, q, k, v, lse, acc: _Accumulator) -> None:
-    """Feed every kept tile's weights ``exp(s - lse)`` to ``acc``."""
+def _walk(tcall, gi, group, sel, q, k, v, sinks, lse, acc: _Accumulator) -> None:
+    """For each block of rows, its largest score and sum (writing the row's lse into ``lse``), then
+    every kept tile's weights ``exp((s - m) - log l)`` fed to ``acc``."""
     hq, hkv = q.shape[1], k.shape[1]
     for row in tiles.math_rows(group.rows):
         if not row.runs:
             continue
-        lf = tiles.fold(lse[:, :, row.q0 : row.q1, None], hkv)  # (Bs, Hkv, g*n, 1)
-        lf = torch.where(torch.isfinite(lf), lf, torch.zeros_like(lf))
-        for run in row.runs:
-            for k0 in range(run.k0, run.k1, STATS_KEYS):
-                chunk = Run(k0, min(k0 + STATS_KEYS, run.k1), run.full)
-                qf, kr, _, tile = tiles.run_inputs(tcall, gi, sel, q, k, v, row, chunk)
-                bias_tile = tiles.bias_tile(tcall, sel, row, chunk, hq, hkv)
-                s, _, _ = tiles.scores(tcall, qf, kr, tile, bias_tile, where=(sel, row, chunk))  # (Bs, Hkv, g*n, S)
-                d = s.sub_(lf)  # log-weights (<= 0 up to rounding), -inf for pairs that get no weight
-                counted = d > tiles.EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
-                d = d.clamp_(min=tiles.EXP_FLOOR, max=0.0)
-                w = torch.exp(d).mul_(counted)
-                acc.add(tiles.unfold(w, hq), tiles.unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
+        chunks = [
+            Run(k0, min(k0 + STATS_KEYS, run.k1), run.full)
+            for run in row.runs
+            for k0 in range(run.k0, run.k1, STATS_KEYS)
+        ]
+
+        def scores(chunk):
+            qf, kr, _, tile = tiles.run_inputs(tcall, gi, sel, q, k, v, row, chunk)
+            bias_tile = tiles.bias_tile(tcall, sel, row, chunk, hq, hkv)
+            return tiles.scores(tcall, qf, kr, tile, bias_tile, where=(sel, row, chunk))[0]  # (Bs, Hkv, g*n, S)
+
+        # sweep 1: m and l (total) of each row, online over the chunks; the first chunks' scores are
+        # kept for sweep 2 up to KEPT_SCORES elements, the rest computed again there
+        m = total = None
+        kept: list[torch.Tensor] = []
+        room = KEPT_SCORES
+        for i, chunk in enumerate(chunks):
+            s = scores(chunk)
+            top = s.amax(-1, keepdim=True)
+            m_new = top if m is None else torch.maximum(m, top)
+            shift = torch.where(m_new != float("-inf"), m_new, torch.zeros_like(m_new))  # a row with no key yet: 0
+            keep = s.numel() <= room and len(kept) == i
+            part = tiles.weights(s.clone() if keep else s, shift, None).sum(-1, keepdim=True)
+            total = part if total is None else total.mul_(torch.exp(m - shift)).add_(part)
+            m = m_new
+            if keep:
+                kept.append(s)
+                room -= s.numel()
+        assert m is not None and total is not None
+        live = m != float("-inf")  # NaN stays NaN (a NaN query's row), as in the weights
+        m = torch.where(live, m, torch.zeros_like(m))
+        if sinks is not None:  # the sink is one more outcome of the row, its logit maybe the largest
+            sink = tiles.fold(sinks[:, :, row.q0 : row.q1, None], hkv)
+            top = torch.where(live, torch.maximum(m, sink), m)
+            total = torch.where(live, total * torch.exp(m - top) + torch.exp(sink - top), total)
+            m = top
+        log_l = torch.where(live, total.log(), torch.zeros_like(total))
+        lse[:, :, row.q0 : row.q1] = torch.where(
+            tiles.unfold(live, hq), tiles.unfold(m + log_l, hq), lse[:, :, row.q0 : row.q1, None]
+        ).squeeze(-1)
+        # sweep 2: the weights, reduced
+        for i, chunk in enumerate(chunks):
+            s = kept[i] if i < len(kept) else scores(chunk)
+            d = s.sub_(m).sub_(log_l)  # log-weights (<= 0 up to rounding), -inf for pairs that get no weight
+            counted = d > tiles.EXP_FLOOR  # below exp(-60) of the row's mass a weight is 0
+            d = d.clamp_(min=tiles.EXP_FLOOR, max=0.0)
+            w = torch.exp(d).mul_(counted)
+            acc.add(tiles.unfold(w, hq), tiles.unfold(d, hq), row.q0, row.q1, chunk.k0, chunk.k1)
