@@ -419,6 +419,33 @@ def test_same_inputs_give_bit_identical_outputs_and_gradients():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mask_name", ["document_causal", "window"])
+def test_a_large_float32_output_written_past_the_caches_equals_each_head_alone(mask_name):
+    """A float32 output of 2^21 values or more is written with stores that bypass the caches
+    (forward.h's streams()); one head of it alone is a small output written as usual. Both are the
+    same products and sums, so the two agree bit for bit, and the first document's rows meet the
+    float64 oracle."""
+    b, h, lq, d = 1, 8, 4096, 64
+    assert b * h * lq * d >= 1 << 21  # the size from which forward.h streams its output
+    q, k, v = (randn(b, h, lq, d) for _ in range(3))
+    mask = {
+        "document_causal": masks.document(torch.arange(lq) // 512) & masks.causal(),
+        "window": masks.sliding_window(100),
+    }[mask_name]
+    out = attnkit.attention(q, k, v, mask, kernel="native")
+    for head in range(h):
+        one = attnkit.attention(
+            q[:, head : head + 1], k[:, head : head + 1], v[:, head : head + 1], mask, kernel="native"
+        )
+        assert torch.equal(out[:, head : head + 1], one), f"head {head}"
+    first = slice(0, 300)
+    allowed = allowed_of(mask, lq, lq)[..., first, first]
+    q64, k64, v64 = (t[:, :, first].double() for t in (q, k, v))
+    gold = oracle(q64, k64, v64, allowed)
+    naive = oracle(q[:, :, first], k[:, :, first], v[:, :, first], allowed)
+    assert_oracle(out[:, :, first], gold, naive, what=f"{mask_name}, rows 0-299 of a streamed output")
+
+
 def test_one_and_two_threads_agree():
     """Different thread counts split dK/dV differently: equal within the oracle rule, not bit for bit."""
     q = randn(1, 2, 400, 32, requires_grad=True)

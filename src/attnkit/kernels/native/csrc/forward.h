@@ -100,14 +100,35 @@ struct Forward {
             }
             finish(soft, ot, b, h, r0, n);
         }
+        if (streams()) stream_fence();
+    }
+
+    // Output rows of float32 written past the caches: rows aligned to 64 bytes, whole vectors, and
+    // an output of 8 MiB or more (one that a core's cache would not keep for its reader anyway).
+    bool streams() const {
+        if constexpr (!std::is_same_v<T, float>) return false;
+        return pb.Dv % W == 0 && out.s0 % 16 == 0 && out.s1 % 16 == 0 && out.s2 % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(out.p) % 64 == 0 &&
+               pb.B * pb.Hq * pb.Lq * pb.Dv >= (int64_t(1) << 21);
     }
 
     void finish(const Online& soft, const float* ot, int64_t b, int64_t h, int64_t r0, int64_t n) const {
         float* l = lse + (b * pb.Hq + h) * pb.Lq + r0;
+        const bool stream = streams();
         for (int64_t j = 0; j < n; ++j) {
             l[j] = soft.lse(j);
             const float inv = soft.inverse(j);
             T* dst = out.row(b, h, r0 + j);
+            if constexpr (std::is_same_v<T, float>) {
+                if (stream) {
+                    alignas(64) float part[W];
+                    for (int64_t d0 = 0; d0 < pb.Dv; d0 += W) {
+                        for (int i = 0; i < W; ++i) part[i] = ot[(d0 + i) * SB + j] * inv;
+                        store_stream(dst + d0, load(part));
+                    }
+                    continue;
+                }
+            }
             column_as_row(ot, pb.Dv, j, inv, dst);
         }
     }

@@ -171,6 +171,24 @@ inline T narrow(float x) {
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline uint32_t first_rows(int64_t n) { return n == 32 ? ~0u : (1u << n) - 1; }
 
+// A store that bypasses the caches (p aligned to the vector): for output written once and far
+// larger than a core's cache, it saves reading each line before writing it. stream_fence() orders
+// them before the stores that follow (the end of a thread's items).
+inline void store_stream(float* p, vf v) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+    _mm256_stream_ps(p, (__m256)v);
+#else
+    store(p, v);
+#endif
+}
+inline void stream_fence() {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
 inline float hsum(vf x) {
     float s = 0.0f;
     for (int i = 0; i < W; ++i) s += x[i];
