@@ -1,6 +1,6 @@
 """Is a ratio to the block ideal reproducible? The same cases, run again in fresh processes.
 
-    python benchmarks/repro.py [--runs 3] [--repeats 9] [--threads N]
+    python benchmarks/repro.py [--runs 3] [--repeats 21] [--threads N]
                                [--out benchmarks/results/repro.json]
 
 One run of ``benchmarks/mods.py`` (soft-capping 50 + causal, soft-capping 30 + sliding window
@@ -80,7 +80,7 @@ def table(summary: list[dict]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=9, help="rounds of each run (its median)")
+    parser.add_argument("--repeats", type=int, default=21, help="rounds of each run (its median)")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run")
     parser.add_argument("--out", type=Path, default=RESULTS / "repro.json")
     args = parser.parse_args()

@@ -117,6 +117,27 @@ def mods(name: str) -> str:
     return _table(["case", "L", "mode", "attnkit ms", "baseline", "vs baseline", "vs ideal", "vs Flex"], rows)
 
 
+def repro(name: str) -> str:
+    """benchmarks/repro.py: each run's attnkit/ideal, the mean and the largest deviation."""
+    d = _load(name)
+    rows = [
+        [
+            s["case"],
+            s["mode"],
+            " / ".join(f"{r:.2f}x" for r in s["ratios"]),
+            f"{s['mean']:.2f}x",
+            f"±{s['deviation_pct']:.1f}%",
+        ]
+        for s in d["summary"]
+    ]
+    meta = d.get("meta", {})
+    return (
+        f"*{meta.get('runs', '?')} runs in fresh processes, {meta.get('repeats', '?')} rounds each, "
+        f"{meta.get('threads', '?')} threads; {meta.get('model', '?')}.*\n\n"
+        + _table(["case", "mode", "attnkit / ideal, each run", "mean", "largest deviation"], rows)
+    )
+
+
 def compile_(name: str) -> str:
     d = _load(name)
     rows = [
@@ -463,6 +484,7 @@ TABLES = {
     "core_xeon": core,
     "core_1thread_zen4": core,
     "mods": mods,
+    "repro_zen4": repro,
     "mods_zen4": mods,
     "compile": compile_,
     "gym": gym,
