@@ -198,7 +198,7 @@ def _walk(tcall, gi, group, sel, q, k, v, sinks, lse, acc: _Accumulator) -> None
             shift = torch.where(m_new != float("-inf"), m_new, torch.zeros_like(m_new))  # a row with no key yet: 0
             keep = s.numel() <= room and len(kept) == i
             part = tiles.weights(s.clone() if keep else s, shift, None).sum(-1, keepdim=True)
-            total = part if total is None else total.mul_(torch.exp(m - shift)).add_(part)
+            total = part if m is None or total is None else total.mul_(torch.exp(m - shift)).add_(part)
             m = m_new
             if keep:
                 kept.append(s)
