@@ -141,6 +141,13 @@ def interleaved_times(steps: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def record_times(row: dict, samples: dict[str, list[float]]) -> None:
+    """``row["<name>_ms"]``, each step's median, and ``row["<name>_samples_ms"]``, its samples."""
+    for key, ms in samples.items():
+        row[f"{key}_ms"] = statistics.median(ms)
+        row[f"{key}_samples_ms"] = [round(t, 3) for t in ms]
+
+
 def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
     """``name -> median ms`` of :func:`interleaved_times`."""
     return {key: statistics.median(ts) for key, ts in interleaved_times(steps, repeats).items()}
@@ -206,9 +213,7 @@ def run_case(name, length, dtype, mode, repeats, flex_max_len, dense_times, sdpa
 
     steps = {key: make_step(fn, inputs, backward) for key, fn in impls.items()}
     samples = interleaved_times(steps, repeats)
-    for key, ms in samples.items():
-        row[f"{key}_ms"] = statistics.median(ms)
-        row[f"{key}_samples_ms"] = [round(t, 3) for t in ms]
+    record_times(row, samples)
     for key in ("attnkit", "sdpa"):
         if key in steps:
             with PeakRSS() as peak:

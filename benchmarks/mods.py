@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import machine  # noqa: E402  (benchmarks/machine.py)
-from cpu import PeakRSS, flex_cell, ideal_cell, ideal_ratio, interleaved_medians, interleaved_times, make_step  # noqa: E402
+from cpu import (  # noqa: E402
+    PeakRSS,
+    flex_cell,
+    ideal_cell,
+    ideal_ratio,
+    interleaved_medians,
+    interleaved_times,
+    make_step,
+    record_times,
+)
 
 import attnkit  # noqa: E402
 from attnkit import bias, masks  # noqa: E402
@@ -162,9 +170,7 @@ def run_case(name, length, mode, repeats, use_flex):
     # them, so that no timed call follows the L x L tensors it allocates and frees
     quick = {key: step for key, step in steps.items() if key != "baseline"}
     samples = interleaved_times(quick, repeats)
-    for key, ms in samples.items():
-        row[f"{key}_ms"] = statistics.median(ms)
-        row[f"{key}_samples_ms"] = [round(t, 3) for t in ms]
+    record_times(row, samples)
     row["baseline_ms"] = interleaved_medians({"baseline": steps["baseline"]}, min(repeats, 3))["baseline"]
     for key in ("attnkit", "baseline"):
         with PeakRSS() as peak:

@@ -135,13 +135,20 @@ inline void narrow_row(const float* x, int64_t n, T* dst) {
     for (; i < n; ++i) dst[i] = narrow<T>(x[i]);
 }
 
-// Column j of a tile kept transposed (xt: rows x SB float32) times mul, as one row of T.
+// Column j of a tile kept transposed (xt: rows x SB float32) times mul, as one row of T. With
+// stream (float32 rows, aligned, whole vectors: see Forward::streams) written past the caches.
 template <typename T>
-inline void column_as_row(const float* xt, int64_t rows, int64_t j, float mul, T* dst) {
+inline void column_as_row(const float* xt, int64_t rows, int64_t j, float mul, T* dst, bool stream = false) {
     alignas(64) float part[64];
     for (int64_t d0 = 0; d0 < rows; d0 += 64) {
         const int64_t m = std::min<int64_t>(64, rows - d0);
         for (int64_t d = 0; d < m; ++d) part[d] = xt[(d0 + d) * SB + j] * mul;
+        if constexpr (std::is_same_v<T, float>) {
+            if (stream) {
+                for (int64_t d = 0; d < m; d += W) store_stream(dst + d0 + d, load(part + d));
+                continue;
+            }
+        }
         narrow_row(part, m, dst + d0);
     }
 }

@@ -118,18 +118,7 @@ struct Forward {
         for (int64_t j = 0; j < n; ++j) {
             l[j] = soft.lse(j);
             const float inv = soft.inverse(j);
-            T* dst = out.row(b, h, r0 + j);
-            if constexpr (std::is_same_v<T, float>) {
-                if (stream) {
-                    alignas(64) float part[W];
-                    for (int64_t d0 = 0; d0 < pb.Dv; d0 += W) {
-                        for (int i = 0; i < W; ++i) part[i] = ot[(d0 + i) * SB + j] * inv;
-                        store_stream(dst + d0, load(part));
-                    }
-                    continue;
-                }
-            }
-            column_as_row(ot, pb.Dv, j, inv, dst);
+            column_as_row(ot, pb.Dv, j, inv, out.row(b, h, r0 + j), stream);
         }
     }
 };
