@@ -190,6 +190,26 @@ def test_few_query_rows_forward_and_gradients(lq, name, spy):
     assert spy.counts == {"attnkit::native_forward": 1, "attnkit::native_backward": 1}
 
 
+@pytest.mark.parametrize(
+    "softcap, spread",
+    [
+        (50.0, 1.0),  # every |score| far below 0.625 softcap: the folded polynomial alone
+        (2.5, 3.0),  # scores on both sides of 0.625 softcap in one vector: polynomial and exp blended per lane
+        (0.01, 1.0),  # nearly every score past it: the exp form
+        (1e4, 1.0),  # (scale / softcap)^10 underflows float32: the coefficients are not folded (tanh of s * scale / cap)
+    ],
+)
+@pytest.mark.parametrize("lq", [1, 97])
+def test_softcap_in_every_regime_of_its_tanh_meets_the_oracle(softcap, spread, lq):
+    """softcap * tanh(s * scale / softcap) by the engine's polynomial with scale / softcap folded into its
+    coefficients, by the exp form, and unfolded: each against the float64 formula, forward and gradients,
+    the decode path (one query) and the tile path."""
+    q = (randn(2, 4, lq, 16) * spread).requires_grad_()
+    k, v = (randn(2, 2, 150, 16, requires_grad=True) for _ in range(2))
+    mask = masks.padding(torch.tensor([150, 41])) & masks.causal()
+    check_forward_and_gradients(q, k, v, mask, f"softcap {softcap}", theirs={"softcap": softcap}, softcap=softcap)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["alibi", "softcap", "relative_learned", "sinks"])
 def test_few_query_rows_with_score_modifications(kind, dtype):

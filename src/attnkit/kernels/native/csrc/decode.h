@@ -192,11 +192,7 @@ struct ForwardFew {
                 float* sr = s + r * sp;
                 const int64_t i = r % Lq;
                 if (pb.softcap > 0.0f) {
-                    const vf cap = splat(pb.softcap);
-                    for (int64_t c = 0; c < np; c += W) {
-                        const vf x = load(sr + c);
-                        store(sr + c, cap * vtanh(pb.cap_split ? x * splat(pb.scale) / cap : x * splat(pb.cap_mul)));
-                    }
+                    for (int64_t c = 0; c < np; c += W) store(sr + c, capped(pb, load(sr + c), nullptr));
                 } else {
                     for (int64_t c = 0; c < np; c += W) store(sr + c, load(sr + c) * splat(pb.scale));
                 }

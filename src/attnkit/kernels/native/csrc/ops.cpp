@@ -185,6 +185,18 @@ Checked check_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor&
     pb.cap_mul = mul;
     pb.cap_split = softcap > 0.0 && (!std::isfinite(mul) || (mul != 0.0f && std::fabs(mul) < std::numeric_limits<float>::min()) ||
                                      (mul == 0.0f && scale != 0.0));
+    pb.cap_fold = false;
+    if (softcap > 0.0 && !pb.cap_split) {
+        const double m2 = (scale / softcap) * (scale / softcap);
+        double power = m2;
+        bool normal = std::isnormal(float(double(TANH_SMALL) * TANH_SMALL / m2));
+        for (int j = 0; j < 5; ++j, power *= m2) {
+            pb.cap_q[j] = float(double(TANH_P[j]) * power);
+            normal = normal && std::isnormal(pb.cap_q[j]);
+        }
+        pb.cap_w = float(double(TANH_SMALL) * TANH_SMALL / m2);
+        pb.cap_fold = normal;
+    }
     pb.band_rev = nullptr, pb.band_heads = 0;
     if (band_.has_value()) {
         const int64_t width = pb.Lq + pb.Lk - 1;

@@ -23,6 +23,12 @@ struct Problem {
     float softcap;   // 0: none
     float cap_mul;   // the tanh's argument is s * cap_mul (scale / softcap) ...
     bool cap_split;  // ... or (s * scale) / softcap where scale / softcap is no normal float32
+    // ... and below |s| < 0.625 / cap_mul, i.e. s^2 < cap_w, the polynomial of vtanh with cap_mul folded into
+    // its coefficients: softcap * tanh(s * cap_mul) = u + u w Q(w), u = s * scale, w = s^2, cap_q[j] =
+    // TANH_P[j] cap_mul^(2j + 2) (computed in double); where one of them is no normal float32, cap_fold is false
+    bool cap_fold;
+    float cap_w;
+    float cap_q[5];
     const float* band_rev;  // (band_heads, Lq + Lk - 1 + SB): bias(kv - q) of head h at
     int64_t band_heads;     // band_rev[h, Lk - 1 - kv + q], zero past Lq + Lk - 1
     // backward
@@ -172,6 +178,36 @@ const float* rows_f32(const T* src, int64_t stride, int64_t kn, int64_t width, c
     return dst;
 }
 
+// softcap * tanh(s * scale / softcap) of raw scores s (Q K^T), the tanh in *th where asked: one function for
+// every kernel (forward, backward, statistics, decode), so that they all see the same scores bit for bit.
+inline vf capped(const Problem& pb, vf s, vf* th) {
+    const vf cap = splat(pb.softcap);
+    if (pb.cap_fold) {
+        const vf w = s * s;
+        vf q = splat(pb.cap_q[4]);
+        for (int j = 3; j >= 0; --j) q = q * w + splat(pb.cap_q[j]);
+        const vf wq = w * q;
+        const vf u = s * splat(pb.scale);
+        const vf small = u + u * wq;
+        if (!any_not_below(w, splat(pb.cap_w))) {  // (a NaN or infinite score goes on)
+            if (th) {
+                const vf x = s * splat(pb.cap_mul);
+                *th = x + x * wq;
+            }
+            return small;
+        }
+        const vf x = s * splat(pb.cap_mul);
+        const vf t = tanh_above(x);
+        const auto poly = w < splat(pb.cap_w);
+        if (th) *th = poly ? x + x * wq : (x != x ? x : t);
+        const vf y = poly ? small : cap * t;
+        return s != s ? s : y;
+    }
+    const vf t = vtanh(pb.cap_split ? s * splat(pb.scale) / cap : s * splat(pb.cap_mul));
+    if (th) *th = t;
+    return cap * t;
+}
+
 // The modifications after Q K^T on S^T (kn x SB): the scale, soft-capping (tanh kept in t when
 // asked), the band, -inf where hidden. One function (never inlined) for the forward and both
 // backward passes: the backward recomputes the forward's scores bit for bit, so a row whose
@@ -179,23 +215,14 @@ const float* rows_f32(const T* src, int64_t stride, int64_t kn, int64_t width, c
 __attribute__((noinline)) void modify_scores(const Problem& pb, const Step& st, float* s, float* t, const float* band,
                                              int64_t q0) {
     const int64_t n = st.kn * SB;
-    if (pb.softcap > 0.0f) {
-        const vf cap = splat(pb.softcap);
-        if (pb.cap_split) {  // scale / softcap overflows or is subnormal: two roundings, no inf * 0
-            const vf scale = splat(pb.scale);
-            for (int64_t i = 0; i < n; i += W) {
-                vf th = vtanh(load(s + i) * scale / cap);
-                if (t) store(t + i, th);
-                store(s + i, cap * th);
-            }
-        } else {
-            const vf mul = splat(pb.cap_mul);
-            for (int64_t i = 0; i < n; i += W) {
-                vf th = vtanh(load(s + i) * mul);
-                if (t) store(t + i, th);
-                store(s + i, cap * th);
-            }
+    if (pb.softcap > 0.0f && t) {
+        for (int64_t i = 0; i < n; i += W) {
+            vf th;
+            store(s + i, capped(pb, load(s + i), &th));
+            store(t + i, th);
         }
+    } else if (pb.softcap > 0.0f) {
+        for (int64_t i = 0; i < n; i += W) store(s + i, capped(pb, load(s + i), nullptr));
     } else {
         const vf mul = splat(pb.scale);
         for (int64_t i = 0; i < n; i += W) store(s + i, load(s + i) * mul);

@@ -137,23 +137,40 @@ inline vf vexp(vf x) {
     return x != x ? x : y;
 }
 
-// tanh(x): an odd polynomial below 0.625, (1 - e) / (1 + e) with e = exp(-2|x|) above
-// (Cephes' tanhf, about 2 ulp); NaN stays NaN. A vector whose lanes are all below 0.625 (every
-// score of a softcap of 50 up to |s| = 31) takes the polynomial alone.
-inline vf vtanh(vf x) {
+// Whether a < b fails in any lane (a NaN lane fails): on x86 the compare's own mask, tested once.
+inline bool any_not_below(vf a, vf b) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_NLT_UQ) != 0;
+#elif defined(__AVX__)
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_NLT_UQ)) != 0;
+#else
+    for (int i = 0; i < W; ++i)
+        if (!(a[i] < b[i])) return true;
+    return false;
+#endif
+}
+
+// Cephes' tanhf: an odd polynomial x + x z P(z), z = x^2, below |x| = 0.625, about 2 ulp;
+// TANH_P[j] is the coefficient of z^j in P.
+constexpr float TANH_P[5] = {-3.33332819422e-1f, 1.33314422036e-1f, -5.37397155531e-2f, 2.06390887954e-2f,
+                             -5.70498872745e-3f};
+constexpr float TANH_SMALL = 0.625f;
+// ... and (1 - e) / (1 + e) with e = exp(-2|x|) above; NaN stays NaN.
+inline vf tanh_above(vf x) {
     vf ax = x < 0 ? -x : x;
-    vf z = x * x;
-    vf p = splat(-5.70498872745e-3f);
-    p = p * z + splat(2.06390887954e-2f);
-    p = p * z + splat(-5.37397155531e-2f);
-    p = p * z + splat(1.33314422036e-1f);
-    p = p * z + splat(-3.33332819422e-1f);
-    vf small = x + x * z * p;
-    if (!any(!(ax < splat(0.625f)))) return small;  // (NaN < 0.625 is false: a NaN lane goes on)
     vf e = vexp(splat(-2.0f) * ax);
     vf big = (splat(1.0f) - e) / (splat(1.0f) + e);
-    big = x < 0 ? -big : big;
-    vf y = ax < splat(0.625f) ? small : big;
+    return x < 0 ? -big : big;
+}
+
+// tanh(x). A vector whose lanes are all below 0.625 takes the polynomial alone; NaN stays NaN.
+inline vf vtanh(vf x) {
+    vf z = x * x;
+    vf p = splat(TANH_P[4]);
+    for (int j = 3; j >= 0; --j) p = p * z + splat(TANH_P[j]);
+    vf small = x + x * z * p;
+    if (!any_not_below(z, splat(TANH_SMALL * TANH_SMALL))) return small;  // (NaN: goes on)
+    vf y = z < splat(TANH_SMALL * TANH_SMALL) ? small : tanh_above(x);
     return x != x ? x : y;
 }
 
