@@ -196,7 +196,7 @@ def test_few_query_rows_forward_and_gradients(lq, name, spy):
         (50.0, 1.0),  # every |score| far below 0.625 softcap: the folded polynomial alone
         (2.5, 3.0),  # scores on both sides of 0.625 softcap in one vector: polynomial and exp blended per lane
         (0.01, 1.0),  # nearly every score past it: the exp form
-        (1e4, 1.0),  # (scale / softcap)^10 underflows float32: the coefficients are not folded (tanh of s * scale / cap)
+        (1e4, 1.0),  # (scale / softcap)^10 underflows float32: not folded (tanh of s * scale / cap)
     ],
 )
 @pytest.mark.parametrize("lq", [1, 97])
