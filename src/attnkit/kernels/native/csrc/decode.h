@@ -61,12 +61,14 @@ inline vf hsums(vf* a) {
 // the forward's (a row with one key has the weight 1 exactly, and its gradients the formula's).
 inline vf row_dots(const float* const* kr, const float* qrow, int64_t Dp) {
     vf acc[W];
+    // key by key, each row read front to back (the order of memory, which the hardware's prefetcher
+    // follows; reading the W rows a vector at a time each took 1.5x as long from memory: 4 sequences of
+    // 4096 keys, 8 heads, one thread, 5.4-5.6 -> 3.4-3.8 ms)
 #pragma GCC unroll 16
-    for (int c = 0; c < W; ++c) acc[c] = vf{};
-    for (int64_t x = 0; x < Dp; x += W) {
-        const vf qv = load(qrow + x);
-#pragma GCC unroll 16
-        for (int c = 0; c < W; ++c) acc[c] += qv * load(kr[c] + x);
+    for (int c = 0; c < W; ++c) {
+        vf a{};
+        for (int64_t x = 0; x < Dp; x += W) a += load(qrow + x) * load(kr[c] + x);
+        acc[c] = a;
     }
     return hsums(acc);
 }
