@@ -5,7 +5,8 @@
 A Llama-shaped decoder (hidden 512, 4 layers, 8 query / 2 KV heads, MLP 1376) and a BERT-shaped
 encoder (hidden 512, 4 layers, 8 heads), randomly initialised from their configs (nothing is
 downloaded), each built twice with the same weights; calls alternate between the two and each
-time is a median of ``--repeats`` (after a warm-up):
+time is a median of ``--repeats`` (after a warm-up), attnkit / sdpa the median over rounds of the
+ratio of a round's two calls (every sample is written):
 
 - ``prefill``: Llama, 4 prompts of 1024 tokens, left-padded to lengths 1024, 896, 768, 640;
 - ``decode``: Llama, greedy steps (one token per sequence, 16 steps a sample) over a KV cache
@@ -68,7 +69,7 @@ def bert_pair(dtype):
 
 
 def interleaved(steps: dict, repeats: int) -> dict:
-    """Median seconds of each step, the steps alternating; one warm-up call each."""
+    """Seconds of each step in each of ``repeats`` rounds, the steps alternating; one warm-up call each."""
     for step in steps.values():
         step()
     times: dict = {k: [] for k in steps}
@@ -77,7 +78,7 @@ def interleaved(steps: dict, repeats: int) -> dict:
             start = time.perf_counter()
             step()
             times[k].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def prefill_case(models, repeats):
@@ -134,7 +135,7 @@ def decode_case(models, cache_len, repeats, steps=16, static=False):
         return run
 
     found = interleaved({k: step(k, m) for k, m in models.items()}, repeats)
-    return {k: v / steps for k, v in found.items()}  # seconds per step
+    return {k: [t / steps for t in ts] for k, ts in found.items()}  # seconds per step
 
 
 def train_case(models, length, documents, repeats):
@@ -187,12 +188,21 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
 
-    def record(model, case, dtype, found, unit="s"):
-        row = {"model": model, "case": case, "dtype": dtype, **{f"{k}_{unit}": v for k, v in found.items()}}
-        row["ratio"] = found["attnkit"] / found["sdpa"]
+    def record(model, case, dtype, samples):
+        """Each implementation's median and samples; the ratio is the median over rounds of the two
+        neighbouring calls' ratio (a slow phase of a shared machine that a ratio of two medians carries
+        into one of them cancels), ``ratio_spread`` the half-width of the rounds' middle half over it."""
+        row = {"model": model, "case": case, "dtype": dtype}
+        for k, ts in samples.items():
+            row[f"{k}_s"] = statistics.median(ts)
+            row[f"{k}_samples_s"] = [round(t, 6) for t in ts]
+        ratios = sorted(a / b for a, b in zip(samples["attnkit"], samples["sdpa"]))
+        q1, mid, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        row["ratio"], row["ratio_spread"] = mid, (q3 - q1) / 2 / mid
+        row["ratio_of_medians"] = row["attnkit_s"] / row["sdpa_s"]
         rows.append(row)
-        print(f"{model:5s} {case:28s} {dtype:8s} sdpa {found['sdpa']:.4f} attnkit {found['attnkit']:.4f} "
-              f"ratio {row['ratio']:.2f}", flush=True)  # fmt: skip
+        print(f"{model:5s} {case:28s} {dtype:8s} sdpa {row['sdpa_s']:.4f} attnkit {row['attnkit_s']:.4f} "
+              f"ratio {row['ratio']:.2f} ±{100 * row['ratio_spread']:.0f}%", flush=True)  # fmt: skip
 
     for name in args.dtypes:
         dtype = getattr(torch, name)

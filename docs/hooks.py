@@ -417,7 +417,7 @@ def models(name: str) -> str:
             r["dtype"],
             f"{r['sdpa_s'] * 1e3:.1f}",
             f"{r['attnkit_s'] * 1e3:.1f}",
-            f"{r['ratio']:.2f}x",
+            f"{r['ratio']:.2f}x" + (f" ±{100 * r['ratio_spread']:.0f}%" if "ratio_spread" in r else ""),
         ]
         for r in d["rows"]
     ]

@@ -233,11 +233,13 @@ def test_few_query_rows_with_score_modifications(kind, dtype):
 @pytest.mark.parametrize("lq, hkv", [(1, 4), (1, 2), (3, 2)])
 @pytest.mark.parametrize("kind", ["plain", "softcap", "alibi", "sinks"])
 @pytest.mark.parametrize("mask_name", ["none", "padding", "causal_hiding_nothing"])
-def test_few_query_rows_over_one_run_of_keys(lq, hkv, kind, mask_name):
-    """float32 rows of a multiple of 16 dims whose keys are one run (no mask, padding, a causal
-    mask that hides nothing): the row path reads K and V rows in place with no list of keys; the
-    formula's output, lse and gradients with each score modification, sequences of every fill (one
-    empty), over 333 keys (steps of 512 keys cut short) and 1100 (three steps)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_query_rows_over_one_run_of_keys(lq, hkv, kind, mask_name, dtype):
+    """float32 or bfloat16 rows (widened in the registers) of a multiple of 16 dims whose keys are one
+    run (no mask, padding, a causal mask that hides nothing): the row path reads K and V rows in place
+    with no list of keys; the formula's output, lse and gradients with each score modification,
+    sequences of every fill (one empty), over 333 keys (steps of 512 keys cut short) and 1100 (three
+    steps)."""
     b, hq, d = 4, 4, 64
     for lk in (333, 1100):
         mask = {
@@ -247,8 +249,8 @@ def test_few_query_rows_over_one_run_of_keys(lq, hkv, kind, mask_name):
         }[mask_name]
         if mask_name == "causal_hiding_nothing" and lq > 1:
             mask = masks.causal() & masks.padding(torch.tensor([lk - 5, lk, 9, 200]))  # the run cut per sequence
-        q = randn(b, hq, lq, d, requires_grad=True)
-        k, v = (randn(b, hkv, lk, d, requires_grad=True) for _ in range(2))
+        q = randn(b, hq, lq, d, dtype=dtype, requires_grad=True)
+        k, v = (randn(b, hkv, lk, d, dtype=dtype, requires_grad=True) for _ in range(2))
         slopes, sinks = bias.alibi_slopes(hq), torch.randn(hq)
         ours, theirs = {
             "plain": ({}, {}),
@@ -259,6 +261,31 @@ def test_few_query_rows_over_one_run_of_keys(lq, hkv, kind, mask_name):
         check_forward_and_gradients(
             q, k, v, mask, f"{kind} {mask_name} lq={lq} lk={lk}", theirs=theirs, small=True, **ours
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_query_rows_over_one_run_never_read_past_each_length(dtype):
+    """The run path (keys read in place up to each sequence's length) reads no key past it: NaN and
+    inf stored there leave the output and lse bit for bit as they were, and each sequence's output
+    equals the same sequence computed alone. bfloat16 rows are widened exactly and summed as float32
+    rows are: the output is the float32 call's on the same values, rounded once."""
+    lengths = torch.tensor([1100, 0, 333, 1])
+    q, k, v = randn(4, 8, 1, 64, dtype=dtype), randn(4, 2, 1100, 64, dtype=dtype), randn(4, 2, 1100, 64, dtype=dtype)
+    clean = attnkit.attention(q, k, v, masks.padding(lengths), kernel="native", return_lse=True)
+    wide = attnkit.attention(q.float(), k.float(), v.float(), masks.padding(lengths), kernel="native", return_lse=True)
+    assert torch.equal(clean[0], wide[0].to(dtype)) and torch.equal(clean[1], wide[1])
+    pk, pv = k.clone(), v.clone()
+    for i, n in enumerate(lengths.tolist()):
+        pk[i, :, n:], pv[i, :, n:] = float("nan"), float("inf")
+    poisoned = attnkit.attention(q, pk, pv, masks.padding(lengths), kernel="native", return_lse=True)
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a, b)
+    for i, n in enumerate(lengths.tolist()):
+        if n == 0:
+            assert (clean[0][i] == 0).all() and (clean[1][i] == float("-inf")).all()
+            continue
+        alone = attnkit.attention(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], kernel="native")
+        assert torch.equal(clean[0][i : i + 1], alone)
 
 
 def test_few_query_rows_never_read_hidden_keys():

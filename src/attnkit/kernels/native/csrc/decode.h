@@ -59,7 +59,8 @@ inline vf hsums(vf* a) {
 // (float32 rows of Dp dims, zero-padded), summed in W-lane chunks and folded. The forward of a
 // few rows and its backward both compute them here, so the backward's scores are bit for bit
 // the forward's (a row with one key has the weight 1 exactly, and its gradients the formula's).
-inline vf row_dots(const float* const* kr, const float* qrow, int64_t Dp) {
+template <typename K>
+inline vf row_dots(const K* const* kr, const float* qrow, int64_t Dp) {
     vf acc[W];
     // key by key, each row read front to back (the order of memory, which the hardware's prefetcher
     // follows; reading the W rows a vector at a time each took 1.5x as long from memory: 4 sequences of
@@ -67,7 +68,7 @@ inline vf row_dots(const float* const* kr, const float* qrow, int64_t Dp) {
 #pragma GCC unroll 16
     for (int c = 0; c < W; ++c) {
         vf a{};
-        for (int64_t x = 0; x < Dp; x += W) a += load(qrow + x) * load(kr[c] + x);
+        for (int64_t x = 0; x < Dp; x += W) a += load(qrow + x) * load_wide(kr[c] + x);
         acc[c] = a;
     }
     return hsums(acc);
@@ -99,9 +100,9 @@ inline void pv_part(float* orow, const float* p, int64_t n, int64_t x0, const Ro
     for (int64_t u = 0; u < n; ++u) {
         if (!sees(u)) continue;  // a key this query may not see adds nothing, NaN included
         const vf pu = splat(p[u]);
-        const float* vr = row(u) + x0;
+        const auto* vr = row(u) + x0;
 #pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[j] += pu * load(vr + j * W);
+        for (int j = 0; j < NV; ++j) acc[j] += pu * load_wide(vr + j * W);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) store(orow + j * W, load(orow + j * W) + acc[j]);
@@ -174,9 +175,11 @@ struct ForwardFew {
         // One step's scores, W keys at a time: kr(c) is the step's c-th key row as float32 (W
         // independent dot products, folded together at the end)
         auto scores = [&](int64_t n, const auto& krow) {
+            using K = std::remove_cv_t<std::remove_pointer_t<decltype(krow(0, 0))>>;  // float32 or bfloat16 rows
+            const K* none = reinterpret_cast<const K*>(zeros);                         // (0 bits: 0.0 in both)
             for (int64_t c0 = 0; c0 < n; c0 += W) {
-                const float* kr[W];
-                for (int64_t c = 0; c < W; ++c) kr[c] = c0 + c < n ? krow(c0 + c, c) : zeros;
+                const K* kr[W];
+                for (int64_t c = 0; c < W; ++c) kr[c] = c0 + c < n ? krow(c0 + c, c) : none;
                 // no software prefetch: the keys of a step are consecutive rows, which the hardware's
                 // stream prefetcher follows; asking for K two groups ahead and V during the scores
                 // filled the line-fill buffers and stalled there (perf: 60% of this loop's samples on
@@ -223,17 +226,19 @@ struct ForwardFew {
         };
         bool ran = false;
         int64_t run[2];
-        if constexpr (std::is_same_v<T, float>) ran = pb.D == Dp && pb.Dv == Dvp && dense_run(plan, end, pb.bk, run);
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
+            ran = pb.D == Dp && pb.Dv == Dvp && dense_run(plan, end, pb.bk, run);
         if (ran) {
             // every listed block is full and they follow each other: keys [run[0], run[1]), each seen
-            // by every row, float32 rows read in place; no list of keys, no test per key
-            const float* kbase = reinterpret_cast<const float*>(k.row(b, hk, 0));
-            const float* vbase = reinterpret_cast<const float*>(v.row(b, hk, 0));
+            // by every row, float32 or bfloat16 rows read in place (bfloat16 widened in the registers);
+            // no list of keys, no test per key, no copy
+            const T* kbase = k.row(b, hk, 0);
+            const T* vbase = v.row(b, hk, 0);
             for (int64_t k0 = run[0]; k0 < run[1]; k0 += span) {
                 const int64_t n = std::min(span, run[1] - k0);
                 scores(n, [&](int64_t c, int64_t) { return kbase + (k0 + c) * k.s2; });
                 softmax(n, [&](int64_t c) { return k0 + c; }, [](int64_t, int64_t) { return false; });
-                const float* v0 = vbase + k0 * v.s2;
+                const T* v0 = vbase + k0 * v.s2;
                 for (int64_t r = 0; r < R; ++r)
                     pv(o + r * Dvp, s + r * sp, n, Dvp, [&](int64_t u) { return v0 + u * v.s2; }, [](int64_t) { return true; });
             }

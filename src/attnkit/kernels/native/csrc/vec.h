@@ -76,6 +76,20 @@ inline vf load(const float* p) {
     return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+// W elements as float32: float32 loaded, bfloat16 widened exactly in the register (its 16 bits
+// moved to the top of a float32's 32)
+inline vf load_wide(const float* p) { return load(p); }
+inline vf load_wide(const c10::BFloat16* p) {
+    typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+    vh h;
+    std::memcpy(&h, p, sizeof(vh));
+    return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+inline vf load_wide(const c10::Half* p) {  // (lane by lane: float16 rows are widened by copies where speed counts)
+    vf v;
+    for (int i = 0; i < W; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+}
 inline vf splat(float x) {
     vf v = {x};
     return __builtin_shuffle(v, vi{});  // element 0 everywhere: one broadcast instruction
