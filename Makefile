@@ -98,7 +98,7 @@ test-torch: $(VENV_NEXT)/.installed
 # and UndefinedBehaviorSanitizer (their runtimes preloaded into Python; any report ends the run).
 # The AVX2 (x86-64-v3) and AVX-512 (x86-64-v4) builds are tested by make wheel, on the wheel's own.
 SANITIZED := tests/kernels/test_native.py tests/test_predicate_programs.py \
-	-k "every_mask or score_modifications or awkward or past_the_caches or junk or rows_that_see or semantics or packed_bits or checks_the_program or cannot_compute or (one_run_of_keys and (plain or softcap)) or split_between_threads"
+	-k "every_mask or score_modifications or awkward or past_the_caches or junk or rows_that_see or semantics or packed_bits or checks_the_program or cannot_compute or (one_run_of_keys and (plain or softcap)) or split_between_threads or every_regime or past_each_length"
 test-native-builds: export ATTNKIT_REQUIRE_NATIVE = 1
 test-native-builds: $(VENV)/.test-installed
 	@if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then \
