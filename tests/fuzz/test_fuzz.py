@@ -145,12 +145,13 @@ def padding_lengths(draw, b, lk):
     return lengths
 
 
-def _sdpa_over_own_keys(q, k, v, upstream, lengths, group):
+def _sdpa_over_own_keys(q, k, v, upstream, lengths, group, gqa=False):
     """float32 gradients of PyTorch's SDPA over each sequence's first ``n`` keys, with no mask (the
     same problem as the padding mask's, stated without it; made here from slices, independently of
     attnkit): its flash backward over the shorter rows errs differently from its masked form
     (fuzzing found 2.3x its masked dq error at one shape). A sequence with no key: zeros, the
-    formula's gradients."""
+    formula's gradients. ``gqa``: K/V heads shared through SDPA's ``enable_gqa`` (its backward sums a
+    group's dK/dV itself) instead of repeated."""
     out = [torch.zeros_like(t) for t in (q, k, v)]
     lk = k.shape[2]
     for i, n in enumerate(lengths):
@@ -159,9 +160,12 @@ def _sdpa_over_own_keys(q, k, v, upstream, lengths, group):
             continue
         leaves = [t[i : i + 1].detach().clone().requires_grad_() for t in (q, k[:, :, :n], v[:, :, :n])]
         a, b_, c = leaves
-        y = torch.nn.functional.scaled_dot_product_attention(
-            a, b_.repeat_interleave(group, 1), c.repeat_interleave(group, 1)
-        )
+        if gqa:
+            y = torch.nn.functional.scaled_dot_product_attention(a, b_, c, enable_gqa=True)
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(
+                a, b_.repeat_interleave(group, 1), c.repeat_interleave(group, 1)
+            )
         dq, dk, dv = torch.autograd.grad(y, leaves, upstream[i : i + 1])
         out[0][i], out[1][i, :, :n], out[2][i, :, :n] = dq[0], dk[0], dv[0]
     return out
@@ -172,8 +176,10 @@ def test_sdpa_padding_and_gqa_gradients_within_sdpas_own_error(sizes, data, seed
     """The sdpa kernel's float32 gradients with padding masks (and GQA) against the float64 formula:
     within 2x the largest of PyTorch SDPA's own error on the same problem (with its dense mask, and
     over each sequence's first keys with none: the form the kernel hands it) and the naive
-    formula's (TESTING.md's rule where SDPA is the better one); exact where the formula is (one
-    visible key: dq and dk are 0)."""
+    formula's (TESTING.md's rule where SDPA is the better one); SDPA with K/V heads repeated and, as
+    the kernel hands them, shared through ``enable_gqa`` (its backward sums a group's dK/dV in its own
+    order: fuzzing found 1.2x the repeated form's dK error); exact where the formula is (one visible
+    key: dq and dk are 0)."""
     b, hq, hkv, lq, lk, d, dv = sizes
     lengths = data.draw(padding_lengths(b, lk))
     note(f"{sizes} padding({lengths})")
@@ -196,9 +202,20 @@ def test_sdpa_padding_and_gqa_gradients_within_sdpas_own_error(sizes, data, seed
         torch.float32,
     )
     trimmed = _sdpa_over_own_keys(q, k, v, upstream, lengths, group)
+    refs = [naive, theirs, trimmed]
+    if group > 1:
+        refs.append(
+            grads(
+                lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(
+                    a, b_, c, attn_mask=dense, enable_gqa=True
+                ),
+                torch.float32,
+            )
+        )
+        refs.append(_sdpa_over_own_keys(q, k, v, upstream, lengths, group, gqa=True))
     ours = grads(lambda a, b_, c: attnkit.attention(a, b_, c, mask, kernel="sdpa"), torch.float32)
-    for name, o, g, n, t, r in zip(("dq", "dk", "dv"), ours, gold, naive, theirs, trimmed):
-        ref = max((n, t, r), key=lambda x: (x.double() - g).abs().max().item())
+    for i, (name, o, g) in enumerate(zip(("dq", "dk", "dv"), ours, gold)):
+        ref = max((r[i] for r in refs), key=lambda x: (x.double() - g).abs().max().item())
         assert_oracle(o, g, ref, factor=2.0, what=f"{name} padding({lengths})", small=True)
     if all(n == 1 for n in lengths):  # every row sees one key: its weight is exactly 1
         assert not ours[0].any() and not ours[1].any()
