@@ -93,6 +93,31 @@ ref = q.double().requires_grad_()
 formula(ref, k, v, CAUSAL).sum().backward()
 assert torch.allclose(g.double(), ref.grad, atol=1e-4), (g.double() - ref.grad).abs().max()
 """,
+    "soft-capped, eager and compiled": """
+import attnkit
+def capped(q, k, v, allowed, cap):
+    s = q.double() @ k.double().transpose(-2, -1) / q.shape[-1] ** 0.5
+    s = (cap * torch.tanh(s / cap)).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+capped_call = lambda q, k, v: attnkit.attention(q, k, v, attnkit.masks.causal(), softcap=2.5)
+compiled = torch.compile(capped_call, fullgraph=True)
+for cap in (50.0, 2.5):  # the polynomial alone; polynomial and exp form in one vector
+    gold = capped(q * 3, k, v, CAUSAL, cap)
+    out = attnkit.attention(q * 3, k, v, attnkit.masks.causal(), softcap=cap)
+    assert (out.double() - gold).abs().max() < 2e-5, (cap, (out.double() - gold).abs().max())
+assert (compiled(q * 3, k, v).double() - gold).abs().max() < 2e-5
+""",
+    "a decoding step over bfloat16 keys, eager and compiled": """
+import attnkit
+n = torch.tensor([200, 7])
+qb, kb, vb = q[:, :, :1].bfloat16(), k.bfloat16(), v.bfloat16()
+wide = attnkit.attention(qb.float(), kb.float(), vb.float(), attnkit.masks.padding(n))
+check(wide, qb.float(), kb.float(), vb.float(), j < n.view(-1, 1, 1, 1))
+step = lambda q, k, v, n: attnkit.attention(q, k, v, attnkit.masks.padding(n))
+assert torch.equal(step(qb, kb, vb, n), wide.bfloat16())  # widened exactly, summed as float32 rows are
+compiled = torch.compile(step, fullgraph=True)(qb, kb, vb, n)
+assert compiled.dtype == torch.bfloat16 and (compiled.float() - wide).abs().max() <= 2 ** -8 * wide.abs().max()
+""",
     "flex eager": """
 from attnkit.flex import create_block_mask, flex_attention
 bm = create_block_mask(lambda b, h, x, y: x >= y, None, None, L, L)
