@@ -188,13 +188,13 @@ Checked check_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor&
     pb.cap_fold = false;
     if (softcap > 0.0 && !pb.cap_split) {
         const double m2 = (scale / softcap) * (scale / softcap);
+        pb.cap_w = float(double(TANH_SMALL) * TANH_SMALL / m2);
+        bool normal = std::isnormal(pb.cap_w);
         double power = m2;
-        bool normal = std::isnormal(float(double(TANH_SMALL) * TANH_SMALL / m2));
         for (int j = 0; j < 5; ++j, power *= m2) {
             pb.cap_q[j] = float(double(TANH_P[j]) * power);
             normal = normal && std::isnormal(pb.cap_q[j]);
         }
-        pb.cap_w = float(double(TANH_SMALL) * TANH_SMALL / m2);
         pb.cap_fold = normal;
     }
     pb.band_rev = nullptr, pb.band_heads = 0;
