@@ -485,6 +485,7 @@ TABLES = {
     "core_1thread_zen4": core,
     "mods": mods,
     "repro_zen4": repro,
+    "repro_zen4_later": repro,
     "mods_zen4": mods,
     "compile": compile_,
     "gym": gym,
