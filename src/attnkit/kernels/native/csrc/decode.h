@@ -225,16 +225,15 @@ struct ForwardFew {
             }
         };
         bool ran = false;
-        int64_t run[2];
-        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)
+        if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+            int64_t run[2] = {0, 0};
             ran = pb.D == Dp && pb.Dv == Dvp && dense_run(plan, end, pb.bk, run);
-        if (ran) {
             // every listed block is full and they follow each other: keys [run[0], run[1]), each seen
             // by every row, float32 or bfloat16 rows read in place (bfloat16 widened in the registers);
             // no list of keys, no test per key, no copy
             const T* kbase = k.row(b, hk, 0);
             const T* vbase = v.row(b, hk, 0);
-            for (int64_t k0 = run[0]; k0 < run[1]; k0 += span) {
+            for (int64_t k0 = run[0]; ran && k0 < run[1]; k0 += span) {
                 const int64_t n = std::min(span, run[1] - k0);
                 scores(n, [&](int64_t c, int64_t) { return kbase + (k0 + c) * k.s2; });
                 softmax(n, [&](int64_t c) { return k0 + c; }, [](int64_t, int64_t) { return false; });
@@ -242,7 +241,8 @@ struct ForwardFew {
                 for (int64_t r = 0; r < R; ++r)
                     pv(o + r * Dvp, s + r * sp, n, Dvp, [&](int64_t u) { return v0 + u * v.s2; }, [](int64_t) { return true; });
             }
-        } else {
+        }
+        if (!ran) {
             for (int64_t t = 0; t < plan.num;) {
                 // one step: the keys some row sees in the next listed blocks, whole blocks up to SPAN keys
                 int64_t n = 0;

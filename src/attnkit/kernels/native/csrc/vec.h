@@ -85,11 +85,6 @@ inline vf load_wide(const c10::BFloat16* p) {
     std::memcpy(&h, p, sizeof(vh));
     return (vf)(__builtin_convertvector(h, vi) << 16);
 }
-inline vf load_wide(const c10::Half* p) {  // (lane by lane: float16 rows are widened by copies where speed counts)
-    vf v;
-    for (int i = 0; i < W; ++i) v[i] = static_cast<float>(p[i]);
-    return v;
-}
 inline vf splat(float x) {
     vf v = {x};
     return __builtin_shuffle(v, vi{});  // element 0 everywhere: one broadcast instruction
