@@ -159,10 +159,17 @@ def ideal_ratio(row: dict, samples: dict) -> None:
     half-width of the rounds' middle half over that median. A ratio of neighbouring calls
     cancels a slow phase of a shared machine that a ratio of two medians carries into one of
     them; the spread says how far one run can be trusted."""
-    ratios = sorted(a / (d * row["kept_128"]) for a, d in zip(samples["attnkit"], samples["dense"]))
+    row["attnkit_ideal"], row["attnkit_ideal_spread"] = round_ratios(
+        samples["attnkit"], [d * row["kept_128"] for d in samples["dense"]]
+    )
+
+
+def round_ratios(times: list[float], others: list[float]) -> tuple[float, float]:
+    """The median over rounds of ``times[i] / others[i]`` (two calls of one round) and the half-width
+    of the rounds' middle half over it."""
+    ratios = sorted(a / b for a, b in zip(times, others))
     q1, mid, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    row["attnkit_ideal"] = mid
-    row["attnkit_ideal_spread"] = (q3 - q1) / 2 / mid
+    return mid, (q3 - q1) / 2 / mid
 
 
 def flex_cell(row: dict) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import machine  # benchmarks/machine.py
 import torch
+from cpu import round_ratios  # benchmarks/cpu.py
 from transformers import AutoModel, AutoModelForCausalLM, BertConfig, DynamicCache, LlamaConfig
 
 import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
@@ -196,9 +197,7 @@ def main() -> None:
         for k, ts in samples.items():
             row[f"{k}_s"] = statistics.median(ts)
             row[f"{k}_samples_s"] = [round(t, 6) for t in ts]
-        ratios = sorted(a / b for a, b in zip(samples["attnkit"], samples["sdpa"]))
-        q1, mid, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        row["ratio"], row["ratio_spread"] = mid, (q3 - q1) / 2 / mid
+        row["ratio"], row["ratio_spread"] = round_ratios(samples["attnkit"], samples["sdpa"])
         row["ratio_of_medians"] = row["attnkit_s"] / row["sdpa_s"]
         rows.append(row)
         print(f"{model:5s} {case:28s} {dtype:8s} sdpa {row['sdpa_s']:.4f} attnkit {row['attnkit_s']:.4f} "
